@@ -1,0 +1,25 @@
+# `make test` is what CI runs (.ci/run); it builds .venv on a fresh clone.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: venv test bench-scheduler clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, so pip takes the local CPU build instead of a CUDA one.
+venv: $(VPY)
+	$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+
+test: venv
+	$(VPY) -m pytest tests/cpu
+
+bench-scheduler: venv
+	$(VPY) bench/scheduler.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,168 @@
+"""Messages between the engine core, the executors and the frontends.
+
+Every Struct here may cross a process boundary and is encoded with msgspec
+msgpack (never pickle). SchedulerOutput is a diff: new requests travel in full
+once, cached requests only as what changed since the worker last saw them.
+"""
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort", "error")[self.value]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after PREEMPTED is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class NewRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # The sampler masks it (with stop_token_ids) until min_tokens are out.
+    eos_token_id: int | None = None
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    # Requests that come back after preemption: the worker replaces their
+    # block ids and token ids instead of extending them.
+    resumed_req_ids: list[str] = msgspec.field(default_factory=list)
+    # Tokens scheduled this step, per request; filled only with PP > 1 where
+    # non-last stages never see sampled tokens.
+    new_token_ids: list[list[int]] = msgspec.field(default_factory=list)
+    # None: no new blocks this step.
+    new_block_ids: list[list[int] | None] = msgspec.field(default_factory=list)
+    num_computed_tokens: list[int] = msgspec.field(default_factory=list)
+    # Full token ids (prompt + outputs) of resumed requests.
+    resumed_token_ids: dict[str, list[int]] = msgspec.field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+    step_id: int = 0
+
+
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Per sampled row: ids and logprobs of the top-k tokens plus the sampled
+    one (index 0 is the sampled token), and the sampled token's rank."""
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_ranks: list[int]
+
+
+class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: LogprobsLists | None = None
+    num_nans_in_logits: dict[str, int] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    # One {token_id: logprob} dict per new token, when logprobs were asked for.
+    new_logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class PrefixCacheStats(msgspec.Struct, gc=False):
+    requests: int = 0
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+
+
+class SchedulerStats(msgspec.Struct, gc=False):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
+    num_preemptions: int = 0  # cumulative
+    num_prompt_tokens: int = 0  # scheduled this step
+    num_generation_tokens: int = 0  # sampled this step
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Set when the engine died: every in-flight request ends with this error.
+    engine_error: str | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(cls: type) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(cls)

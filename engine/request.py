@@ -1,0 +1,58 @@
+"""Request: the engine core's state for one sequence (never leaves the core)."""
+from __future__ import annotations
+
+import msgspec
+
+from engine.contracts import EngineCoreRequest, FinishReason, RequestStatus
+from engine.sampling_params import SamplingParams
+
+
+class Request(msgspec.Struct, kw_only=True, gc=False):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+    max_tokens: int = 16  # resolved: never None here
+    status: RequestStatus = RequestStatus.WAITING
+    # all_token_ids = prompt + outputs; num_computed_tokens counts the prefix
+    # whose KV is (or is being) written.
+    all_token_ids: list[int] = msgspec.field(default_factory=list)
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
+    block_hashes: list[bytes] = msgspec.field(default_factory=list)
+    num_cached_tokens: int = -1  # prefix-cache hit of the first scheduling
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
+        sp = req.sampling_params
+        prompt = list(req.prompt_token_ids)
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else max_model_len - len(prompt)
+        return cls(request_id=req.request_id, prompt_token_ids=prompt, sampling_params=sp,
+                   eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
+                   priority=req.priority, cache_salt=req.cache_salt, max_tokens=max_tokens,
+                   all_token_ids=list(prompt), num_prompt_tokens=len(prompt))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finished_reason(self) -> FinishReason | None:
+        return RequestStatus.finish_reason(self.status)
