@@ -1,0 +1,17 @@
+"""Conveyor's engine core. `import engine.scheduler` loads no torch: the LLM
+class (which reaches the executors and workers) is exposed lazily."""
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
+        from engine import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -166,3 +166,11 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 def decoder(cls: type) -> msgspec.msgpack.Decoder:
     return msgspec.msgpack.Decoder(cls)
+
+
+class KVCacheInfo(msgspec.Struct, frozen=True, gc=False):
+    """Measured at start-up by the workers; the Scheduler is built from it."""
+    num_blocks: int  # including the null block 0
+    block_size: int
+    bytes_per_block: int = 0  # all layers of one rank
+    vocab_size: int = 0

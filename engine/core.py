@@ -1,0 +1,109 @@
+"""EngineCore: the schedule -> execute -> sample -> update loop.
+
+step() runs one step synchronously. step_with_batch_queue() keeps up to
+`max_concurrent_batches` steps in flight (pipeline parallelism): it schedules a
+new batch whenever it can and blocks on the oldest one only when the queue is
+full or nothing more can be scheduled.
+"""
+from __future__ import annotations
+
+import queue
+from collections import deque
+from concurrent.futures import Future
+
+from engine.config import EngineConfig
+from engine.contracts import (EngineCoreOutputs, EngineCoreRequest, KVCacheInfo,
+                              ModelRunnerOutput, RequestStatus, SchedulerOutput)
+from engine.request import Request
+from engine.scheduler import Scheduler
+from executors.base import Executor
+
+_Entry = tuple["Future[ModelRunnerOutput]", SchedulerOutput]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor, log_stats: bool = True) -> None:
+        self.config = config
+        self.executor = executor
+        self.kv_info: KVCacheInfo = executor.initialize()
+        self.scheduler = Scheduler(config, self.kv_info.num_blocks, log_stats)
+        self.batch_queue_size = executor.max_concurrent_batches
+        self.batch_queue: deque[_Entry] | None = deque() if self.batch_queue_size > 1 else None
+        self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        # Aborts may arrive from other threads while a step is in flight.
+        self._aborts: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+
+    # ---- input -------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate and queue; raises ValueError (nothing queued) on bad input."""
+        self.validate_request(request)
+        self.scheduler.add_request(Request.from_engine_core_request(request, self.config.max_model_len))
+
+    def validate_request(self, request: EngineCoreRequest) -> None:
+        n = len(request.prompt_token_ids)
+        max_len = self.config.max_model_len
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        sp = request.sampling_params
+        sp.validate(max_n=self.config.model.max_n)
+        max_tokens = sp.max_tokens or 1
+        if n + max_tokens > max_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len ({max_len})")
+        vocab = self.kv_info.vocab_size
+        if vocab and any(t < 0 or t >= vocab for t in request.prompt_token_ids):
+            raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._aborts.put(list(request_ids))
+
+    def _process_aborts(self) -> None:
+        while True:
+            try:
+                ids = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.batch_queue)
+
+    # ---- steps ---------------------------------------------------------------
+
+    def step(self) -> tuple[EngineCoreOutputs, bool]:
+        self._process_aborts()
+        if not self.scheduler.has_requests():
+            return EngineCoreOutputs(), False
+        so = self.scheduler.schedule()
+        out = self.executor.execute_model(so)
+        if out is None:
+            out = self.executor.sample_tokens(None)
+        self._process_aborts()
+        return self.scheduler.update_from_output(so, out), so.total_num_scheduled_tokens > 0
+
+    def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
+        bq = self.batch_queue
+        assert bq is not None
+        self._process_aborts()
+        executed = False
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            executed = so.total_num_scheduled_tokens > 0
+            if executed:
+                self.executor.execute_model(so, non_block=True)
+                fut = self.executor.sample_tokens(None, non_block=True)
+            else:
+                fut = self.executor.execute_model(so, non_block=True)
+            bq.appendleft((fut, so))
+            if executed and len(bq) < self.batch_queue_size and not bq[-1][0].done():
+                return None, True  # room for another batch: do not block yet
+        elif not bq:
+            return None, False
+        fut, so = bq.pop()
+        out = fut.result()
+        self._process_aborts()
+        return self.scheduler.update_from_output(so, out), executed
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,320 @@
+"""The token-budget scheduler (vLLM V1's catch-up rule).
+
+There are no prefill or decode phases: each step every request is given up to
+`num_tokens - num_computed_tokens` tokens so its computed prefix catches up
+with its known tokens, within the step's token budget and the KV cache.
+Running requests go first; waiting ones are admitted only when nothing was
+preempted this step. num_computed_tokens advances at schedule time, so a
+request whose output is still in flight gets 0 tokens and is skipped: that is
+what lets the batch queue keep several steps in flight.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.contracts import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
+                              ModelRunnerOutput, NewRequestData, RequestStatus, SchedulerOutput,
+                              SchedulerStats)
+from engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
+from engine.request import Request
+from engine.request_queue import make_queue
+
+_RUNNING = RequestStatus.RUNNING
+_WAITING = RequestStatus.WAITING
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """EOS, then stop_token_ids, then the length caps (vLLM's order)."""
+    sp = request.sampling_params
+    if request.num_output_tokens < sp.min_tokens:
+        return False
+    last = request.output_token_ids[-1]
+    if not sp.ignore_eos and last == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if sp.stop_token_ids and last in sp.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call decided, before it becomes a SchedulerOutput."""
+    token_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    running: list[Request] = field(default_factory=list)
+    new: list[Request] = field(default_factory=list)
+    resumed: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int] | None] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, log_stats: bool = True) -> None:
+        sc, cc = config.scheduler, config.cache
+        self.config = config
+        self.max_num_seqs = sc.max_num_seqs
+        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.enable_chunked_prefill = sc.enable_chunked_prefill
+        self.long_prefill_token_threshold = sc.long_prefill_token_threshold
+        self.policy = sc.policy
+        self.max_model_len = config.max_model_len
+        self.block_size = cc.block_size
+        self.enable_caching = cc.enable_prefix_caching
+        self.log_stats = log_stats
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, self.max_model_len,
+                                               cc.enable_prefix_caching)
+        self.hasher = BlockHasher(cc.block_size) if cc.enable_prefix_caching else None
+        # Non-last PP stages never see sampled tokens: ship them in the diff.
+        self.send_new_token_ids = config.parallel.pipeline_parallel_size > 1
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(sc.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self.prefix_cache_totals = SchedulerStats().prefix_cache_stats
+        self._step_id = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if self.hasher is not None and not request.block_hashes:
+            self.hasher.extend(request)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> None:
+        """Abort (or otherwise end) requests from outside the step loop."""
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == _RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free_request(request)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    has_requests = has_unfinished_requests
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- schedule --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        alone = len(self.running) + len(self.waiting) == 1
+        self._schedule_running(plan, alone)
+        if not plan.preempted:
+            self._schedule_waiting(plan, alone)
+        out = self._make_output(plan)
+        self._update_after_schedule(out)
+        return out
+
+    def _chunk(self, num_new: int, alone: bool) -> int:
+        t = self.long_prefill_token_threshold
+        # A lone request has nobody to share the budget with.
+        return t if 0 < t < num_new and not alone else num_new
+
+    def _schedule_running(self, plan: _StepPlan, alone: bool) -> None:
+        kv = self.kv_cache_manager
+        running = self.running
+        i = 0
+        while i < len(running) and plan.token_budget > 0:
+            request = running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new == 0:  # its output is still in flight
+                i += 1
+                continue
+            num_new = min(self._chunk(num_new, alone), plan.token_budget)
+            new_blocks = kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self._pick_victim()
+                if self._preempt(victim, plan) < i:
+                    i -= 1  # an already-scheduled request gave its place back
+                if victim is request:
+                    break
+                new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            plan.running.append(request)
+            plan.new_block_ids[request.request_id] = (
+                [b.block_id for b in new_blocks] if new_blocks else None)
+            plan.num_scheduled[request.request_id] = num_new
+            plan.token_budget -= num_new
+            i += 1
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request, plan: _StepPlan) -> int:
+        """Preempt by recompute; returns the victim's former index in running."""
+        idx = self.running.index(victim) if victim is not self.running[-1] else len(self.running) - 1
+        del self.running[idx]
+        n = plan.num_scheduled.pop(victim.request_id, None)
+        if n is not None:
+            plan.token_budget += n
+            plan.running.remove(victim)
+            plan.new_block_ids.pop(victim.request_id, None)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(victim)
+        plan.preempted.append(victim)
+        return idx
+
+    def _schedule_waiting(self, plan: _StepPlan, alone: bool) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks: list[KVCacheBlock] = []
+            num_computed = request.num_computed_tokens
+            if num_computed == 0:
+                hit_blocks, num_computed = kv.get_computed_blocks(request)
+            num_new = self._chunk(request.num_tokens - num_computed, alone)
+            if not self.enable_chunked_prefill and num_new > plan.token_budget:
+                break  # no overtaking: later, shorter prompts wait too
+            num_new = min(num_new, plan.token_budget)
+            if kv.allocate_slots(request, num_new, num_computed, hit_blocks) is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            (plan.new if request.status == _WAITING else plan.resumed).append(request)
+            plan.new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
+            plan.num_scheduled[request.request_id] = num_new
+            plan.token_budget -= num_new
+            request.status = _RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs = [NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
+                                   plan.new_block_ids[r.request_id], r.num_computed_tokens,
+                                   r.eos_token_id) for r in plan.new]
+        cached = CachedRequestData()
+        send_tokens = self.send_new_token_ids
+        for r in (*plan.running, *plan.resumed):
+            rid = r.request_id
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(plan.new_block_ids[rid])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            if send_tokens:
+                c = r.num_computed_tokens
+                cached.new_token_ids.append(r.all_token_ids[c:c + plan.num_scheduled[rid]])
+        for r in plan.resumed:
+            cached.resumed_req_ids.append(r.request_id)
+            cached.resumed_token_ids[r.request_id] = list(r.all_token_ids)
+        self._step_id += 1
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
+            num_scheduled_tokens=plan.num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in plan.preempted}, step_id=self._step_id)
+
+    def _update_after_schedule(self, out: SchedulerOutput) -> None:
+        requests = self.requests
+        for rid, n in out.num_scheduled_tokens.items():
+            requests[rid].num_computed_tokens += n
+        self.finished_req_ids = set()
+
+    # ---- outputs -------------------------------------------------------------
+
+    def update_from_output(self, so: SchedulerOutput, mro: ModelRunnerOutput) -> EngineCoreOutputs:
+        outputs: list[EngineCoreOutput] = []
+        stopped: list[Request] = []
+        sampled = mro.sampled_token_ids
+        index = mro.req_id_to_index
+        num_generated = 0
+        for rid in so.num_scheduled_tokens:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue  # aborted while its step was in flight
+            i = index.get(rid)
+            new_tokens = sampled[i] if i is not None else None
+            if not new_tokens:
+                continue  # a partial prefill chunk samples nothing
+            new_tokens, done = self._append_tokens(request, new_tokens)
+            num_generated += len(new_tokens)
+            out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(request.num_cached_tokens, 0))
+            if mro.logprobs is not None and request.sampling_params.logprobs is not None:
+                out.new_logprobs = self._logprobs_for(mro, i, request, len(new_tokens))
+            if done:
+                out.finish_reason = request.get_finished_reason()
+                out.stop_reason = request.stop_reason
+                stopped.append(request)
+            outputs.append(out)
+        if stopped:
+            self._remove_stopped(stopped)
+        stats = self.make_stats(so, num_generated) if self.log_stats else None
+        return EngineCoreOutputs(outputs, stats, time.monotonic())
+
+    def _append_tokens(self, request: Request, new_tokens: list[int]) -> tuple[list[int], bool]:
+        max_len = self.max_model_len
+        for n, tok in enumerate(new_tokens, 1):
+            request.append_output_token(tok)
+            if check_stop(request, max_len):
+                return new_tokens[:n], True
+        if self.hasher is not None:
+            self.hasher.extend(request)
+        return new_tokens, False
+
+    @staticmethod
+    def _logprobs_for(mro: ModelRunnerOutput, i: int, request: Request,
+                      n: int) -> list[dict[int, float]]:
+        lp = mro.logprobs
+        k = request.sampling_params.logprobs or 0
+        ids, vals = lp.token_ids[i], lp.logprobs[i]
+        # Column 0 is the sampled token, then the top-k in order.
+        d = {ids[j]: vals[j] for j in range(1, min(k + 1, len(ids)))}
+        d[ids[0]] = vals[0]
+        return [d] * n
+
+    def _remove_stopped(self, stopped: list[Request]) -> None:
+        gone = {id(r) for r in stopped}
+        running_ids = {id(r) for r in self.running}
+        self.running = [r for r in self.running if id(r) not in gone]
+        for r in stopped:
+            if id(r) not in running_ids:  # preempted while its last step was in flight
+                self.waiting.remove(r)
+            self._free_request(r)
+
+    def make_stats(self, so: SchedulerOutput | None = None, num_generated: int = 0) -> SchedulerStats:
+        pcs = self.kv_cache_manager.make_prefix_cache_stats()
+        tot = self.prefix_cache_totals
+        tot.requests += pcs.requests
+        tot.queries += pcs.queries
+        tot.hits += pcs.hits
+        return SchedulerStats(
+            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
+            num_preemptions=self.num_preemptions, num_generation_tokens=num_generated)

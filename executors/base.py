@@ -1,0 +1,45 @@
+"""The Executor contract between EngineCore and the workers.
+
+execute_model() runs the forward pass of one SchedulerOutput and returns None
+(logits kept worker-side) or a ModelRunnerOutput; sample_tokens() then samples.
+With non_block=True both return concurrent.futures.Future objects so the core
+can keep `max_concurrent_batches` steps in flight.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from typing import Any
+
+from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+
+
+class EngineDeadError(RuntimeError):
+    """The workers are gone or a step failed; the engine cannot continue."""
+
+
+class Executor(ABC):
+    max_concurrent_batches: int = 1
+
+    @abstractmethod
+    def initialize(self) -> KVCacheInfo:
+        """Load the model, size and allocate the KV cache, warm up."""
+
+    @abstractmethod
+    def execute_model(self, scheduler_output: SchedulerOutput, non_block: bool = False
+                      ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        ...
+
+    @abstractmethod
+    def sample_tokens(self, grammar_output: Any = None, non_block: bool = False
+                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        ...
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None

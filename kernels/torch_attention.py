@@ -1,0 +1,226 @@
+"""Pure-torch paged attention: the reference backend and the CPU default.
+
+All math runs in fp32 and is cast back to the query dtype. Decode rows
+(query_len == 1) are batched: their K/V are gathered through the block table
+into a padded ``[B, max_seq, Hkv, D]`` tensor and attended with one masked
+softmax. Prefill chunks (query_len > 1) run one request at a time through
+``scaled_dot_product_attention`` with a causal mask offset by the cached prefix.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .backends import AttentionMetadata
+
+# Upper bound on gathered K+V elements per decode batch chunk (fp32: 4 bytes each).
+_DECODE_GATHER_BUDGET = 1 << 27
+# Longest query slice attended in one SDPA call (bounds the mask / score memory).
+_PREFILL_CHUNK = 1024
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def write_kv_torch(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """``kv_cache[s // bs, 0|1, s % bs] = key|value[t]`` for every ``s = slot_mapping[t] >= 0``."""
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = key[valid].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = value[valid].to(kv_cache.dtype)
+
+
+def _gather_kv(
+    kv_cache: torch.Tensor, blocks: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V for positions ``0..length-1`` of the blocks ``[..., nblk]``, in fp32.
+
+    Returns tensors ``[..., length, Hkv, D]``.
+    """
+    kv = kv_cache[blocks]  # [..., nblk, 2, bs, Hkv, D]
+    lead = blocks.shape[:-1]
+    heads, dim = kv_cache.shape[3], kv_cache.shape[4]
+    k = kv.select(-4, 0).reshape(*lead, -1, heads, dim)[..., :length, :, :]
+    v = kv.select(-4, 1).reshape(*lead, -1, heads, dim)[..., :length, :, :]
+    return k.float(), v.float()
+
+
+def _decode_rows(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    tokens: np.ndarray,
+    reqs: np.ndarray,
+    lens: np.ndarray,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention for single-token queries ``tokens`` of requests ``reqs`` (lengths ``lens``)."""
+    dev = query.device
+    num_blocks, _, block_size, num_kv, dim = kv_cache.shape
+    num_q = query.shape[1]
+    group = num_q // num_kv
+    max_len = int(lens.max())
+    nblk = _cdiv(max_len, block_size)
+    padded = nblk * block_size
+    b = len(reqs)
+    blocks = block_table[torch.from_numpy(reqs).to(dev), :nblk].long().clamp(0, num_blocks - 1)
+    k, v = _gather_kv(kv_cache, blocks, padded)  # [B, S, Hkv, D]
+    seq = torch.from_numpy(lens).to(dev)
+    valid = torch.arange(padded, device=dev)[None, :] < seq[:, None]  # [B, S]
+    # Padded positions may hold garbage (even NaN): zero V there, -inf the scores.
+    v = v.masked_fill(~valid[:, :, None, None], 0.0)
+    q = query[torch.from_numpy(tokens).to(dev)].float().view(b, num_kv, group, dim)
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
+    out[torch.from_numpy(tokens).to(dev)] = o.reshape(b, num_q, dim).to(out.dtype)
+
+
+def _decode_batched(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    tokens: np.ndarray,
+    reqs: np.ndarray,
+    lens: np.ndarray,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Decode rows in chunks so the padded gather stays under the memory budget."""
+    per_row = (int(lens.max()) + kv_cache.shape[2]) * kv_cache.shape[3] * kv_cache.shape[4] * 2
+    chunk = max(1, _DECODE_GATHER_BUDGET // per_row)
+    for i in range(0, len(reqs), chunk):
+        sl = slice(i, i + chunk)
+        _decode_rows(query, kv_cache, block_table, tokens[sl], reqs[sl], lens[sl], scale, out)
+
+
+def _prefill_one(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_row: torch.Tensor,
+    start: int,
+    q_len: int,
+    seq_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention for one request's query chunk with a cached prefix."""
+    block_size = kv_cache.shape[2]
+    num_q, num_kv = query.shape[1], kv_cache.shape[3]
+    ctx = seq_len - q_len
+    blocks = block_row[: _cdiv(seq_len, block_size)].long()
+    k, v = _gather_kv(kv_cache, blocks, seq_len)
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, L, D]
+    for a in range(0, q_len, _PREFILL_CHUNK):
+        b = min(q_len, a + _PREFILL_CHUNK)
+        q = query[start + a : start + b].float().transpose(0, 1)  # [Hq, n, D]
+        kv_end = ctx + b  # keys visible to the last query row of this slice
+        kk, vv = k[:, :kv_end], v[:, :kv_end]
+        gqa = num_q != num_kv
+        if ctx + a == 0:
+            o = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            pos = ctx + torch.arange(a, b, device=q.device)
+            mask = torch.arange(kv_end, device=q.device)[None, :] <= pos[:, None]
+            o = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[start + a : start + b] = o.transpose(0, 1).to(out.dtype)
+
+
+def paged_attention_torch(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc_cpu: np.ndarray,
+    seq_lens_cpu: np.ndarray,
+    scale: float,
+) -> torch.Tensor:
+    """Varlen paged attention; returns ``[T, Hq, D]`` in the query dtype.
+
+    Rows not owned by any request (batch padding past ``query_start_loc[-1]``)
+    are zero.
+    """
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+    qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
+    lens = np.asarray(seq_lens_cpu, dtype=np.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    decode = np.nonzero(q_lens == 1)[0]
+    if decode.size:
+        _decode_batched(query, kv_cache, block_table, qsl[decode], decode, lens[decode], scale, out)
+    for r in np.nonzero(q_lens > 1)[0]:
+        _prefill_one(
+            query, kv_cache, block_table[r], int(qsl[r]), int(q_lens[r]), int(lens[r]), scale, out
+        )
+    return out
+
+
+def paged_attention_ref(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor | np.ndarray,
+    seq_lens: torch.Tensor | np.ndarray,
+    scale: float,
+) -> torch.Tensor:
+    """Plain-loop fp32 reference (tests only). Returns fp32 ``[T, Hq, D]``.
+
+    Rows not owned by a request stay zero.
+    """
+    num_tokens, num_q, dim = query.shape
+    block_size, num_kv = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_q // num_kv
+    qsl = [int(x) for x in query_start_loc]
+    lens = [int(x) for x in seq_lens]
+    out = torch.zeros(num_tokens, num_q, dim, dtype=torch.float32)
+    for r, seq_len in enumerate(lens):
+        keys, vals = [], []
+        for p in range(seq_len):
+            blk = int(block_table[r, p // block_size])
+            keys.append(kv_cache[blk, 0, p % block_size].float().cpu())
+            vals.append(kv_cache[blk, 1, p % block_size].float().cpu())
+        if not keys:
+            continue
+        k = torch.stack(keys).repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = torch.stack(vals).repeat_interleave(group, dim=1)
+        q_len = qsl[r + 1] - qsl[r]
+        for i in range(q_len):
+            t = qsl[r] + i
+            pos = seq_len - q_len + i  # attends to keys 0..pos
+            q = query[t].float().cpu()  # [Hq, D]
+            scores = torch.einsum("hd,lhd->hl", q, k[: pos + 1]) * scale
+            probs = torch.softmax(scores, dim=-1)
+            out[t] = torch.einsum("hl,lhd->hd", probs, v[: pos + 1])
+    return out
+
+
+class TorchAttentionBackend:
+    """Reference backend; works on any device, tuned for CPU."""
+
+    name = "torch"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_torch(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention_torch(
+            query, kv_cache, meta.block_table, meta.query_start_loc_cpu, meta.seq_lens_cpu, scale
+        )

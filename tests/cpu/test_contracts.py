@@ -1,0 +1,97 @@
+"""Contracts round-trip through msgspec; SamplingParams validation; import rules."""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from engine.contracts import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
+                              EngineCoreRequest, FinishReason, LogprobsLists, ModelRunnerOutput,
+                              NewRequestData, SchedulerOutput, SchedulerStats, decoder, encode)
+from engine.sampling_params import SamplingParams
+
+
+def _rt(obj):
+    return decoder(type(obj)).decode(encode(obj))
+
+
+def test_round_trips():
+    sp = SamplingParams(temperature=0.5, top_p=0.9, stop=["x"], seed=3, logprobs=2)
+    req = EngineCoreRequest(request_id="a", prompt_token_ids=[1, 2], sampling_params=sp,
+                            eos_token_id=2, cache_salt="s", priority=3)
+    assert _rt(req) == req
+    so = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("a", [1, 2], sp, [1, 2], 0, 2)],
+        scheduled_cached_reqs=CachedRequestData(["b"], ["b"], [[5]], [[3]], [7], {"b": [1, 5]}),
+        num_scheduled_tokens={"a": 2, "b": 1}, total_num_scheduled_tokens=3,
+        finished_req_ids={"c"}, preempted_req_ids=set(), step_id=4)
+    assert _rt(so) == so
+    mro = ModelRunnerOutput(["a"], {"a": 0}, [[9]], LogprobsLists([[9, 3]], [[-0.1, -2.0]], [1]))
+    assert _rt(mro) == mro
+    eco = EngineCoreOutputs([EngineCoreOutput("a", [9], FinishReason.STOP, 9, [{9: -0.1}], 16)],
+                            SchedulerStats(num_running_reqs=1), 1.5)
+    back = _rt(eco)
+    assert back == eco and back.outputs[0].finish_reason is FinishReason.STOP
+    assert str(FinishReason.LENGTH) == "length"
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", math.nan), ("temperature", math.inf), ("temperature", -0.1),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", -math.inf), ("top_k", -2), ("min_p", 1.1),
+    ("n", 0), ("n", True), ("max_tokens", 0), ("max_tokens", 2.0), ("min_tokens", -1),
+    ("presence_penalty", 2.5), ("frequency_penalty", math.nan), ("repetition_penalty", 0.0),
+    ("repetition_penalty", math.inf), ("logprobs", 21), ("logprobs", -1), ("ignore_eos", 1),
+    ("skip_special_tokens", 0), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
+    ("stop_token_ids", [True]), ("seed", 1.5), ("temperature", True), ("n", 1000),
+])
+def test_sampling_params_invalid(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_cross_field_and_decode():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    sp = SamplingParams(stop="end", top_k=-1)
+    assert sp.stop == ["end"] and sp.top_k == 0
+    with pytest.raises(ValueError, match="n must be <= 4"):
+        SamplingParams(n=5).validate(max_n=4)
+    bad = msgspec.msgpack.encode({"temperature": -1.0})
+    with pytest.raises(ValueError, match="temperature"):
+        msgspec.msgpack.decode(bad, type=SamplingParams)
+
+
+def test_engine_imports_no_torch_or_ray():
+    code = ("import sys; import engine, engine.scheduler, engine.core, engine.kv_cache, "
+            "engine.config, engine.contracts, engine.sampling_params, executors.base; "
+            "bad = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_import_rules_static():
+    """engine/ never imports torch.distributed, ray or model code; kernels/
+    imports nothing from the project; workers/ never imports ray."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[2]
+    project = {"engine", "executors", "workers", "parallel", "kernels", "cluster"}
+
+    def imports(path):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                yield from (a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                yield node.module
+
+    for pkg, banned in [("engine", ("ray", "torch.distributed", "workers", "parallel", "kernels")),
+                        ("kernels", tuple(project)), ("workers", ("ray",)), ("parallel", ("ray",))]:
+        for f in (root / pkg).rglob("*.py"):
+            for mod in imports(f):
+                top = mod.split(".")[0]
+                assert not any(mod == b or mod.startswith(b + ".") or top == b for b in banned), \
+                    f"{f.relative_to(root)} imports {mod}"

@@ -1,0 +1,96 @@
+"""EngineCore: step() and step_with_batch_queue() against a scripted executor."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import build_config
+from engine.contracts import EngineCoreRequest, RequestStatus
+from engine.core import EngineCore
+from engine.sampling_params import SamplingParams
+from sched_utils import EOS, FakeExecutor
+
+
+def _core(queue_size: int, delay: float = 0.0, **kw) -> EngineCore:
+    cfg = build_config(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, **kw)
+    return EngineCore(cfg, FakeExecutor(num_blocks=200, queue_size=queue_size, delay_s=delay))
+
+
+def _requests(n: int = 6) -> list[EngineCoreRequest]:
+    return [EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=[i + 1] * (10 + 13 * i),
+                              sampling_params=SamplingParams(max_tokens=5 + i), eos_token_id=EOS)
+            for i in range(n)]
+
+
+def _run(core: EngineCore, abort_at: dict[int, str] | None = None) -> dict[str, list[int]]:
+    for r in _requests():
+        core.add_request(r)
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while core.has_work():
+        if abort_at and steps in abort_at:
+            core.abort_requests([abort_at[steps]])
+        outs, _ = core.step_fn()
+        steps += 1
+        for o in (outs.outputs if outs else []):
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        assert steps < 500
+    return tokens
+
+
+def test_batch_queue_matches_step():
+    ref = _run(_core(1))
+    core = _core(2, delay=0.002)
+    assert core.step_fn == core.step_with_batch_queue
+    got = _run(core)
+    assert got == ref
+    assert sorted(len(v) for v in got.values()) == [5, 6, 7, 8, 9, 10]
+    core.shutdown()
+
+
+def test_batch_queue_never_double_schedules():
+    core = _core(2, delay=0.002)
+    sched = core.scheduler
+    orig = sched.schedule
+    in_flight: list[int] = []  # batches already in flight at each schedule()
+
+    def spy():
+        so = orig()
+        # A request whose sampled token is pending has num_computed == num_tokens.
+        for rid in so.num_scheduled_tokens:
+            r = sched.requests[rid]
+            assert r.num_computed_tokens <= r.num_tokens
+        in_flight.append(len(core.batch_queue))
+        return so
+
+    sched.schedule = spy
+    _run(core)
+    assert max(in_flight) == 1  # a second batch was scheduled while one was in flight
+    core.shutdown()
+
+
+def test_abort_mid_flight_with_batch_queue():
+    core = _core(2, delay=0.002)
+    got = _run(core, abort_at={3: "r5"})
+    assert len(got.get("r5", [])) < 10
+    assert "r5" not in core.scheduler.requests
+    assert not core.scheduler.running and not core.scheduler.waiting
+    assert core.scheduler.kv_cache_manager.get_num_free_blocks() == 199
+    core.shutdown()
+
+
+def test_add_request_validation():
+    core = _core(1)
+    with pytest.raises(ValueError, match="max_model_len"):
+        core.add_request(EngineCoreRequest(request_id="x", prompt_token_ids=[1] * 510,
+                                           sampling_params=SamplingParams(max_tokens=16)))
+    with pytest.raises(ValueError, match="empty"):
+        core.add_request(EngineCoreRequest(request_id="y", prompt_token_ids=[],
+                                           sampling_params=SamplingParams()))
+    with pytest.raises(ValueError, match="n must be <= 16"):
+        core.add_request(EngineCoreRequest(request_id="z", prompt_token_ids=[1],
+                                           sampling_params=SamplingParams(n=17)))
+    assert not core.scheduler.has_requests()
+    core.add_request(_requests(1)[0])
+    with pytest.raises(ValueError, match="already"):
+        core.add_request(_requests(1)[0])
+    core.shutdown()
