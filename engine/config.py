@@ -135,12 +135,24 @@ def build_config(tree: dict[str, Any] | None = None, source: str = "<kwargs>",
     if isinstance(tree.get("model"), str):
         tree["model"] = {"path": tree["model"]}
     tree = _merge(_merge(_env_defaults(), tree), _kwargs_to_tree(kwargs))
+    _default_max_num_seqs(tree)
     try:
         cfg = msgspec.convert(tree, EngineConfig, strict=True)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{source}: {e}") from None
     _validate(cfg, source)
     return _resolve(cfg, source)
+
+
+def _default_max_num_seqs(tree: dict[str, Any]) -> None:
+    """An unset max_num_seqs follows a small token budget down (as it must be
+    <= max_num_batched_tokens); explicitly inconsistent values still fail."""
+    sched = tree.get("scheduler")
+    if isinstance(sched, dict) and "max_num_seqs" not in sched:
+        budget = sched.get("max_num_batched_tokens")
+        default = SchedulerConfig().max_num_seqs
+        if isinstance(budget, int) and not isinstance(budget, bool) and 1 <= budget < default:
+            tree["scheduler"] = {**sched, "max_num_seqs": budget}
 
 
 def load_config(path: str, **overrides: Any) -> EngineConfig:

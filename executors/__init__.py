@@ -1,0 +1,28 @@
+"""Executors behind a small registry: name -> factory(config) -> Executor."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from executors.base import Executor
+
+
+def _uniproc(config: EngineConfig) -> Executor:
+    from executors.uniproc import UniProcExecutor
+    return UniProcExecutor(config)
+
+
+def _ray(config: EngineConfig) -> Executor:
+    from executors.ray_executor import RayExecutor
+    return RayExecutor(config)
+
+
+EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {"uniproc": _uniproc, "ray": _ray}
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    name = config.parallel.executor
+    if name not in EXECUTORS:
+        raise ValueError(f"unknown executor {name!r}; choose one of {sorted(EXECUTORS)}")
+    return EXECUTORS[name](config)

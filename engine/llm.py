@@ -1,0 +1,187 @@
+"""LLM: offline generation in this process (vLLM-compatible names).
+
+The composition root of the offline path: config -> executor -> EngineCore,
+plus the tokenizer and the per-request output state."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig, build_config, load_config
+from engine.contracts import EngineCoreRequest
+from engine.core import EngineCore
+from engine.output_processor import CompletionOutput, RequestOutput, RequestState
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["LLM", "RequestOutput", "CompletionOutput"]
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **kwargs: Any) -> None:
+        if config is None:
+            config = build_config(model=model or "", **kwargs)
+        elif model is not None or kwargs:
+            raise ValueError("pass either config= or model/keyword arguments, not both")
+        if not config.model.path:
+            raise ValueError("model is required: a local Hugging Face checkpoint directory")
+        self.config = config
+        self.tokenizer = _maybe_tokenizer(config)
+        self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
+        self.engine = self._make_engine(config)
+        self._ids = itertools.count()
+
+    @staticmethod
+    def _make_engine(config: EngineConfig) -> Any:
+        if config.parallel.executor == "ray":
+            from cluster.engine_actor import SyncRayEngine  # composition root may reach Ray
+
+            return SyncRayEngine(config)
+        from executors import make_executor
+
+        return EngineCore(config, make_executor(config))
+
+    @classmethod
+    def from_config(cls, path: str, **overrides: Any) -> LLM:
+        return cls(config=load_config(path, **overrides))
+
+    # ---- generation ------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        # Build and validate every request first: on bad input nothing is queued.
+        batch = [self._make_requests(p, sp) for p, sp in zip(prompts, params)]
+        states: dict[str, RequestState] = {}
+        for reqs in batch:
+            for ecr, st in reqs[2]:
+                self.engine.add_request(ecr)
+                states[ecr.request_id] = st
+        self._run(states, use_tqdm)
+        results = []
+        for text, ids, reqs in batch:
+            sts = [st for _, st in reqs]
+            parent_id = reqs[0][0].request_id.rsplit("-", 1)[0]
+            results.append(RequestOutput(parent_id, text, ids, [st.completion() for st in sts],
+                                         max(st.num_cached_tokens for st in sts), True))
+        return results
+
+    def _make_requests(self, prompt: Prompt, sp: SamplingParams
+                       ) -> tuple[str | None, list[int], list[tuple[EngineCoreRequest, RequestState]]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        sp.validate(max_n=self.config.model.max_n)
+        if self.extra_eos:
+            sp = sp.clone(stop_token_ids=sorted(set(sp.stop_token_ids) | self.extra_eos))
+        base = f"req{next(self._ids)}"
+        out = []
+        for k in range(sp.n):
+            child = sp.clone(n=1, seed=None if sp.seed is None else sp.seed + k)
+            rid = f"{base}-{k}"
+            ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=ids, sampling_params=child,
+                                    eos_token_id=self.eos_token_id)
+            self.engine.validate_request(ecr)
+            out.append((ecr, RequestState.make(rid, k, child, ids, self.tokenizer)))
+        return text, ids, out
+
+    def _run(self, states: dict[str, RequestState], use_tqdm: bool) -> None:
+        pending = set(states)
+        bar = _progress(len(pending)) if use_tqdm else None
+        try:
+            while pending:
+                outs, _ = self.engine.step_fn()
+                for o in (outs.outputs if outs is not None else ()):
+                    st = states.get(o.request_id)
+                    if st is None:
+                        continue
+                    if st.process(o):
+                        self.engine.abort_requests([o.request_id])
+                    if st.finished and o.request_id in pending:
+                        pending.discard(o.request_id)
+                        if bar is not None:
+                            bar.update(1)
+                if not self.engine.has_work() and pending:
+                    raise RuntimeError(f"engine went idle with {len(pending)} unfinished requests")
+        except BaseException:
+            self.engine.abort_requests(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    for p in prompts:
+        if not isinstance(p, (str, list)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+    return prompts
+
+
+def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sp is None:
+        return [SamplingParams()] * n
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sp = list(sp)
+    if len(sp) != n:
+        raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
+    return sp
+
+
+def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    path = config.model.tokenizer or config.model.path
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    return load_tokenizer(path)
+
+
+def _eos_ids(config: EngineConfig, tok: Tokenizer | None) -> tuple[int | None, set[int]]:
+    if tok is not None:
+        return tok.eos_token_id, set(tok.eos_token_ids) - {tok.eos_token_id}
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = os.path.join(config.model.path, name)
+        if os.path.isfile(f):
+            with open(f) as fh:
+                v = json.load(fh).get("eos_token_id")
+            if v is not None:
+                ids = v if isinstance(v, list) else [v]
+                break
+    return (ids[0] if ids else None), set(ids[1:])
+
+
+def _progress(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Generating", unit="req", dynamic_ncols=True)

@@ -1,0 +1,108 @@
+"""Frontend side of a request: token ids, incremental text, stop strings,
+logprobs and the finish reason, built from EngineCoreOutputs.
+
+Shared by LLM (offline) and the async client (serving). A stop string is
+detected here, not in the core: the caller must then abort the request in the
+core (process() returns True)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.contracts import EngineCoreOutput, FinishReason
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class RequestState:
+    """One engine request (one of the n children of a user request)."""
+    request_id: str
+    index: int
+    sampling_params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @classmethod
+    def make(cls, request_id: str, index: int, sp: SamplingParams, prompt_token_ids: list[int],
+             tokenizer: Tokenizer | None) -> RequestState:
+        detok = None
+        if tokenizer is not None:
+            detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, sp.skip_special_tokens,
+                                           list(sp.stop), sp.include_stop_str_in_output,
+                                           min_tokens=sp.min_tokens)
+        return cls(request_id, index, sp, detok, logprobs=[] if sp.logprobs is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def process(self, o: EngineCoreOutput) -> bool:
+        """Absorb one step's output; True if a stop string ended the request
+        here and the core must abort it."""
+        if self.finished:
+            return False
+        if self.first_token_time is None and o.new_token_ids:
+            self.first_token_time = time.monotonic()
+        self.token_ids.extend(o.new_token_ids)
+        self.num_cached_tokens = o.num_cached_tokens
+        if self.logprobs is not None and o.new_logprobs:
+            self.logprobs.extend(o.new_logprobs)
+        stop_str = None
+        if self.detokenizer is not None:
+            stop_str = self.detokenizer.update(
+                o.new_token_ids, stop_terminated=o.finish_reason == FinishReason.STOP)
+        if stop_str is not None:
+            self.finish_reason, self.stop_reason = "stop", stop_str
+            return not o.finished
+        if o.finished:
+            self.finish_reason, self.stop_reason = str(o.finish_reason), o.stop_reason
+            if o.error:
+                self.stop_reason = o.error
+        return False
+
+    def fail(self, reason: str, message: str | None = None) -> None:
+        if not self.finished:
+            self.finish_reason, self.stop_reason = reason, message
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.output_text if self.detokenizer is not None else ""
+
+    def completion(self) -> CompletionOutput:
+        cum = None
+        if self.logprobs:
+            cum = sum(d.get(t, 0.0) for d, t in zip(self.logprobs, self.token_ids))
+        return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason,
+                                self.stop_reason, self.logprobs, cum)

@@ -1,0 +1,192 @@
+"""ModelRunner: turns SchedulerOutputs into forward passes and samples.
+
+It keeps a mirror of the scheduler's view (CachedRequestState per request and
+the persistent InputBatch), updated from each SchedulerOutput diff, so new
+requests travel in full once and running ones only as deltas.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, NewRequestData,
+                              SchedulerOutput)
+from kernels.backends import AttentionMetadata, get_attention_backend
+from parallel.communication import IntermediateTensors
+from workers.forward_context import set_forward_context
+from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
+from workers.layers.attention import find_attention_layers
+from workers.sampler import Sampler, SamplingMetadata
+
+
+@dataclass
+class _PendingSample:
+    """Between execute_model and sample_tokens: logits of this step's rows."""
+    logits: torch.Tensor
+    req_ids: list[str]
+    # Rows whose chunk reaches the end of their known tokens sample a token;
+    # partial prefill chunks do not.
+    samples: np.ndarray
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device,
+                 vocab_size: int, is_last_stage: bool = True) -> None:
+        self.config = config
+        self.model = model
+        self.device = device
+        self.vocab_size = vocab_size
+        self.is_last_stage = is_last_stage
+        self.block_size = config.cache.block_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.max_model_len,
+                                      self.block_size)
+        self.attn_backend = get_attention_backend(config.model.attention_backend, device)
+        self.sampler = Sampler()
+        self.kv_caches: list[torch.Tensor] = []
+        self._pending: _PendingSample | None = None
+
+    # ---- KV cache ------------------------------------------------------------
+
+    def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * self.block_size * a.num_kv_heads * a.head_size * elem
+                   for a in find_attention_layers(self.model))
+
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        # Zeroed: masked-out slots must not hold NaN (0 * NaN poisons the sum).
+        self.kv_caches = []
+        for attn in find_attention_layers(self.model):
+            cache = torch.zeros(attn.kv_cache_shape(num_blocks, self.block_size),
+                                dtype=dtype, device=self.device)
+            attn.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- state updates -------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            batch.remove_request(rid)
+        cached = so.scheduled_cached_reqs
+        resumed = set(cached.resumed_req_ids)
+        # Rows not scheduled this step leave the batch (their state stays).
+        for rid in [r for r in batch.req_id_to_index if r not in so.num_scheduled_tokens or r in resumed]:
+            batch.remove_request(rid)
+        to_add = [self._new_state(nr) for nr in so.scheduled_new_reqs]
+        for i, rid in enumerate(cached.req_ids):
+            st = self.requests[rid]
+            st.num_computed_tokens = cached.num_computed_tokens[i]
+            new_blocks = cached.new_block_ids[i]
+            if rid in resumed:
+                st.block_ids = list(new_blocks or [])
+                st.output_token_ids = cached.resumed_token_ids[rid][len(st.prompt_token_ids):]
+            elif new_blocks:
+                st.block_ids.extend(new_blocks)
+            if cached.new_token_ids:
+                self._absorb_tokens(st, cached.new_token_ids[i])
+            row = batch.req_id_to_index.get(rid)
+            if row is None:
+                to_add.append(st)
+                continue
+            batch.num_computed_tokens[row] = st.num_computed_tokens
+            if new_blocks:
+                batch.block_table.append_row(new_blocks, row)
+            if cached.new_token_ids:
+                for t in st.output_token_ids[batch.num_tokens[row] - len(st.prompt_token_ids):]:
+                    batch.append_token(row, t)
+        for st in to_add:
+            batch.add_request(st)
+        batch.condense()
+
+    def _new_state(self, nr: NewRequestData) -> CachedRequestState:
+        sp = nr.sampling_params
+        gen = None
+        if sp.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(sp.seed)
+        st = CachedRequestState(nr.req_id, list(nr.prompt_token_ids), sp, gen, list(nr.block_ids),
+                                nr.num_computed_tokens, [], nr.eos_token_id)
+        self.requests[nr.req_id] = st
+        return st
+
+    @staticmethod
+    def _absorb_tokens(st: CachedRequestState, tokens: list[int]) -> None:
+        """PP non-last stages learn sampled tokens from the scheduled slice."""
+        known = st.num_tokens
+        start = st.num_computed_tokens
+        for j, t in enumerate(tokens):
+            if start + j >= known:
+                st.output_token_ids.append(t)
+
+    # ---- forward ---------------------------------------------------------------
+
+    def _prepare(self, so: SchedulerOutput) -> tuple[PreparedInputs, np.ndarray, list[str]]:
+        batch = self.input_batch
+        req_ids = batch.req_ids[:batch.num_reqs]
+        num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
+        return prepare_inputs(batch, num_sched, self.block_size), num_sched, req_ids
+
+    def _attn_metadata(self, p: PreparedInputs) -> AttentionMetadata:
+        dev = self.device
+        n = len(p.seq_lens)
+        bt = self.input_batch.block_table.table[:n]
+        max_blocks = int(-(-int(p.seq_lens.max()) // self.block_size))
+        q_lens = np.diff(p.query_start_loc)
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(p.slot_mapping).to(dev, non_blocking=True),
+            query_start_loc=torch.from_numpy(p.query_start_loc).to(dev, non_blocking=True),
+            seq_lens=torch.from_numpy(p.seq_lens).to(dev, non_blocking=True),
+            block_table=torch.from_numpy(np.ascontiguousarray(bt[:, :max_blocks])).to(dev, non_blocking=True),
+            max_query_len=int(q_lens.max()), max_seq_len=int(p.seq_lens.max()),
+            query_start_loc_cpu=p.query_start_loc, seq_lens_cpu=p.seq_lens)
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+                      ) -> ModelRunnerOutput | IntermediateTensors | None:
+        """None on the last stage (logits kept for sample_tokens), the
+        IntermediateTensors to send on other stages."""
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        p, num_sched, req_ids = self._prepare(so)
+        meta = self._attn_metadata(p)
+        input_ids = torch.from_numpy(p.input_ids).to(self.device)
+        positions = torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
+        with set_forward_context(meta, self.attn_backend):
+            out = self.model(input_ids, positions, intermediate_tensors)
+        if not self.is_last_stage:
+            return out
+        logits_idx = torch.from_numpy(p.logits_indices.astype(np.int64)).to(self.device)
+        logits = self.model.compute_logits(out[logits_idx])
+        batch = self.input_batch
+        rows = np.arange(len(req_ids))
+        samples = batch.num_computed_tokens[rows] + num_sched >= batch.num_tokens[rows]
+        self._pending = _PendingSample(logits, req_ids, samples)
+        return None
+
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise RuntimeError("sample_tokens() called without a preceding execute_model()")
+        states = [self.requests[r] for r in pending.req_ids]
+        meta = SamplingMetadata.build(states, self.vocab_size, self.device)
+        out = self.sampler(pending.logits, meta)
+        tokens = out.sampled_token_ids.tolist()
+        sampled: list[list[int]] = []
+        batch = self.input_batch
+        for row, (st, tok, keep) in enumerate(zip(states, tokens, pending.samples)):
+            if keep:
+                st.output_token_ids.append(tok)
+                batch.append_token(row, tok)
+                sampled.append([tok])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
+                                 sampled, out.to_lists())

@@ -1,0 +1,135 @@
+"""Worker: one rank. Device, process groups, model, KV cache, and the
+pipeline-parallel bridge around ModelRunner.execute_model."""
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+from parallel import state as ps
+from parallel.communication import IntermediateTensors, recv_tensor_dict, send_tensor_dict
+from workers.model_loader import load_hf_config, load_model
+from workers.model_runner import ModelRunner
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    dt = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    dt = dt if isinstance(dt, torch.dtype) else _DTYPES.get(str(dt).replace("torch.", ""), torch.float32)
+    # CPU matmuls in half precision are slow and inexact: run fp32 there.
+    return dt if device.type == "cuda" else torch.float32
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0,
+                 init_method: str | None = None) -> None:
+        self.config = config
+        self.rank = rank
+        self.local_rank = local_rank
+        self.init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        self.device = torch.device("cpu")
+        self.model_runner: ModelRunner | None = None
+
+    # ---- start-up ------------------------------------------------------------
+
+    def init_device(self) -> None:
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        p = self.config.parallel
+        # Even at world size 1, so the TP/PP code paths are the ones that run.
+        ps.init_distributed(self.config.world_size, self.rank, p.tensor_parallel_size,
+                            p.pipeline_parallel_size, self.init_method)
+        torch.manual_seed(self.config.model.seed)
+
+    def load_model(self) -> None:
+        cfg = self.config
+        hf = load_hf_config(cfg.model.path)
+        self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device)
+        model = load_model(cfg.model.path, hf, self.dtype, self.device,
+                           pp_layer_partition=cfg.parallel.pp_layer_partition)
+        self.model_runner = ModelRunner(cfg, model, self.device, hf.vocab_size, ps.is_last_pp_rank())
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit this rank's budget (the executor takes the min over ranks)."""
+        cfg = self.config
+        runner = self._runner()
+        per_block = max(runner.kv_bytes_per_block(self.dtype), 1)
+        if cfg.cache.num_gpu_blocks is not None:
+            return cfg.cache.num_gpu_blocks
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            budget = total * cfg.cache.gpu_memory_utilization - used - self._activation_reserve()
+        else:
+            budget = cfg.cache.cpu_kv_cache_bytes
+        # Never more than every running sequence at full length could use.
+        need = cfg.scheduler.max_num_seqs * -(-cfg.max_model_len // cfg.cache.block_size) + 1
+        return int(max(min(budget // per_block, need), 0))
+
+    def _activation_reserve(self) -> int:
+        """Peak activation memory of a max-size forward (profiled on CUDA)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        n = self.config.scheduler.max_num_batched_tokens
+        runner = self._runner()
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            pos = torch.arange(n, device=self.device) % self.config.max_model_len
+            if ps.is_first_pp_rank():
+                runner.model(ids, pos, None)
+        torch.cuda.synchronize(self.device)
+        return int((torch.cuda.max_memory_allocated(self.device) - before) * 1.2)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise RuntimeError(
+                f"only {num_blocks} KV blocks fit this rank's budget; lower max_model_len or raise "
+                "cache.cpu_kv_cache_bytes / gpu_memory_utilization")
+        self._runner().allocate_kv_cache(num_blocks, self.dtype)
+
+    def kv_info(self, num_blocks: int) -> KVCacheInfo:
+        r = self._runner()
+        return KVCacheInfo(num_blocks, self.config.cache.block_size,
+                           r.kv_bytes_per_block(self.dtype), r.vocab_size)
+
+    def _runner(self) -> ModelRunner:
+        if self.model_runner is None:
+            raise RuntimeError("load_model() has not run")
+        return self.model_runner
+
+    # ---- per step --------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        runner = self._runner()
+        intermediate = None
+        forward = so.total_num_scheduled_tokens > 0
+        if forward and not ps.is_first_pp_rank():
+            intermediate = recv_tensor_dict(ps.pp_prev_rank(), device=self.device)
+        out = runner.execute_model(so, intermediate)
+        if isinstance(out, IntermediateTensors):
+            send_tensor_dict(out, ps.pp_next_rank())
+            return None
+        return out
+
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
+        if not ps.is_last_pp_rank():
+            return None
+        out = self._runner().sample_tokens(grammar_output)
+        return out if ps.tp_rank() == 0 else None
+
+    def shutdown(self) -> None:
+        ps.destroy_distributed()
+        self.model_runner = None
