@@ -67,6 +67,7 @@ class EngineCore:
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
+        self._process_aborts()
         return self.scheduler.has_requests() or bool(self.batch_queue)
 
     # ---- steps ---------------------------------------------------------------

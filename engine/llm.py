@@ -83,7 +83,7 @@ class LLM:
         else:
             text, ids = None, list(prompt)
         sp.validate(max_n=self.config.model.max_n)
-        if self.extra_eos:
+        if self.extra_eos and not sp.ignore_eos:
             sp = sp.clone(stop_token_ids=sorted(set(sp.stop_token_ids) | self.extra_eos))
         base = f"req{next(self._ids)}"
         out = []

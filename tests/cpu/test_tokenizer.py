@@ -173,7 +173,7 @@ def test_default_chat_template(tmp_path) -> None:
     assert t.apply_chat_template(msgs[:1], chat_template="{{ messages|tojson }}") == \
         '[{"role": "user", "content": "hi"}]'
     # The sandbox refuses attribute escapes from untrusted templates.
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="unsafe"):
         t.apply_chat_template(msgs, chat_template="{{ ''.__class__.__mro__ }}")
     assert DEFAULT_CHAT_TEMPLATE
 
@@ -184,3 +184,191 @@ def test_chat_template_jinja_file_wins(tmp_path) -> None:
     with open(os.path.join(d, "chat_template.jinja"), "w") as f:
         f.write("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
     assert load_tokenizer(d).apply_chat_template(MESSAGES[:2]) == "[Be brief.][Hi, café?]"
+
+
+# ---- incremental detokenization -----------------------------------------
+def _detok(tok: Tokenizer, prompt: str = "Once", skip: bool = True, stop: list[str] | None = None,
+           include: bool = False, **kw) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tok, tok.encode(prompt), skip_special_tokens=skip,
+                                  stop=stop or [], include_stop_str_in_output=include, **kw)
+
+
+def _with_specials(tok: Tokenizer, text: str) -> list[int]:
+    ids = tok.encode(text, add_special_tokens=False)
+    return ids[:3] + [tok.bos_token_id, 3] + ids[3:] + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_every_prefix_equals_full_decode(tok: Tokenizer, skip: bool) -> None:
+    for text in TEXTS:
+        ids = _with_specials(tok, text)
+        det = _detok(tok, skip=skip)
+        for k in range(1, len(ids) + 1):
+            assert det.update([ids[k - 1]]) is None
+            out = det.output_text
+            assert "\ufffd" not in out  # never a half character
+            # Only the tokens of an unfinished character (<= 3 byte tokens) lag behind.
+            lagging = [tok.decode(ids[:j], skip_special_tokens=skip) for j in range(max(0, k - 3), k + 1)]
+            assert out in lagging, (text, k)
+        assert out == tok.decode(ids, skip_special_tokens=skip)
+        assert det.get_delta(stream=False, finished=True) == out
+        assert det.output_token_ids == ids
+
+
+def test_incremental_random_ids_and_flush(tok: Tokenizer) -> None:
+    rng = random.Random(1)
+    for _ in range(100):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 25))]
+        det = _detok(tok, skip=rng.random() < 0.5)
+        full = tok.decode(ids, skip_special_tokens=det._skip_special)
+        pos = 0
+        while pos < len(ids):  # random batch sizes: same text as one-by-one
+            n = rng.randrange(1, 4)
+            det.update(ids[pos:pos + n])
+            pos += n
+            assert full.startswith(det.output_text)
+        # Pending bytes that never formed a character are flushed as U+FFFD at the end.
+        det.get_delta(stream=True, finished=True)
+        assert det.output_text == full
+
+
+def test_multibyte_split_across_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("😀", add_special_tokens=False)
+    assert len(ids) > 1  # the 4-byte emoji spans several byte tokens
+    det = _detok(tok)
+    for t in ids[:-1]:
+        det.update([t])
+        assert det.output_text == "" and det.get_delta(stream=True) == ""
+    det.update(ids[-1:])
+    assert det.output_text == "😀"
+    # A request that ends mid-character gets U+FFFD, as a full decode would.
+    det = _detok(tok)
+    det.update(ids[:-1])
+    assert det.get_delta(stream=True, finished=True) == tok.decode(ids[:-1])
+    assert det.output_text.endswith("\ufffd")
+
+
+# ---- stop strings ---------------------------------------------------------
+def _run(tok: Tokenizer, text: str, stop: list[str], include: bool = False,
+         batch: int = 1, **kw) -> tuple[IncrementalDetokenizer, str | None, list[str]]:
+    """Feed text's tokens `batch` at a time, collecting streamed deltas; checks
+    that what was streamed is always a prefix of the final text."""
+    ids = tok.encode(text, add_special_tokens=False)
+    det = _detok(tok, stop=stop, include=include, **kw)
+    deltas, matched = [], None
+    for i in range(0, len(ids), batch):
+        matched = det.update(ids[i:i + batch])
+        deltas.append(det.get_delta(stream=True))
+        if matched:
+            break
+    deltas.append(det.get_delta(stream=True, finished=True))
+    final = det.output_text
+    assert "".join(deltas) == final
+    for k in range(len(deltas)):
+        assert final.startswith("".join(deltas[:k]))
+    return det, matched, deltas
+
+
+def test_stop_earliest_match_wins(tok: Tokenizer) -> None:
+    text = "The cat sees the garden today. A dog runs."
+    for batch in (1, 3, 100):  # batching tokens into updates must not matter
+        det, matched, _ = _run(tok, text, ["dog", "garden", "sees the"], batch=batch)
+        assert matched == det.stop_str == "sees the"
+        assert det.output_text == "The cat "
+    # Overlapping: "bcd" completes before "abcde" starts mattering.
+    det, matched, _ = _run(tok, "xx abcde yy", ["abcde", "bcd"], batch=100)
+    assert (matched, det.output_text) == ("bcd", "xx a")
+    # Same end: the longer (earlier-starting) match wins.
+    det, matched, _ = _run(tok, "xx abcde yy", ["cde", "abcde"], batch=100)
+    assert (matched, det.output_text) == ("abcde", "xx ")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_truncation(tok: Tokenizer, include: bool) -> None:
+    text = "My friend likes some tea. The river is blue."
+    det, matched, _ = _run(tok, text, [". The"], include=include)
+    assert matched == ". The"
+    assert det.output_text == ("My friend likes some tea. The" if include else "My friend likes some tea")
+    # Later tokens (already in flight) are ignored after the stop.
+    n = det.num_output_tokens
+    assert det.update(tok.encode(" more", add_special_tokens=False)) is None
+    assert det.num_output_tokens == n and det.output_text.endswith("tea" + ". The" * include)
+
+
+def test_stop_string_spanning_two_tokens(tok: Tokenizer) -> None:
+    text = "The scheduler caches many requests with joy."
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.decode([i]) for i in ids]
+    # Take a stop string made of the tail of one token and the head of the next.
+    k = next(i for i in range(1, len(pieces)) if len(pieces[i - 1]) >= 2 and len(pieces[i]) >= 2)
+    stop = pieces[k - 1][-2:] + pieces[k][:2]
+    det = _detok(tok, stop=[stop])
+    for i in range(k):
+        assert det.update([ids[i]]) is None
+    assert det.update([ids[k]]) == stop
+    assert det.output_text == "".join(pieces[:k])[:-2]
+
+
+def test_streaming_never_leaks_partial_stop(tok: Tokenizer) -> None:
+    stops = ["river", "tea. The", "日本語の本"]
+    for text in tiny_corpus()[:60] + TEXTS:
+        for include in (False, True):
+            det, matched, deltas = _run(tok, text, stops, include=include)
+            streamed = "".join(deltas[:-1])  # before the request finished
+            if matched and not include:
+                assert matched not in det.output_text
+                # Nothing from the matched stop string was ever streamed.
+                assert len(streamed) <= text.index(matched)
+            if not matched:
+                assert det.output_text == tok.decode(tok.encode(text, add_special_tokens=False))
+                assert not any(s in det.output_text for s in stops)
+
+
+def test_holdback_released_on_finish(tok: Tokenizer) -> None:
+    det = _detok(tok, stop=["STOPPER"])
+    det.update(tok.encode("abc STOP", add_special_tokens=False))
+    assert det.get_delta(stream=True) == "ab"  # "c STOP" could still become "STOPPER"
+    assert det.get_delta(stream=False) == ""  # non-streaming: nothing until finished
+    assert det.get_delta(stream=True, finished=True) == "c STOP"
+    assert det.get_delta(stream=True, finished=True) == ""
+
+
+def test_min_tokens_and_stop_terminated(tok: Tokenizer) -> None:
+    ids = tok.encode("a dog runs. a dog eats.", add_special_tokens=False)
+    det = _detok(tok, stop=["dog"], min_tokens=len(ids) - 1)
+    det.update(ids[:-1])
+    assert det.stop_str is None  # matches before min_tokens are not checked
+    # stop_terminated: the final EOS text is not part of the output.
+    det = _detok(tok, skip=False)
+    det.update(ids + [tok.eos_token_id], stop_terminated=True)
+    assert det.output_text == "a dog runs. a dog eats." and det.output_token_ids[-1] == tok.eos_token_id
+    det = _detok(tok, skip=False, include=True)
+    det.update(ids + [tok.eos_token_id], stop_terminated=True)
+    assert det.output_text.endswith("</s>")
+
+
+def test_incremental_sentencepiece_style_decoder() -> None:
+    """Metaspace + byte-fallback (Llama-2 style): the leading-space strip and
+    <0x..> byte tokens both need the left context the detokenizer keeps."""
+    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    b = Backend(models.BPE(unk_token="<unk>", byte_fallback=True))
+    b.pre_tokenizer = pre_tokenizers.Metaspace()
+    b.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                   decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    b.train_from_iterator(tiny_corpus(), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>", "<unk>"] + bytes_, show_progress=False))
+    t = Tokenizer(b, special_tokens={"bos_token": "<s>", "eos_token": "</s>"},
+                  extra_special_tokens=[], chat_template=None, bos_token_id=0, eos_token_id=1,
+                  eos_token_ids={1}, model_max_length=None, clean_up_tokenization_spaces=False,
+                  name_or_path="mem")
+    prompt, out = t.encode("Hello there"), t.encode(" go 🚀 Ωx", add_special_tokens=False)
+    assert "<0xF0>" in t.convert_ids_to_tokens(out)
+    # Byte tokens are special here, so keep them (skip_special_tokens=False).
+    det = IncrementalDetokenizer(t, prompt, skip_special_tokens=False, stop=[],
+                                 include_stop_str_in_output=False)
+    for i in out:
+        det.update([i])
+        assert "\ufffd" not in det.output_text
+    full = t.decode(prompt + out, skip_special_tokens=False)
+    assert det.output_text == full[len(t.decode(prompt, skip_special_tokens=False)):] == " go 🚀 Ωx"

@@ -1,0 +1,263 @@
+"""Kernel tests on CPU: Triton kernels under TRITON_INTERPRET=1 against torch.
+
+Inputs are fresh random draws each run; every failure message carries the seed
+(rerun a case with KERNEL_TEST_SEED=<seed>). Error metric throughout:
+``max|out - ref| / max|ref|`` (max abs error relative to the reference's
+largest magnitude). Tolerances: fp32 1e-5, fp16 2e-3, bf16 (torch only) 1e-2.
+bf16 is not run through Triton here: ``tl.dot`` in bf16 is wrong in the
+interpreter.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module import
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import torch_attention  # noqa: E402
+from kernels.backends import AttentionBackend, AttentionMetadata, get_attention_backend  # noqa: E402
+from kernels.cache_write import write_kv, write_kv_ref  # noqa: E402
+from kernels.paged_attention import (  # noqa: E402
+    choose_num_segments,
+    paged_attention,
+    paged_attention_reference,
+)
+from kernels.torch_attention import paged_attention_ref, write_kv_torch  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+MAX_LEN = 300
+
+
+def _seed() -> int:
+    env = os.environ.get("KERNEL_TEST_SEED")
+    return int(env) if env else int.from_bytes(os.urandom(4), "little")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+def _random_specs(rng: np.random.Generator, n: int, decode_only: bool = False) -> list[tuple[int, int]]:
+    """(query_len, seq_len) per request; kinds cycle decode / full prefill / chunk-with-prefix."""
+    specs = []
+    first = int(rng.integers(3))
+    for i in range(n):
+        seq_len = int(rng.integers(1, MAX_LEN + 1))
+        kind = 0 if decode_only else (first + i) % 3
+        if kind == 0 or seq_len < 3:
+            specs.append((1, seq_len))
+        elif kind == 1:
+            specs.append((seq_len, seq_len))
+        else:
+            specs.append((int(rng.integers(2, seq_len)), seq_len))
+    return specs
+
+
+class Batch:
+    """A paged cache holding random K/V for each request, plus attention inputs.
+
+    Every cache slot not holding request data (including the null block 0 and
+    the tail of each last block) is NaN, as are the unused block-table entries'
+    blocks, so any stray read shows up as NaN in the output.
+    """
+
+    def __init__(self, seed: int, specs: list[tuple[int, int]], hq: int, hkv: int, d: int,
+                 bs: int, dtype: torch.dtype, spare_blocks: int = 3) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.specs = specs
+        nblk = [-(-s // bs) for _, s in specs]
+        num_blocks = 1 + sum(nblk) + spare_blocks
+        self.cache = torch.full((num_blocks, 2, bs, hkv, d), float("nan"), dtype=dtype)
+        perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+        spare = perm[sum(nblk):] or [0]
+        width = max(nblk) + 1
+        self.block_table = torch.tensor(
+            [[spare[(r + j) % len(spare)] for j in range(width)] for r in range(len(specs))],
+            dtype=torch.int32)
+        used = 0
+        for r, (_, seq_len) in enumerate(specs):
+            self.block_table[r, : nblk[r]] = torch.tensor(perm[used: used + nblk[r]], dtype=torch.int32)
+            used += nblk[r]
+            pos = torch.arange(seq_len)
+            blocks = self.block_table[r, pos // bs].long()
+            self.cache[blocks, :, pos % bs] = torch.randn(seq_len, 2, hkv, d, generator=gen).to(dtype)
+        q_lens = [q for q, _ in specs]
+        self.qsl_cpu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        self.seq_lens_cpu = np.array([s for _, s in specs], dtype=np.int32)
+        self.qsl = torch.from_numpy(self.qsl_cpu.copy())
+        self.seq_lens = torch.from_numpy(self.seq_lens_cpu.copy())
+        self.num_tokens = int(self.qsl_cpu[-1])
+        self.query = torch.randn(self.num_tokens, hq, d, generator=gen).to(dtype)
+        self.scale = d ** -0.5
+        self.max_query_len = max(q_lens)
+        self.max_seq_len = max(s for _, s in specs)
+
+    def ref(self) -> torch.Tensor:
+        return paged_attention_ref(self.query, self.cache, self.block_table, self.qsl,
+                                   self.seq_lens, self.scale)
+
+    def run(self, query: torch.Tensor | None = None, **kw) -> torch.Tensor:
+        query = self.query if query is None else query
+        out = torch.full(query.shape, float("nan"), dtype=query.dtype)  # poison
+        paged_attention(query, self.cache, self.qsl, self.seq_lens, self.block_table, self.scale,
+                        max_query_len=self.max_query_len, max_seq_len=self.max_seq_len, out=out, **kw)
+        return out
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int, what: str) -> None:
+    assert out.dtype == dtype, f"{what}: dtype {out.dtype} (seed={seed})"
+    bad = (~torch.isfinite(out)).sum().item()
+    assert bad == 0, f"{what}: {bad} non-finite output elements (seed={seed})"
+    err = _rel_err(out, ref)
+    assert err <= TOL[dtype], f"{what}: rel err {err:.3g} > {TOL[dtype]} (seed={seed})"
+
+
+# (dtype, hq, hkv, head_size, block_size, n_seqs, block_m)
+UNIFIED_CASES = [
+    (torch.float32, 8, 2, 64, 16, 6, None),
+    (torch.float32, 4, 4, 128, 32, 4, None),
+    (torch.float16, 8, 2, 128, 16, 4, None),
+    (torch.float16, 4, 4, 64, 32, 6, None),
+    (torch.float32, 8, 2, 64, 32, 3, 16),
+    (torch.float16, 8, 1, 80, 16, 3, None),
+    (torch.float32, 4, 2, 96, 16, 3, None),
+    (torch.float16, 4, 2, 256, 32, 2, None),
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,bs,n,block_m", UNIFIED_CASES)
+def test_unified_kernel_matches_reference(dtype, hq, hkv, d, bs, n, block_m) -> None:
+    seed = _seed()
+    specs = _random_specs(np.random.default_rng(seed), n)
+    b = Batch(seed, specs, hq, hkv, d, bs, dtype)
+    out = b.run(num_segments=1, block_m=block_m)
+    _check(out, b.ref(), dtype, seed, f"unified specs={specs}")
+
+
+def test_unified_kernel_strided_query() -> None:
+    """Query as a view into a fused qkv buffer (row stride > Hq * D)."""
+    seed = _seed()
+    specs = [(5, 40), (1, 17), (33, 33)]
+    b = Batch(seed, specs, 8, 2, 64, 16, torch.float32)
+    qkv = torch.randn(b.num_tokens, (8 + 4) * 64)
+    qkv[:, : 8 * 64] = b.query.reshape(b.num_tokens, -1)
+    query = qkv[:, : 8 * 64].view(b.num_tokens, 8, 64)
+    assert not query.is_contiguous()
+    _check(b.run(query=query, num_segments=1), b.ref(), torch.float32, seed, "strided query")
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,bs,segs", [
+    (torch.float32, 8, 2, 64, 16, 4),
+    (torch.float16, 4, 4, 128, 32, 2),
+    (torch.float32, 8, 2, 128, 16, 16),
+    (torch.float16, 8, 2, 64, 16, None),  # heuristic (nominal 16 SMs on CPU)
+])
+def test_split_kv_matches_reference(dtype, hq, hkv, d, bs, segs) -> None:
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    specs = _random_specs(rng, int(rng.integers(1, 4)), decode_only=True)
+    b = Batch(seed, specs, hq, hkv, d, bs, dtype)
+    _check(b.run(num_segments=segs), b.ref(), dtype, seed, f"split-kv segs={segs} specs={specs}")
+
+
+def test_split_kv_heuristic() -> None:
+    # Mixed or prefill batches never split.
+    assert choose_num_segments(1, 8, 7, 16384, 16, 132) == 1
+    # Enough (request, kv head) programs already: no split.
+    assert choose_num_segments(64, 8, 1, 16384, 16, 132) == 1
+    # Few programs, long context: power of two, > 1, <= 64.
+    segs = choose_num_segments(1, 8, 1, 16384, 16, 132)
+    assert segs > 1 and segs & (segs - 1) == 0 and segs <= 64
+    # Short context: every segment keeps >= 8 blocks.
+    assert choose_num_segments(1, 8, 1, 64, 16, 132) == 1
+    assert choose_num_segments(1, 8, 1, 512, 16, 132) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_torch_backend_matches_loop_reference(dtype) -> None:
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    specs = _random_specs(rng, 6) + _random_specs(rng, 10, decode_only=True)
+    b = Batch(seed, specs, 8, 2, 64, 16, dtype)
+    out = paged_attention_reference(b.query, b.cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    _check(out, b.ref(), dtype, seed, f"torch backend specs={specs}")
+
+
+def test_torch_decode_is_chunked_and_vectorised(monkeypatch) -> None:
+    """Many decodes with a tiny gather budget: several vectorised chunks."""
+    seed = _seed()
+    specs = _random_specs(np.random.default_rng(seed), 64, decode_only=True)
+    b = Batch(seed, specs, 4, 4, 64, 32, torch.float32)
+    monkeypatch.setattr(torch_attention, "_DECODE_GATHER_BUDGET", 1 << 18)
+    out = paged_attention_reference(b.query, b.cache, b.qsl, b.seq_lens, b.block_table, b.scale)
+    _check(out, b.ref(), torch.float32, seed, "chunked decode")
+
+
+def _meta(b: Batch, slot_mapping: torch.Tensor) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=slot_mapping, query_start_loc=b.qsl, seq_lens=b.seq_lens,
+        block_table=b.block_table, max_query_len=b.max_query_len, max_seq_len=b.max_seq_len,
+        query_start_loc_cpu=b.qsl_cpu, seq_lens_cpu=b.seq_lens_cpu)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_backend_write_then_forward(name) -> None:
+    """write_kv this step's K/V (with padding tokens), then forward over the cache."""
+    seed = _seed()
+    specs = [(7, 30), (1, 50), (20, 20)]
+    b = Batch(seed, specs, 8, 2, 64, 16, torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    slots = []
+    for r, (q_len, seq_len) in enumerate(specs):
+        pos = torch.arange(seq_len - q_len, seq_len)
+        slots.append(b.block_table[r, pos // 16].long() * 16 + pos % 16)
+    pad = 3  # batch padding rows: slot -1, output must be zero
+    slot_mapping = torch.cat(slots + [torch.full((pad,), -1, dtype=torch.long)])
+    key = torch.randn(b.num_tokens + pad, 2, 64, generator=gen)
+    value = torch.randn(b.num_tokens + pad, 2, 64, generator=gen)
+    query = torch.randn(b.num_tokens + pad, 8, 64, generator=gen)
+    backend = get_attention_backend(name, torch.device("cpu"))
+    assert backend.name == name and isinstance(backend, AttentionBackend)
+    backend.write_kv(key, value, b.cache, slot_mapping)
+    out = backend.forward(query, b.cache, _meta(b, slot_mapping), b.scale)
+    ref = paged_attention_ref(query, b.cache, b.block_table, b.qsl, b.seq_lens, b.scale)
+    _check(out, ref, torch.float32, seed, f"{name} backend")
+    assert torch.equal(out[b.num_tokens:], torch.zeros_like(out[b.num_tokens:]))
+
+
+@pytest.mark.parametrize("src_dtype,cache_dtype,bs", [
+    (torch.float32, torch.float32, 16),
+    (torch.float16, torch.float16, 32),
+    (torch.float32, torch.float16, 16),
+])
+def test_cache_write_matches_reference(src_dtype, cache_dtype, bs) -> None:
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, hkv, d, t = 6, 2, 80, 40
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:t]
+    slots[torch.randperm(t, generator=gen)[:7]] = -1  # padding tokens
+    kv = torch.randn(t, 3 * hkv, d, generator=gen).to(src_dtype)
+    key, value = kv[:, :hkv], kv[:, hkv: 2 * hkv]  # strided views
+    poison = torch.full((num_blocks, 2, bs, hkv, d), float("nan"), dtype=cache_dtype)
+    caches = {"triton": poison.clone(), "ref": poison.clone(), "torch": poison.clone()}
+    write_kv(key, value, caches["triton"], slots)
+    write_kv_ref(key, value, caches["ref"], slots)
+    write_kv_torch(key, value, caches["torch"], slots)
+    for name in ("triton", "torch"):
+        assert torch.equal(caches[name].isnan(), caches["ref"].isnan()), f"{name} (seed={seed})"
+        assert torch.equal(caches[name].nan_to_num(), caches["ref"].nan_to_num()), f"{name} (seed={seed})"
+    written = int((slots >= 0).sum()) * 2 * hkv * d
+    assert int((~caches["ref"].isnan()).sum()) == written, f"seed={seed}"
+
+
+def test_registry() -> None:
+    with pytest.raises(ValueError, match="torch.*triton.*auto"):
+        get_attention_backend("flash", torch.device("cpu"))
+    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("torch", "cpu").name == "torch"
+    assert get_attention_backend("triton", "cpu").name == "triton"  # interpreter is on

@@ -1,0 +1,197 @@
+"""LLM end to end on tiny checkpoints: greedy parity with transformers, token
+for token, under chunked prefill, prefix caching, preemption and small batches;
+sampling, stops, logprobs and input validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from llm_utils import EOS, hf_greedy, hf_logprobs, make_checkpoint, random_prompts
+
+FAMILIES = ["llama", "qwen2", "qwen3"]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ckpt")
+    return {f: make_checkpoint(f, str(base / f)) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(8, 1, 300, seed=1)
+
+
+@pytest.fixture(scope="module")
+def refs(ckpts, prompts):
+    return {f: hf_greedy(p, prompts, 32) for f, p in ckpts.items()}
+
+
+def _generate(path, prompts, sp=GREEDY, **kw):
+    llm = LLM(model=path, **kw)
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return outs, llm.engine.scheduler
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_parity(family, ckpts, prompts, refs):
+    outs, _ = _generate(ckpts[family], prompts)
+    assert [o.outputs[0].token_ids for o in outs] == refs[family]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_chunked_prefill(family, ckpts, prompts, refs):
+    outs, sched = _generate(ckpts[family], prompts, max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in outs] == refs[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_max_num_seqs_2(family, ckpts, prompts, refs):
+    outs, _ = _generate(ckpts[family], prompts, max_num_seqs=2)
+    assert [o.outputs[0].token_ids for o in outs] == refs[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_with_preemption(family, ckpts):
+    # 8 prompts of 30 tokens fill 16 blocks; growing to 62 tokens needs 32, so
+    # with 16 usable blocks decode must preempt (recompute) and resume.
+    same_len = random_prompts(8, 30, 30, seed=5)
+    ref = hf_greedy(ckpts[family], same_len, 32)
+    outs, sched = _generate(ckpts[family], same_len, num_gpu_blocks=17)
+    assert sched.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_shared_prefix_cached(family, ckpts):
+    prefix = random_prompts(1, 32, 32, seed=7)[0]  # two full blocks
+    shared = random_prompts(6, 1, 40, seed=8, prefix=prefix)
+    ref = hf_greedy(ckpts[family], shared, 32)
+    outs, sched = _generate(ckpts[family], shared, enable_prefix_caching=True)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= 32 for o in outs[1:])
+    assert sched.prefix_cache_totals.hits > 0
+
+
+def test_seeded_sampling_batch_invariant(ckpts):
+    path = ckpts["llama"]
+    target = random_prompts(1, 20, 20, seed=3)[0]
+    sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    alone, _ = _generate(path, [target], sp)
+    others = random_prompts(16, 5, 80, seed=4)
+    other_sp = [SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)] * 8 + \
+        [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)] * 8
+    batch = others[:9] + [target] + others[9:]
+    mixed, _ = _generate(path, batch, other_sp[:9] + [sp] + other_sp[9:])
+    assert mixed[9].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    # Different seeds do differ (the test could otherwise pass vacuously).
+    other_seed, _ = _generate(path, [target], sp.clone(seed=8))
+    assert other_seed[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
+
+
+def test_stop_token_ids_and_max_tokens(ckpts, prompts, refs):
+    path = ckpts["llama"]
+    ref = refs["llama"][0]
+    stop_tok = ref[5]
+    first = ref.index(stop_tok)
+    outs, _ = _generate(path, [prompts[0]], SamplingParams(max_tokens=32, temperature=0.0,
+                                                           ignore_eos=True, stop_token_ids=[stop_tok]))
+    o = outs[0].outputs[0]
+    assert o.token_ids == ref[:first + 1] and o.finish_reason == "stop" and o.stop_reason == stop_tok
+    outs, _ = _generate(path, [prompts[0]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert outs[0].outputs[0].token_ids == ref[:3] and outs[0].outputs[0].finish_reason == "length"
+
+
+def test_eos_min_tokens_and_ignore_eos(ckpts, prompts, refs):
+    path = ckpts["qwen2"]
+    ref = refs["qwen2"][1]
+    # Make the greedy path's 4th token the EOS by declaring it EOS via stop ids is
+    # not the same thing; instead check min_tokens suppresses a real EOS.
+    llm = LLM(model=path)
+    try:
+        llm.eos_token_id = ref[3]  # pretend this token is EOS for this engine
+        o = llm.generate([prompts[1]], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0]
+        assert o.outputs[0].token_ids == ref[:4] and o.outputs[0].finish_reason == "stop"
+        o = llm.generate([prompts[1]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)[0]
+        assert o.outputs[0].token_ids == ref and o.outputs[0].finish_reason == "length"
+        o = llm.generate([prompts[1]], SamplingParams(max_tokens=32, temperature=0.0, min_tokens=6),
+                         use_tqdm=False)[0]
+        toks = o.outputs[0].token_ids
+        assert len(toks) >= 6 and ref[3] not in toks[:6]
+    finally:
+        llm.shutdown()
+
+
+def test_stop_strings(ckpts):
+    path = ckpts["llama"]
+    llm = LLM(model=path)
+    try:
+        sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        full = llm.generate(["hello world"], sp, use_tqdm=False)[0].outputs[0]
+        text = full.text
+        assert len(text) > 6
+        stop = text[3:6]
+        cut = text.index(stop)
+        o = llm.generate(["hello world"], sp.clone(stop=[stop]), use_tqdm=False)[0].outputs[0]
+        assert o.text == text[:cut] and o.finish_reason == "stop" and o.stop_reason == stop
+        assert len(o.token_ids) < len(full.token_ids)
+        o = llm.generate(["hello world"], sp.clone(stop=[stop], include_stop_str_in_output=True),
+                         use_tqdm=False)[0].outputs[0]
+        assert o.text == text[:cut + len(stop)]
+        assert not llm.engine.has_work()  # the stop string aborted the request in the core
+    finally:
+        llm.shutdown()
+
+
+def test_logprobs_match_transformers(ckpts, prompts, refs):
+    path = ckpts["qwen3"]
+    outs, _ = _generate(path, prompts[:2], SamplingParams(max_tokens=8, temperature=0.0,
+                                                          ignore_eos=True, logprobs=3))
+    for p, o in zip(prompts[:2], outs):
+        c = o.outputs[0]
+        ref = hf_logprobs(path, p, c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids)
+        for i, (tok, d) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert tok in d and len(d) == 3  # greedy token is in the top-3
+            assert abs(d[tok] - ref[i, tok].item()) < 1e-4
+            top3 = torch.topk(ref[i], 3).indices.tolist()
+            assert set(d) == set(top3)
+
+
+def test_n_fanout(ckpts):
+    llm = LLM(model=ckpts["llama"])
+    try:
+        o = llm.generate([[5, 6, 7]], SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1,
+                                                     ignore_eos=True), use_tqdm=False)[0]
+        assert [c.index for c in o.outputs] == [0, 1, 2]
+        assert all(len(c.token_ids) == 8 for c in o.outputs)
+        assert len({tuple(c.token_ids) for c in o.outputs}) > 1
+    finally:
+        llm.shutdown()
+
+
+def test_invalid_input_queues_nothing(ckpts):
+    llm = LLM(model=ckpts["llama"], max_model_len=256)
+    try:
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=float("nan"))
+        with pytest.raises(ValueError, match=r"prompt \(300 tokens\).*max_model_len \(256\)"):
+            llm.generate([[5] * 10, [5] * 300], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert not llm.engine.has_work()
+        with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+            llm.generate([[5]], [SamplingParams(), SamplingParams()], use_tqdm=False)
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            llm.generate([[5, 100000]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert not llm.engine.has_work()
+        out = llm.generate([[5] * 10], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4  # the engine still works
+    finally:
+        llm.shutdown()
