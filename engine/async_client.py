@@ -1,0 +1,266 @@
+"""AsyncLLM: the async frontend used by serving and batch jobs.
+
+It validates and tokenizes, fans `n > 1` out into child requests, sends them
+through a CoreClient, and routes each step's EngineCoreOutputs to per-request
+asyncio queues as deltas (new text, new token ids, new logprobs). Stop strings
+are detected here and abort the request in the core. A stream that is closed
+before it finished (client disconnect) aborts its requests exactly once.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.contracts import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine.core_client import CoreClient
+from engine.llm import _eos_ids, _maybe_tokenizer
+from engine.output_processor import CompletionOutput, RequestOutput, RequestState
+from engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[RequestState]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative numbers for /metrics (the frontend's own view)."""
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+
+
+def make_core_client(config: EngineConfig) -> CoreClient:
+    if config.parallel.executor == "ray":
+        from cluster.engine_actor import RayCoreClient  # the composition root may reach Ray
+
+        return RayCoreClient(config)
+    from engine.core_client import InProcCoreClient
+
+    return InProcCoreClient(config)
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, client: CoreClient | None = None) -> None:
+        self.config = config
+        self.tokenizer = _maybe_tokenizer(config)
+        self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
+        self.client = client if client is not None else make_core_client(config)
+        self.max_model_len = config.max_model_len
+        self.vocab_size = self.client.kv_info.vocab_size
+        self.streams: dict[str, _Stream] = {}
+        self._child_to_stream: dict[str, tuple[_Stream, RequestState]] = {}
+        self.stats = SchedulerStats()
+        self.counters = EngineCounters()
+        self.dead_error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ids = itertools.count()
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def _ensure_started(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self.client.start(self._on_outputs_threadsafe)
+
+    def _on_outputs_threadsafe(self, outs: EngineCoreOutputs) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._process, outs)
+
+    def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        self.client.check_health()
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.streams)
+
+    async def shutdown(self) -> None:
+        for s in list(self.streams.values()):
+            self._abort_stream(s, "abort")
+        await asyncio.get_running_loop().run_in_executor(None, self.client.shutdown)
+
+    # ---- requests ----------------------------------------------------------------
+
+    def prepare(self, prompt: str | list[int], sp: SamplingParams,
+                request_id: str | None = None) -> tuple[str, str | None, list[int], list[EngineCoreRequest]]:
+        """Tokenize and validate; raises ValueError (nothing queued)."""
+        if self.dead_error is not None:
+            raise EngineDeadError(self.dead_error)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        sp.validate(max_n=self.config.model.max_n)
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else 1
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        if self.vocab_size and any(t < 0 or t >= self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if self.extra_eos and not sp.ignore_eos:
+            sp = sp.clone(stop_token_ids=sorted(set(sp.stop_token_ids) | self.extra_eos))
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        if rid in self.streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        reqs = [EngineCoreRequest(request_id=f"{rid}-{k}", prompt_token_ids=ids,
+                                  sampling_params=sp.clone(n=1, seed=None if sp.seed is None else sp.seed + k),
+                                  eos_token_id=self.eos_token_id, arrival_time=time.time())
+                for k in range(sp.n)]
+        return rid, text, ids, reqs
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yields deltas: each RequestOutput carries only the choices that
+        changed, with their new text/token ids/logprobs; the last has finished=True."""
+        self._ensure_started()
+        rid, text, ids, reqs = self.prepare(prompt, sampling_params, request_id)
+        children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer)
+                    for k, r in enumerate(reqs)]
+        stream = _Stream(rid, text, ids, children)
+        self.streams[rid] = stream
+        for r, c in zip(reqs, children):
+            r.priority = priority
+            self._child_to_stream[r.request_id] = (stream, c)
+        self.counters.prompt_tokens += len(ids) * len(reqs)
+        for r in reqs:
+            self.client.add_request(r)
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if rid in self.streams:  # closed early: the client went away
+                self._abort_stream(stream, "abort")
+
+    async def abort(self, request_id: str) -> None:
+        s = self.streams.get(request_id)
+        if s is not None:
+            self._abort_stream(s, "abort")
+
+    def _abort_stream(self, s: _Stream, reason: str) -> None:
+        if self.streams.pop(s.request_id, None) is None:
+            return  # exactly once
+        live = [c.request_id for c in s.children if not c.finished]
+        for c in s.children:
+            c.fail(reason)
+            self._child_to_stream.pop(c.request_id, None)
+        if live and self.dead_error is None:
+            self.client.abort_requests(live)
+
+    # ---- outputs -------------------------------------------------------------------
+
+    def _process(self, outs: EngineCoreOutputs) -> None:
+        if outs.engine_error is not None:
+            self._fail_all(outs.engine_error)
+            return
+        if outs.scheduler_stats is not None:
+            self._absorb_stats(outs.scheduler_stats)
+        changed: dict[str, list[CompletionOutput]] = {}
+        aborts: list[str] = []
+        for o in outs.outputs:
+            entry = self._child_to_stream.get(o.request_id)
+            if entry is None:
+                continue
+            stream, child = entry
+            n_before = len(child.token_ids)
+            lp_before = len(child.logprobs) if child.logprobs is not None else 0
+            if child.process(o):
+                aborts.append(o.request_id)
+            self.counters.generation_tokens += len(o.new_token_ids)
+            delta = self._delta(child, n_before, lp_before)
+            changed.setdefault(stream.request_id, []).append(delta)
+            if child.finished:
+                reason = child.finish_reason or "stop"
+                self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+                self._child_to_stream.pop(o.request_id, None)
+        if aborts:
+            self.client.abort_requests(aborts)
+        for rid, deltas in changed.items():
+            stream = self.streams.get(rid)
+            if stream is None:
+                continue
+            done = stream.finished
+            stream.queue.put_nowait(RequestOutput(rid, stream.prompt, stream.prompt_token_ids, deltas,
+                                                  max(c.num_cached_tokens for c in stream.children), done))
+            if done:
+                del self.streams[rid]
+
+    @staticmethod
+    def _delta(child: RequestState, n_before: int, lp_before: int) -> CompletionOutput:
+        text = child.detokenizer.get_delta(stream=True, finished=child.finished) \
+            if child.detokenizer is not None else ""
+        lps = child.logprobs[lp_before:] if child.logprobs is not None else None
+        return CompletionOutput(child.index, text, child.token_ids[n_before:], child.finish_reason,
+                                child.stop_reason, lps)
+
+    def _absorb_stats(self, st: SchedulerStats) -> None:
+        self.stats = st
+        c = self.counters
+        c.preemptions = st.num_preemptions
+        c.prefix_queries += st.prefix_cache_stats.queries
+        c.prefix_hits += st.prefix_cache_stats.hits
+
+    def _fail_all(self, message: str) -> None:
+        self.dead_error = message
+        for s in list(self.streams.values()):
+            deltas = []
+            for c in s.children:
+                if not c.finished:
+                    c.fail("error", message)
+                    deltas.append(CompletionOutput(c.index, "", [], "error", message))
+            self.streams.pop(s.request_id, None)
+            s.queue.put_nowait(RequestOutput(s.request_id, s.prompt, s.prompt_token_ids, deltas, 0, True))
+        self._child_to_stream.clear()
+
+
+async def collect(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """Accumulate a delta stream into one final RequestOutput."""
+    final: RequestOutput | None = None
+    acc: dict[int, CompletionOutput] = {}
+    async for ro in gen:
+        final = ro
+        for d in ro.outputs:
+            c = acc.setdefault(d.index, CompletionOutput(d.index, "", [], logprobs=None))
+            c.text += d.text
+            c.token_ids += d.token_ids
+            if d.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + d.logprobs
+            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+    assert final is not None
+    final.outputs = [acc[k] for k in sorted(acc)]
+    return final
+
+
