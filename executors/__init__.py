@@ -18,7 +18,12 @@ def _ray(config: EngineConfig) -> Executor:
     return RayExecutor(config)
 
 
-EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {"uniproc": _uniproc, "ray": _ray}
+def _mp(config: EngineConfig) -> Executor:
+    from executors.multiproc import MultiprocExecutor
+    return MultiprocExecutor(config)
+
+
+EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {"uniproc": _uniproc, "mp": _mp, "ray": _ray}
 
 
 def make_executor(config: EngineConfig) -> Executor:

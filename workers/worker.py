@@ -49,6 +49,11 @@ class Worker:
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         p = self.config.parallel
+        if self.device.type == "cpu" and self.config.world_size > 1:
+            # Ranks share this machine's cores: oversubscribed OpenMP threads
+            # spin against each other and slow every collective down.
+            import os
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.config.world_size))
         # Even at world size 1, so the TP/PP code paths are the ones that run.
         ps.init_distributed(self.config.world_size, self.rank, p.tensor_parallel_size,
                             p.pipeline_parallel_size, self.init_method)
@@ -104,6 +109,13 @@ class Worker:
         r = self._runner()
         return KVCacheInfo(num_blocks, self.config.cache.block_size,
                            r.kv_bytes_per_block(self.dtype), r.vocab_size)
+
+    def param_bytes(self) -> int:
+        """Bytes of this rank's parameters (shared tensors counted once)."""
+        seen: dict[int, int] = {}
+        for p in self._runner().model.parameters():
+            seen[p.data_ptr()] = p.numel() * p.element_size()
+        return sum(seen.values())
 
     def _runner(self) -> ModelRunner:
         if self.model_runner is None:

@@ -1,0 +1,224 @@
+"""Driver side of a multi-rank executor: one signed ZMQ command socket per
+worker, one reply socket, a receiver thread that resolves step futures in
+order and turns any worker error or death into EngineDeadError.
+
+Subclasses start the workers (processes or Ray actors) and say whether they
+are alive; everything per step goes over ZMQ, never a per-worker RPC.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from abc import abstractmethod
+from concurrent.futures import Future
+from typing import Any
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+from executors.base import EngineDeadError, Executor
+from executors.channel import Channel
+from executors.messages import WorkerCommand, WorkerReply
+from executors.worker_proc import WorkerSpec, is_output_rank
+
+log = logging.getLogger(__name__)
+
+
+class DistributedExecutor(Executor):
+    rpc_timeout_s = 600.0  # model loading can be slow
+
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.world_size = config.world_size
+        self.max_concurrent_batches = config.parallel.pipeline_parallel_size
+        self.secret = os.urandom(32)
+        self._ctx = zmq.Context()
+        self._replies = Channel(self._ctx, zmq.PULL, self.secret, WorkerReply, bind_host=host)
+        self._cmds = [Channel(self._ctx, zmq.PUSH, self.secret, None, bind_host=host)
+                      for _ in range(self.world_size)]
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._step_futures: dict[int, Future] = {}
+        self._rpc_replies: dict[int, list[WorkerReply]] = {}
+        self._rpc_done = threading.Condition(self._lock)
+        self._last_step: Future | None = None
+        self._dead: str | None = None
+        self._closing = False
+        self._receiver: threading.Thread | None = None
+
+    # ---- subclass hooks ----------------------------------------------------------
+
+    @abstractmethod
+    def _start_workers(self, specs: list[WorkerSpec]) -> None: ...
+
+    @abstractmethod
+    def _dead_workers(self) -> str | None:
+        """A message naming dead workers, or None while all are alive."""
+
+    @abstractmethod
+    def _stop_workers(self) -> None: ...
+
+    def _init_method(self) -> str:
+        from workers.worker import free_port
+        return f"tcp://127.0.0.1:{free_port()}"
+
+    def _specs(self) -> list[WorkerSpec]:
+        init = self._init_method()
+        return [WorkerSpec(rank, rank, init, self._cmds[rank].address, self._replies.address,
+                           self.secret, os.getpid()) for rank in range(self.world_size)]
+
+    # ---- start-up ------------------------------------------------------------------
+
+    def initialize(self) -> KVCacheInfo:
+        check_parallel_sizes(self.config)
+        self._start_workers(self._specs())
+        self._receiver = threading.Thread(target=self._receive_loop, name="conveyor-replies", daemon=True)
+        self._receiver.start()
+        self._rpc("init_device")
+        self._rpc("load_model")
+        num_blocks = min(r.value for r in self._rpc("determine_num_blocks"))
+        self._rpc("initialize_cache", num_blocks)
+        infos = [r.kv_info for r in self._rpc("kv_info", num_blocks) if r.kv_info is not None]
+        return infos[(self.config.parallel.pipeline_parallel_size - 1) * self.config.parallel.tensor_parallel_size]
+
+    def _rpc(self, method: str, *args: int) -> list[WorkerReply]:
+        """Run a Worker method on every rank; replies ordered by rank."""
+        sid = next(self._ids)
+        with self._lock:
+            self._rpc_replies[sid] = []
+        self._broadcast(WorkerCommand("rpc", sid, method=method, args=list(args)))
+        deadline = time.monotonic() + self.rpc_timeout_s
+        with self._rpc_done:
+            while len(self._rpc_replies[sid]) < self.world_size:
+                if self._dead is not None:
+                    raise EngineDeadError(f"{method} failed: {self._dead}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineDeadError(f"{method} timed out after {self.rpc_timeout_s:.0f}s")
+                self._rpc_done.wait(timeout=min(left, 0.5))
+            replies = self._rpc_replies.pop(sid)
+        return sorted(replies, key=lambda r: r.rank)
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        return [r.value if r.value is not None else r.kv_info for r in self._rpc(method, *args)]
+
+    # ---- per step --------------------------------------------------------------------
+
+    def _broadcast(self, cmd: WorkerCommand) -> None:
+        payload = self._cmds[0].encode(cmd)  # encode once
+        for ch in self._cmds:
+            ch.send_bytes(payload)
+
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False
+                      ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        sid = next(self._ids)
+        fut: Future = Future()
+        with self._lock:
+            self._step_futures[sid] = fut
+        self._last_step = fut
+        self._broadcast(WorkerCommand("step", sid, scheduler_output=so))
+        if so.total_num_scheduled_tokens == 0:
+            return fut if non_block else fut.result()
+        return fut if non_block else None
+
+    def sample_tokens(self, grammar_output: Any = None, non_block: bool = False
+                      ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        fut = self._last_step
+        if fut is None:
+            raise RuntimeError("sample_tokens() without execute_model()")
+        return fut if non_block else fut.result()
+
+    # ---- replies and failures ------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        try:
+            while not self._closing:
+                reply = self._replies.recv(timeout_ms=200)
+                if reply is None:
+                    dead = self._dead_workers()
+                    if dead is not None and not self._closing:
+                        self._fail(dead)
+                        return
+                    continue
+                self._route(reply)
+        except Exception as e:  # noqa: BLE001
+            if not self._closing:
+                self._fail(f"reply channel failed: {e!r}")
+
+    def _route(self, reply: WorkerReply) -> None:
+        if reply.error is not None:
+            self._fail(reply.error)
+            return
+        with self._lock:
+            fut = self._step_futures.pop(reply.step_id, None)
+            if fut is None and reply.step_id in self._rpc_replies:
+                self._rpc_replies[reply.step_id].append(reply)
+                self._rpc_done.notify_all()
+                return
+        if fut is not None:
+            fut.set_result(reply.output)
+
+    def _fail(self, message: str) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = message
+                if not self._closing:
+                    log.error("engine failed: %s", message)
+            futs = list(self._step_futures.values())
+            self._step_futures.clear()
+            self._rpc_done.notify_all()
+        for f in futs:
+            if not f.done():
+                f.set_exception(EngineDeadError(message))
+
+    def check_health(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        dead = self._dead_workers()
+        if dead is not None:
+            self._fail(dead)
+            raise EngineDeadError(dead)
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._broadcast(WorkerCommand("shutdown"))
+        except zmq.ZMQError:
+            pass
+        self._stop_workers()
+        self._fail(self._dead or "engine shut down")
+        if self._receiver is not None:
+            self._receiver.join(timeout=5)
+        for ch in (*self._cmds, self._replies):
+            ch.close()
+        self._ctx.term()
+
+
+def check_parallel_sizes(config: EngineConfig) -> None:
+    """Fail before any process starts when the model cannot be split this way."""
+    import json
+
+    path = os.path.join(config.model.path, "config.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        hf = json.load(f)
+    hf = hf.get("text_config", hf)
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads", heads)
+    layers = hf.get("num_hidden_layers")
+    if heads and heads % tp:
+        raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_size ({tp})")
+    if kv and kv % tp and tp % kv:
+        raise ValueError(f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another")
+    if layers and pp > layers:
+        raise ValueError(f"pipeline_parallel_size ({pp}) is larger than num_hidden_layers ({layers})")

@@ -1,0 +1,23 @@
+"""Messages between an executor and its workers."""
+from __future__ import annotations
+
+import msgspec
+
+from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+
+
+class WorkerCommand(msgspec.Struct, array_like=True, gc=False):
+    kind: str  # "step" | "rpc" | "shutdown"
+    step_id: int = 0
+    scheduler_output: SchedulerOutput | None = None
+    method: str | None = None  # rpc: a Worker method taking ints
+    args: list[int] = msgspec.field(default_factory=list)
+
+
+class WorkerReply(msgspec.Struct, array_like=True, gc=False):
+    rank: int
+    step_id: int
+    output: ModelRunnerOutput | None = None
+    value: int | None = None
+    kv_info: KVCacheInfo | None = None
+    error: str | None = None

@@ -1,0 +1,110 @@
+"""The worker side of the data plane: a busy loop around one Worker.
+
+Runs in a spawned process (MultiprocExecutor) or inside a Ray actor
+(RayExecutor). Every rank applies every SchedulerOutput, so the persistent
+batches of all ranks stay identical; only the output rank (TP rank 0 of the
+last PP stage) replies per step. Any rank replies with the error if a command
+raises, so the driver fails fast instead of waiting for a collective timeout.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from engine.config import EngineConfig
+from executors.channel import Channel
+from executors.messages import WorkerCommand, WorkerReply
+
+log = logging.getLogger(__name__)
+
+RPC_METHODS = {"init_device", "load_model", "determine_num_blocks", "initialize_cache", "kv_info",
+               "param_bytes"}
+# Test hook: "RANK:STEP" makes that rank raise on that step command, to check
+# that one failing rank fails the step on the driver instead of hanging it.
+_FAULT_ENV = "CONVEYOR_INJECT_FAULT"
+
+
+def _fault_point(rank: int) -> int | None:
+    spec = os.environ.get(_FAULT_ENV, "")
+    if ":" not in spec:
+        return None
+    r, step = spec.split(":", 1)
+    return int(step) if int(r) == rank else None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    local_rank: int
+    init_method: str
+    command_address: str  # this worker's PULL end (executor binds PUSH)
+    reply_address: str  # the executor's PULL
+    secret: bytes
+    parent_pid: int | None = None  # exit when this process disappears
+
+
+def is_output_rank(config: EngineConfig, rank: int) -> bool:
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
+    return rank == (pp - 1) * tp
+
+
+def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
+    from workers.worker import Worker
+
+    ctx = zmq.Context()
+    cmds = Channel(ctx, zmq.PULL, spec.secret, WorkerCommand, connect=spec.command_address)
+    replies = Channel(ctx, zmq.PUSH, spec.secret, None, connect=spec.reply_address)
+    worker = Worker(config, spec.rank, spec.local_rank, spec.init_method)
+    output_rank = is_output_rank(config, spec.rank)
+    fault_at = _fault_point(spec.rank)
+    steps = 0
+    try:
+        while True:
+            cmd = cmds.recv(timeout_ms=1000)
+            if cmd is None:
+                if spec.parent_pid is not None and os.getppid() != spec.parent_pid:
+                    return  # the driver died: do not linger as an orphan
+                continue
+            if cmd.kind == "shutdown":
+                return
+            try:
+                if cmd.kind == "step":
+                    steps += 1
+                    if steps == fault_at:
+                        raise RuntimeError(f"injected fault at step {steps}")
+                reply = _handle(worker, cmd, spec.rank, output_rank)
+            except Exception as e:  # noqa: BLE001 - reported to the driver
+                log.exception("rank %d failed", spec.rank)
+                reply = WorkerReply(spec.rank, cmd.step_id,
+                                    error=f"rank {spec.rank}: {type(e).__name__}: {e}\n"
+                                          f"{traceback.format_exc(limit=5)}")
+            if reply is not None:
+                replies.send(reply)
+    finally:
+        try:
+            worker.shutdown()
+        finally:
+            cmds.close()
+            replies.close()
+            ctx.term()
+
+
+def _handle(worker, cmd: WorkerCommand, rank: int, output_rank: bool) -> WorkerReply | None:
+    if cmd.kind == "step":
+        so = cmd.scheduler_output
+        out = worker.execute_model(so)
+        if out is None:
+            out = worker.sample_tokens(None)
+        return WorkerReply(rank, cmd.step_id, output=out) if output_rank else None
+    if cmd.kind == "rpc" and cmd.method in RPC_METHODS:
+        value = getattr(worker, cmd.method)(*cmd.args)
+        if isinstance(value, int):
+            return WorkerReply(rank, cmd.step_id, value=value)
+        if value is not None and hasattr(value, "num_blocks"):
+            return WorkerReply(rank, cmd.step_id, kv_info=value)
+        return WorkerReply(rank, cmd.step_id)
+    raise ValueError(f"unknown command {cmd.kind!r} {cmd.method!r}")

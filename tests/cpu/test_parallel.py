@@ -1,0 +1,119 @@
+"""Tensor and pipeline parallelism over gloo in spawned worker processes
+(executor "mp", no Ray): token parity with TP=1 and transformers, sharded
+weights, uneven splits, and a failing rank."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from engine import LLM, SamplingParams
+from executors.base import EngineDeadError
+from llm_utils import hf_greedy, make_checkpoint, random_prompts, top5_agree
+from tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+LAYOUTS = [(2, 1), (1, 2), (2, 2)]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    base = tmp_path_factory.mktemp("par")
+    return {f: make_checkpoint(f, str(base / f), num_hidden_layers=4) for f in ("llama", "qwen2")}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts(8, 1, 120, seed=11)
+
+
+def _run(path, prompts, tp, pp, **kw):
+    llm = LLM(model=path, executor="mp" if tp * pp > 1 else "uniproc", tensor_parallel_size=tp,
+              pipeline_parallel_size=pp, max_num_batched_tokens=64, enable_prefix_caching=True, **kw)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tp_pp_parity(family, ckpts, prompts):
+    path = ckpts[family]
+    ref = hf_greedy(path, prompts, 32)
+    tp1 = _run(path, prompts, 1, 1)
+    assert tp1 == ref
+    for tp, pp in LAYOUTS:
+        got = _run(path, prompts, tp, pp)
+        for p, g, r in zip(prompts, got, ref):
+            assert top5_agree(g, r, path, p), f"tp={tp} pp={pp} diverged beyond top-5"
+        assert sum(g == r for g, r in zip(got, ref)) >= 7, f"tp={tp} pp={pp}"
+
+
+def test_replicated_kv_heads_and_odd_vocab(tmp_path):
+    path = make_tiny_model("llama", tmp_path / "m", num_key_value_heads=2, vocab_size=509)
+    prompts = random_prompts(4, 3, 40, seed=2, vocab=509)
+    ref = hf_greedy(path, prompts, 16)
+    llm = LLM(model=path, executor="mp", tensor_parallel_size=4)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    for p, g, r in zip(prompts, got, ref):
+        assert top5_agree(g, r, path, p)
+
+
+def test_tp_ranks_hold_half_the_weights(ckpts):
+    path = ckpts["llama"]
+    one = LLM(model=path)
+    try:
+        total = one.engine.executor.worker.param_bytes()
+    finally:
+        one.shutdown()
+    two = LLM(model=path, executor="mp", tensor_parallel_size=2)
+    try:
+        per_rank = two.engine.executor.collective_rpc("param_bytes")
+    finally:
+        two.shutdown()
+    assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
+    # Everything but the (replicated, tiny) norms is split in two.
+    assert abs(per_rank[0] - total / 2) / total < 0.03, (per_rank, total)
+
+
+def test_uneven_splits_fail_at_startup(ckpts):
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
+        LLM(model=ckpts["llama"], executor="mp", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(5\) is larger than num_hidden_layers \(4\)"):
+        LLM(model=ckpts["llama"], executor="mp", pipeline_parallel_size=5)
+
+
+def test_failing_rank_fails_the_step(ckpts, prompts, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_INJECT_FAULT", "1:3")
+    llm = LLM(model=ckpts["llama"], executor="mp", tensor_parallel_size=2)
+    pids = llm.engine.executor.pids
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineDeadError, match="injected fault"):
+            llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 30
+        with pytest.raises(EngineDeadError):
+            llm.engine.executor.check_health()
+    finally:
+        llm.shutdown()
+    time.sleep(0.5)
+    for pid in pids:
+        assert not _alive(pid), f"worker {pid} outlived shutdown"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purpose.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
