@@ -3,11 +3,19 @@
 Sections follow DESIGN.md §8. Values measured at start-up (how many KV blocks
 fit) live in `engine.core.KVCacheInfo`, never here. Environment variables only
 feed defaults, in `_env_defaults`.
+
+Every mistake fails at load time as a ConfigError in one style:
+`FILE: KEY.PATH: expected WHAT, got VALUE` (unknown keys, wrong types, values
+out of range, inconsistent combinations). Loading never needs the checkpoint:
+a model directory that is not there (yet) only skips the checks that read it.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,27 +127,37 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _kwargs_to_tree(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Flat LLM(...) keywords, or dotted key paths (`{"serve.port": 8001}`,
+    what `--set serve.port=8001` becomes) -> a tree to merge over the file's."""
     tree: dict[str, Any] = {}
     for k, v in kwargs.items():
-        if k not in _KWARG_MAP:
-            raise ConfigError(f"unknown engine argument {k!r}; known: {sorted(_KWARG_MAP)}")
-        section, field = _KWARG_MAP[k]
-        tree.setdefault(section, {})[field] = v
+        if "." in k:
+            *parents, leaf = k.split(".")
+        elif k in _KWARG_MAP:
+            parents, leaf = [_KWARG_MAP[k][0]], _KWARG_MAP[k][1]
+        else:
+            raise ConfigError(f"unknown engine argument {k!r}; known: {sorted(_KWARG_MAP)} "
+                              f"or a dotted key path such as 'scheduler.max_num_seqs'")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
     return tree
 
 
 def build_config(tree: dict[str, Any] | None = None, source: str = "<kwargs>",
                  **kwargs: Any) -> EngineConfig:
-    """Decode, validate and resolve a config tree (+ flat overrides) once."""
+    """Decode, validate and resolve a config tree (+ flat or dotted overrides) once."""
     tree = dict(tree or {})
     if isinstance(tree.get("model"), str):
         tree["model"] = {"path": tree["model"]}
-    tree = _merge(_merge(_env_defaults(), tree), _kwargs_to_tree(kwargs))
+    over = _kwargs_to_tree(kwargs)
+    tree = _merge(_merge(_env_defaults(), tree), over)
     _default_max_num_seqs(tree)
     try:
         cfg = msgspec.convert(tree, EngineConfig, strict=True)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{source}: {e}") from None
+        raise ConfigError(_format_validation_error(str(e), tree, over, source)) from None
     _validate(cfg, source)
     return _resolve(cfg, source)
 
@@ -155,80 +173,213 @@ def _default_max_num_seqs(tree: dict[str, Any]) -> None:
             tree["scheduler"] = {**sched, "max_num_seqs": budget}
 
 
-def load_config(path: str, **overrides: Any) -> EngineConfig:
+def read_config_tree(path: str) -> dict[str, Any]:
+    """The raw YAML mapping of an engine config file (no validation)."""
     import yaml
 
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {path}")
-    with open(p) as f:
-        tree = yaml.safe_load(f) or {}
+    try:
+        with open(p) as f:
+            tree = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(tree).__name__}")
-    return build_config(tree, source=str(path), **overrides)
+        raise ConfigError(f"{path}: top level: expected a mapping of sections, got {type(tree).__name__}")
+    return tree
 
 
-def _check(ok: bool, source: str, key: str, expect: str, got: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{source}: `{key}` must be {expect}, got {got!r}")
+def load_config(path: str, **overrides: Any) -> EngineConfig:
+    """overrides: flat LLM(...) keywords or dotted key paths (`**{"serve.port": 8001}`)."""
+    return build_config(read_config_tree(path), source=str(path), **overrides)
+
+
+# ---- error messages ------------------------------------------------------------------
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it (JSON spelling: "ten", true, null)."""
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _fail(source: str, key: str, expect: str, got: Any) -> ConfigError:
+    return ConfigError(f"{source}: {key}: expected {expect}, got {_show(got)}")
+
+
+_MISSING = object()
+
+
+def _lookup(tree: Any, path: str) -> Any:
+    node = tree
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
+        if part.startswith("["):
+            i = int(part[1:-1])
+            node = node[i] if isinstance(node, list) and i < len(node) else _MISSING
+        else:
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is _MISSING:
+            return _MISSING
+    return node
+
+
+def _section_fields(path: str) -> list[str]:
+    """The keys allowed at `path` ("" = the top level, "scheduler", ...)."""
+    cls: Any = EngineConfig
+    for part in filter(None, path.split(".")):
+        f = next((f for f in msgspec.structs.fields(cls) if f.name == part), None)
+        if f is None or not (isinstance(f.type, type) and issubclass(f.type, msgspec.Struct)):
+            return []
+        cls = f.type
+    return [f.name for f in msgspec.structs.fields(cls)]
+
+
+_MSGSPEC_ERR = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def _format_validation_error(err: str, tree: dict[str, Any], over: dict[str, Any],
+                             source: str) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.scheduler.max_num_seqs`"
+    -> "SOURCE: scheduler.max_num_seqs: expected int >= 1, got "ten"". """
+    m = _MSGSPEC_ERR.match(err)
+    msg, path = (m.group("msg"), (m.group("path") or "").lstrip(".")) if m else (err, "")
+    unknown = re.match(r"Object contains unknown field `(?P<f>[^`]*)`", msg)
+    if unknown:
+        key = f"{path}.{unknown.group('f')}" if path else unknown.group("f")
+        known = _section_fields(path)
+        near = difflib.get_close_matches(unknown.group("f"), known, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        text = f"{source}: {key}: unknown key{hint}; expected one of {', '.join(known)}"
+    else:
+        key = path
+        expected = re.match(r"Expected `(?P<t>[^`]*)`", msg)
+        rule = _RULES.get(re.sub(r"\[\d+\]", "", path))
+        want = rule[0] if rule else (expected.group("t").replace(" | ", " or ") if expected else msg)
+        want = {"object": "a mapping", "array": "a list"}.get(want, want)
+        got = _lookup(tree, path)
+        text = (f"{source}: {path or 'top level'}: expected {want}, got "
+                f"{_show(got) if got is not _MISSING else msg}")
+    from_override = key and _lookup(over, key.split("[")[0]) is not _MISSING
+    return text + (" (from an override)" if from_override else "")
+
+
+# ---- value checks (one table: type errors and range errors read the same) ---------------
+
+_DTYPES = ("float32", "float16", "bfloat16", "auto")
+_BACKENDS = ("auto", "torch", "triton")
+_EXECUTORS = ("uniproc", "ray", "mp")
+_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_BLOCK_SIZES = (8, 16, 32, 64, 128)
+
+
+def _one_of(choices: tuple[Any, ...]) -> tuple[str, Callable[[Any], bool]]:
+    return f"one of {'/'.join(map(str, choices))}", lambda v: v in choices
+
+
+def _at_least(lo: int, typ: str = "int", nullable: bool = False) -> tuple[str, Callable[[Any], bool]]:
+    text = f"{typ} >= {lo}" + (" or null" if nullable else "")
+    return text, lambda v: (v is None and nullable) or (v is not None and v >= lo)
+
+
+_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "model.path": ("a string (a local checkpoint directory)", lambda v: True),
+    "model.dtype": _one_of(_DTYPES),
+    "model.max_model_len": _at_least(1, nullable=True),
+    "model.seed": ("int", lambda v: True),
+    "model.attention_backend": _one_of(_BACKENDS),
+    "model.max_n": _at_least(1),
+    "parallel.tensor_parallel_size": _at_least(1),
+    "parallel.pipeline_parallel_size": _at_least(1),
+    "parallel.executor": _one_of(_EXECUTORS),
+    "parallel.placement_strategy": _one_of(_STRATEGIES),
+    "parallel.pp_layer_partition": ("null or a list of ints >= 1, one per pipeline stage",
+                                    lambda v: v is None or all(x >= 1 for x in v)),
+    "scheduler.max_num_seqs": _at_least(1),
+    "scheduler.max_num_batched_tokens": _at_least(1),
+    "scheduler.enable_chunked_prefill": ("bool", lambda v: True),
+    "scheduler.long_prefill_token_threshold": _at_least(0),
+    "scheduler.policy": _one_of(("fcfs", "priority")),
+    "cache.block_size": _one_of(_BLOCK_SIZES),
+    "cache.gpu_memory_utilization": ("float in (0, 1]", lambda v: 0.0 < v <= 1.0),
+    "cache.num_gpu_blocks": _at_least(2, nullable=True),
+    "cache.cpu_kv_cache_bytes": _at_least(1),
+    "cache.enable_prefix_caching": ("bool", lambda v: True),
+    "serve.host": ("a host name or IP address", lambda v: bool(v)),
+    "serve.port": ("int in 1..65535", lambda v: 1 <= v <= 65535),
+    "serve.replicas": _at_least(1),
+    "serve.max_ongoing_requests": _at_least(1, nullable=True),
+    "serve.max_body_bytes": _at_least(1),
+}
+
+
+def _get(cfg: EngineConfig, key: str) -> Any:
+    section, field = key.split(".")
+    return getattr(getattr(cfg, section), field)
 
 
 def _validate(cfg: EngineConfig, source: str) -> None:
-    m, p, s, c = cfg.model, cfg.parallel, cfg.scheduler, cfg.cache
-    _check(m.dtype in ("float32", "float16", "bfloat16", "auto"), source, "model.dtype",
-           "one of float32/float16/bfloat16/auto", m.dtype)
-    _check(m.max_model_len is None or m.max_model_len >= 1, source, "model.max_model_len", ">= 1", m.max_model_len)
-    _check(m.attention_backend in ("auto", "torch", "triton"), source, "model.attention_backend",
-           "one of auto/torch/triton", m.attention_backend)
-    _check(m.max_n >= 1, source, "model.max_n", ">= 1", m.max_n)
-    _check(p.tensor_parallel_size >= 1, source, "parallel.tensor_parallel_size", ">= 1", p.tensor_parallel_size)
-    _check(p.pipeline_parallel_size >= 1, source, "parallel.pipeline_parallel_size", ">= 1", p.pipeline_parallel_size)
-    _check(p.executor in ("uniproc", "ray", "mp"), source, "parallel.executor", "one of uniproc/ray/mp", p.executor)
-    _check(p.placement_strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"), source,
-           "parallel.placement_strategy", "a Ray placement strategy", p.placement_strategy)
-    _check(s.max_num_seqs >= 1, source, "scheduler.max_num_seqs", ">= 1", s.max_num_seqs)
-    _check(s.max_num_batched_tokens >= 1, source, "scheduler.max_num_batched_tokens", ">= 1", s.max_num_batched_tokens)
-    _check(s.long_prefill_token_threshold >= 0, source, "scheduler.long_prefill_token_threshold", ">= 0",
-           s.long_prefill_token_threshold)
-    _check(s.policy in ("fcfs", "priority"), source, "scheduler.policy", "fcfs or priority", s.policy)
-    _check(c.block_size in (8, 16, 32, 64, 128), source, "cache.block_size", "one of 8/16/32/64/128", c.block_size)
-    _check(0.0 < c.gpu_memory_utilization <= 1.0, source, "cache.gpu_memory_utilization", "in (0, 1]",
-           c.gpu_memory_utilization)
-    _check(c.num_gpu_blocks is None or c.num_gpu_blocks >= 2, source, "cache.num_gpu_blocks", ">= 2",
-           c.num_gpu_blocks)
-    _check(c.cpu_kv_cache_bytes > 0, source, "cache.cpu_kv_cache_bytes", "> 0", c.cpu_kv_cache_bytes)
-    _check(1 <= cfg.serve.port <= 65535, source, "serve.port", "in 1..65535", cfg.serve.port)
-    _check(cfg.serve.replicas >= 1, source, "serve.replicas", ">= 1", cfg.serve.replicas)
+    for key, (expect, ok) in _RULES.items():
+        value = _get(cfg, key)
+        if not ok(value):
+            raise _fail(source, key, expect, value)
+    p = cfg.parallel
+    if p.pp_layer_partition is not None and len(p.pp_layer_partition) != p.pipeline_parallel_size:
+        raise _fail(source, "parallel.pp_layer_partition",
+                    f"a list of parallel.pipeline_parallel_size ({p.pipeline_parallel_size}) layer counts",
+                    p.pp_layer_partition)
 
 
 def _resolve(cfg: EngineConfig, source: str) -> EngineConfig:
+    """Fill max_model_len (from the checkpoint when it is there) and check the
+    combinations that depend on it."""
     m, s = cfg.model, cfg.scheduler
     max_len = m.max_model_len
-    if m.path:
-        hf_len = _checkpoint_max_len(m.path)
-        if max_len is None:
-            max_len = hf_len
-        elif hf_len is not None and max_len > hf_len:
-            raise ConfigError(f"{source}: `model.max_model_len` ({max_len}) exceeds the model's "
-                              f"max_position_embeddings ({hf_len})")
+    hf_len = _checkpoint_max_len(m.path, source) if m.path else None
     if max_len is None:
-        max_len = 2048
-    if not s.enable_chunked_prefill and max_len > s.max_num_batched_tokens:
-        raise ConfigError(
-            f"{source}: with `scheduler.enable_chunked_prefill` false, `scheduler.max_num_batched_tokens` "
-            f"({s.max_num_batched_tokens}) must be >= max_model_len ({max_len}), or a long prompt could never run")
+        max_len = hf_len if hf_len is not None else 2048
+    elif hf_len is not None and max_len > hf_len:
+        raise _fail(source, "model.max_model_len",
+                    f"int <= the checkpoint's max_position_embeddings ({hf_len})", max_len)
     if s.max_num_batched_tokens < s.max_num_seqs:
-        raise ConfigError(f"{source}: `scheduler.max_num_batched_tokens` ({s.max_num_batched_tokens}) must be "
-                          f">= `scheduler.max_num_seqs` ({s.max_num_seqs})")
+        raise _fail(source, "scheduler.max_num_batched_tokens",
+                    f"int >= scheduler.max_num_seqs ({s.max_num_seqs})", s.max_num_batched_tokens)
+    if not s.enable_chunked_prefill and max_len > s.max_num_batched_tokens:
+        raise _fail(source, "scheduler.max_num_batched_tokens",
+                    f"int >= max_model_len ({max_len}) when scheduler.enable_chunked_prefill is false "
+                    f"(a longer prompt could never be scheduled)", s.max_num_batched_tokens)
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(m, max_model_len=max_len))
 
 
-def _checkpoint_max_len(path: str) -> int | None:
+def _checkpoint_max_len(path: str, source: str) -> int | None:
+    """max_position_embeddings from config.json; None when the directory is
+    not there (a config may name a checkpoint that is not downloaded yet)."""
     f = Path(path) / "config.json"
     if not f.is_file():
         return None
-    with open(f) as fh:
-        hf = json.load(fh)
-    text = hf.get("text_config", hf)
+    try:
+        with open(f) as fh:
+            hf = json.load(fh)
+    except ValueError as e:
+        raise ConfigError(f"{source}: model.path: expected a checkpoint with a valid config.json, "
+                          f"got {_show(path)} ({f}: {e})") from None
+    text = hf.get("text_config", hf) if isinstance(hf, dict) else {}
     v = text.get("max_position_embeddings")
     return int(v) if isinstance(v, int) else None
+
+
+def check_cluster_fits(cfg: EngineConfig, num_gpus: float, *, copies: int = 1,
+                       source: str = "<config>") -> None:
+    """Fail when `copies` engines of this config cannot be placed on a cluster
+    with `num_gpus` GPUs (call it with `ray.cluster_resources().get("GPU", 0)`).
+    0 GPUs means a CPU cluster: workers then take CPU bundles, and Ray's
+    placement-group timeout reports a shortage instead."""
+    need = cfg.world_size * copies
+    if num_gpus <= 0 or need <= num_gpus:
+        return
+    p = cfg.parallel
+    dp = f" × {copies} data-parallel engines" if copies > 1 else ""
+    raise ConfigError(f"{source}: parallel: expected at most the cluster's {num_gpus:g} GPUs, got "
+                      f"tensor_parallel_size × pipeline_parallel_size = {p.tensor_parallel_size} × "
+                      f"{p.pipeline_parallel_size}{dp} = {need}")

@@ -28,7 +28,8 @@ _WAITING = RequestStatus.WAITING
 def check_stop(request: Request, max_model_len: int) -> bool:
     """EOS, then stop_token_ids, then the length caps (vLLM's order)."""
     sp = request.sampling_params
-    if request.num_output_tokens < sp.min_tokens:
+    num_output = len(request.output_token_ids)
+    if num_output < sp.min_tokens:
         return False
     last = request.output_token_ids[-1]
     if not sp.ignore_eos and last == request.eos_token_id:
@@ -38,7 +39,7 @@ def check_stop(request: Request, max_model_len: int) -> bool:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
         return True
-    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+    if len(request.all_token_ids) >= max_model_len or num_output >= request.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
@@ -141,32 +142,43 @@ class Scheduler:
         return t if 0 < t < num_new and not alone else num_new
 
     def _schedule_running(self, plan: _StepPlan, alone: bool) -> None:
-        kv = self.kv_cache_manager
+        allocate = self.kv_cache_manager.allocate_slots
         running = self.running
+        num_scheduled = plan.num_scheduled
+        new_block_ids = plan.new_block_ids
+        scheduled = plan.running
+        chunked = self.long_prefill_token_threshold > 0 and not alone
+        budget = plan.token_budget
         i = 0
-        while i < len(running) and plan.token_budget > 0:
+        while i < len(running) and budget > 0:
             request = running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
             if num_new == 0:  # its output is still in flight
                 i += 1
                 continue
-            num_new = min(self._chunk(num_new, alone), plan.token_budget)
-            new_blocks = kv.allocate_slots(request, num_new)
+            if chunked:
+                num_new = self._chunk(num_new, alone)
+            if num_new > budget:
+                num_new = budget
+            new_blocks = allocate(request, num_new)
             while new_blocks is None:
+                plan.token_budget = budget
                 victim = self._pick_victim()
                 if self._preempt(victim, plan) < i:
                     i -= 1  # an already-scheduled request gave its place back
+                budget = plan.token_budget
                 if victim is request:
                     break
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = allocate(request, num_new)
             if new_blocks is None:
                 break
-            plan.running.append(request)
-            plan.new_block_ids[request.request_id] = (
-                [b.block_id for b in new_blocks] if new_blocks else None)
-            plan.num_scheduled[request.request_id] = num_new
-            plan.token_budget -= num_new
+            rid = request.request_id
+            scheduled.append(request)
+            new_block_ids[rid] = [b.block_id for b in new_blocks] if new_blocks else None
+            num_scheduled[rid] = num_new
+            budget -= num_new
             i += 1
+        plan.token_budget = budget
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -281,11 +293,13 @@ class Scheduler:
     def _append_tokens(self, request: Request, new_tokens: list[int]) -> tuple[list[int], bool]:
         max_len = self.max_model_len
         for n, tok in enumerate(new_tokens, 1):
-            request.append_output_token(tok)
+            request.output_token_ids.append(tok)
+            request.all_token_ids.append(tok)
             if check_stop(request, max_len):
                 return new_tokens[:n], True
-        if self.hasher is not None:
-            self.hasher.extend(request)
+        hasher = self.hasher
+        if hasher is not None and len(request.all_token_ids) >= (len(request.block_hashes) + 1) * self.block_size:
+            hasher.extend(request)
         return new_tokens, False
 
     @staticmethod

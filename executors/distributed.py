@@ -53,7 +53,8 @@ class DistributedExecutor(Executor):
     # ---- subclass hooks ----------------------------------------------------------
 
     @abstractmethod
-    def _start_workers(self, specs: list[WorkerSpec]) -> None: ...
+    def _start_workers(self) -> None:
+        """Start world_size workers running run_worker_loop (see _specs)."""
 
     @abstractmethod
     def _dead_workers(self) -> str | None:
@@ -66,16 +67,18 @@ class DistributedExecutor(Executor):
         from workers.worker import free_port
         return f"tcp://127.0.0.1:{free_port()}"
 
-    def _specs(self) -> list[WorkerSpec]:
-        init = self._init_method()
-        return [WorkerSpec(rank, rank, init, self._cmds[rank].address, self._replies.address,
-                           self.secret, os.getpid()) for rank in range(self.world_size)]
+    def _specs(self, init_method: str | None = None, local_ranks: list[int] | None = None,
+               parent_pid: int | None = None) -> list[WorkerSpec]:
+        init = init_method or self._init_method()
+        local = local_ranks or list(range(self.world_size))
+        return [WorkerSpec(rank, local[rank], init, self._cmds[rank].address, self._replies.address,
+                           self.secret, parent_pid) for rank in range(self.world_size)]
 
     # ---- start-up ------------------------------------------------------------------
 
     def initialize(self) -> KVCacheInfo:
         check_parallel_sizes(self.config)
-        self._start_workers(self._specs())
+        self._start_workers()
         self._receiver = threading.Thread(target=self._receive_loop, name="conveyor-replies", daemon=True)
         self._receiver.start()
         self._rpc("init_device")
@@ -104,7 +107,10 @@ class DistributedExecutor(Executor):
         return sorted(replies, key=lambda r: r.rank)
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
-        return [r.value if r.value is not None else r.kv_info for r in self._rpc(method, *args)]
+        out = []
+        for r in self._rpc(method, *args):
+            out.append(r.value if r.value is not None else r.floats if r.floats is not None else r.kv_info)
+        return out
 
     # ---- per step --------------------------------------------------------------------
 

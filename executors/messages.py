@@ -21,3 +21,4 @@ class WorkerReply(msgspec.Struct, array_like=True, gc=False):
     value: int | None = None
     kv_info: KVCacheInfo | None = None
     error: str | None = None
+    floats: list[float] | None = None

@@ -5,6 +5,8 @@ The test harness for tensor and pipeline parallelism; the RayExecutor runs
 the very same worker loop inside Ray actors."""
 from __future__ import annotations
 
+import os
+
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
@@ -21,9 +23,9 @@ class MultiprocExecutor(DistributedExecutor):
         super().__init__(config)
         self._procs: list[mp.Process] = []
 
-    def _start_workers(self, specs: list[WorkerSpec]) -> None:
+    def _start_workers(self) -> None:
         ctx = mp.get_context("spawn")
-        for spec in specs:
+        for spec in self._specs(parent_pid=os.getpid()):
             p = ctx.Process(target=_entry, args=(self.config, spec), daemon=True,
                             name=f"conveyor-worker-{spec.rank}")
             p.start()

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 
 import zmq
@@ -62,6 +64,8 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
     output_rank = is_output_rank(config, spec.rank)
     fault_at = _fault_point(spec.rank)
     steps = 0
+    # (step id, start, end) wall times of recent steps: shows PP overlap.
+    timeline: deque[tuple[int, float, float]] = deque(maxlen=4096)
     try:
         while True:
             cmd = cmds.recv(timeout_ms=1000)
@@ -76,7 +80,13 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
                     steps += 1
                     if steps == fault_at:
                         raise RuntimeError(f"injected fault at step {steps}")
-                reply = _handle(worker, cmd, spec.rank, output_rank)
+                if cmd.kind == "rpc" and cmd.method == "step_timeline":
+                    reply = WorkerReply(spec.rank, cmd.step_id, floats=[x for t in timeline for x in t])
+                else:
+                    t0 = time.time()
+                    reply = _handle(worker, cmd, spec.rank, output_rank)
+                    if cmd.kind == "step":
+                        timeline.append((cmd.step_id, t0, time.time()))
             except Exception as e:  # noqa: BLE001 - reported to the driver
                 log.exception("rank %d failed", spec.rank)
                 reply = WorkerReply(spec.rank, cmd.step_id,

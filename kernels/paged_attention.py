@@ -82,7 +82,8 @@ def _attend_block(
     return acc, m_new, l_i
 
 
-@triton.jit
+# num_reqs stays a runtime i32 even when 1: it seeds a loop-carried variable.
+@triton.jit(do_not_specialize=["num_reqs"])
 def _unified_attention_kernel(
     q_ptr, kv_ptr, out_ptr, qsl_ptr, seq_lens_ptr, bt_ptr,
     qk_scale, num_reqs, head_size,
@@ -220,10 +221,19 @@ def _dot_precision(kv_cache: torch.Tensor) -> str:
     return "ieee" if kv_cache.dtype == torch.float32 else "tf32"
 
 
+def _kv_tile_bytes(kv_cache: torch.Tensor, d_pad: int) -> int:
+    return d_pad * kv_cache.shape[2] * kv_cache.element_size()
+
+
+def _num_warps(kv_cache: torch.Tensor, block_m: int, d_pad: int) -> int:
+    # With 4 warps, ptxas (sm_90) spills or sits at 255 registers once the fp32
+    # accumulator reaches 64x128 or one K/V tile reaches 16 KiB.
+    return 8 if block_m * d_pad >= 8192 or _kv_tile_bytes(kv_cache, d_pad) >= 16384 else 4
+
+
 def _num_stages(kv_cache: torch.Tensor, d_pad: int) -> int:
     # K + V tiles per pipeline stage must fit shared memory for D=256 / fp32.
-    tile_bytes = d_pad * kv_cache.shape[2] * kv_cache.element_size()
-    return 2 if tile_bytes >= 16384 else 3
+    return 2 if _kv_tile_bytes(kv_cache, d_pad) >= 16384 else 3
 
 
 def choose_num_segments(
@@ -287,7 +297,8 @@ def unified_attention(
         *query.stride(), *out.stride(), *kv_cache.stride(), *block_table.stride(),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_SIZE=kv_cache.shape[2], D_PAD=d_pad, DOT_PRECISION=_dot_precision(kv_cache),
-        num_warps=4, num_stages=_num_stages(kv_cache, d_pad),
+        num_warps=_num_warps(kv_cache, block_m, d_pad),
+        num_stages=_num_stages(kv_cache, d_pad),
     )
     return out
 
@@ -313,15 +324,17 @@ def split_kv_decode(
     part_acc = torch.empty(num_reqs, num_q, num_segments, d_pad, dtype=torch.float32, device=dev)
     part_m = torch.empty(num_reqs, num_q, num_segments, dtype=torch.float32, device=dev)
     part_l = torch.empty_like(part_m)
+    block_m = max(16, triton.next_power_of_2(group))
     _split_kv_decode_kernel[(num_reqs, num_kv, num_segments)](
         query, kv_cache, query_start_loc, seq_lens, block_table,
         part_acc, part_m, part_l,
         scale * _LOG2E, num_q, head_size,
         *query.stride(), *kv_cache.stride(), *block_table.stride(),
-        GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        GROUP=group, BLOCK_M=block_m,
         BLOCK_SIZE=kv_cache.shape[2], D_PAD=d_pad, NUM_SEGS=num_segments,
         DOT_PRECISION=_dot_precision(kv_cache),
-        num_warps=4, num_stages=_num_stages(kv_cache, d_pad),
+        num_warps=_num_warps(kv_cache, block_m, d_pad),
+        num_stages=_num_stages(kv_cache, d_pad),
     )
     _split_kv_reduce_kernel[(num_reqs, num_q)](
         out, query_start_loc, part_acc, part_m, part_l,

@@ -194,9 +194,9 @@ def paged_attention_ref(
             t = qsl[r] + i
             pos = seq_len - q_len + i  # attends to keys 0..pos
             q = query[t].float().cpu()  # [Hq, D]
-            scores = torch.einsum("hd,lhd->hl", q, k[: pos + 1]) * scale
-            probs = torch.softmax(scores, dim=-1)
-            out[t] = torch.einsum("hl,lhd->hd", probs, v[: pos + 1])
+            scores = (k[: pos + 1] * q).sum(-1) * scale  # [pos+1, Hq]
+            probs = torch.softmax(scores, dim=0)
+            out[t] = (probs[:, :, None] * v[: pos + 1]).sum(0)
     return out
 
 

@@ -64,8 +64,16 @@ class KVCacheManager:
         if its whole prompt fits, so a long prompt never starts chunking into a
         cache it cannot finish in. On None nothing has changed (prefix-hit
         blocks keep their ref counts)."""
-        new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.get(request.request_id)
+        if (req_blocks is not None and not new_computed_blocks
+                and request.status == RequestStatus.RUNNING):
+            # Fast path (decode): most steps need no new block at all.
+            end = request.num_computed_tokens + num_new_tokens
+            if end + num_lookahead_tokens <= len(req_blocks) * self.block_size:
+                if self.enable_caching:
+                    self.cache_blocks(request, min(end, len(request.all_token_ids)))
+                return []
+        new_computed_blocks = new_computed_blocks or []
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
         num_computed = request.num_computed_tokens + num_new_computed_tokens

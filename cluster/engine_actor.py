@@ -1,0 +1,219 @@
+"""EngineCoreActor: EngineCore in a Ray actor, spoken to over signed ZMQ.
+
+Input channel (frontend PUSH -> actor PULL): ADD / ABORT / UTILITY messages.
+Output channel (actor PUSH -> frontend PULL): one EngineCoreOutputs per step.
+Both carry msgspec payloads with an HMAC under a per-engine secret that the
+frontend hands to the actor through Ray. The actor's workers are Ray actors of
+their own (RayExecutor), in the caller's placement group when there is one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import msgspec
+import ray
+import zmq
+
+from engine.config import EngineConfig
+from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
+from engine.core_client import EngineBusyLoop, OutputHandler
+from executors.base import EngineDeadError
+from executors.channel import Channel
+from executors.ray_executor import ensure_ray
+
+log = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = float(os.environ.get("CONVEYOR_STARTUP_TIMEOUT_S", "600"))
+
+
+class CoreInput(msgspec.Struct, array_like=True, gc=False):
+    kind: str  # "add" | "abort" | "utility"
+    request: EngineCoreRequest | None = None
+    request_ids: list[str] = msgspec.field(default_factory=list)
+    method: str | None = None
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class EngineCoreActor:
+    def __init__(self, config_bytes: bytes, secret: bytes) -> None:
+        from engine.core import EngineCore
+        from executors import make_executor
+
+        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        self.core = EngineCore(config, make_executor(config))
+        host = "127.0.0.1" if len([n for n in ray.nodes() if n.get("Alive")]) == 1 \
+            else ray.util.get_node_ip_address()
+        self._ctx = zmq.Context()
+        self._in = Channel(self._ctx, zmq.PULL, secret, CoreInput, bind_host=host)
+        self._out = Channel(self._ctx, zmq.PUSH, secret, None, bind_host=host)
+        self._loop = EngineBusyLoop(self.core, self._out.send)
+        self._closing = False
+        threading.Thread(target=self._read_inputs, daemon=True, name="core-inputs").start()
+        self._runner = threading.Thread(target=self._loop.run, daemon=True, name="core-loop")
+        self._runner.start()
+
+    def addresses(self) -> tuple[str, str, bytes]:
+        return self._in.address, self._out.address, msgspec.msgpack.encode(self.core.kv_info)
+
+    def _read_inputs(self) -> None:
+        while not self._closing:
+            msg = self._in.recv(timeout_ms=200)
+            if msg is None:
+                continue
+            if msg.kind == "add":
+                self._loop.submit("add", msg.request)
+            elif msg.kind == "abort":
+                self._loop.submit("abort", msg.request_ids)
+
+    def check_health(self) -> None:
+        if self._loop.error is not None:
+            raise EngineDeadError(self._loop.error)
+        self.core.executor.check_health()
+
+    def worker_pids(self) -> list[int]:
+        return list(getattr(self.core.executor, "worker_pids", []))
+
+    def shutdown(self) -> None:
+        self._closing = True
+        self._loop.stop()
+        self._runner.join(timeout=30)
+        self.core.shutdown()
+        self._in.close()
+        self._out.close()
+
+
+class RayCoreClient:
+    """CoreClient over an EngineCoreActor (the process boundary of DESIGN §3)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.started_ray = ensure_ray()
+        self.config = config
+        self._secret = os.urandom(32)
+        opts: dict[str, Any] = {}
+        pg = ray.util.get_current_placement_group()
+        if pg is not None:  # a Serve replica: stay in its placement group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+        self.actor = EngineCoreActor.options(**opts).remote(msgspec.msgpack.encode(config), self._secret)
+        in_addr, out_addr, kv = ray.get(self.actor.addresses.remote(), timeout=STARTUP_TIMEOUT_S)
+        self.kv_info = msgspec.msgpack.decode(kv, type=KVCacheInfo)
+        self._ctx = zmq.Context()
+        self._in = Channel(self._ctx, zmq.PUSH, self._secret, None, connect=in_addr)
+        self._out = Channel(self._ctx, zmq.PULL, self._secret, EngineCoreOutputs, connect=out_addr)
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self._reader: threading.Thread | None = None
+        self.dead: str | None = None
+
+    def start(self, on_outputs: OutputHandler) -> None:
+        self._reader = threading.Thread(target=self._read, args=(on_outputs,), daemon=True,
+                                        name="core-outputs")
+        self._reader.start()
+
+    def _read(self, on_outputs: OutputHandler) -> None:
+        last_ping = time.monotonic()
+        while not self._closing:
+            outs = self._out.recv(timeout_ms=200)
+            if outs is not None:
+                on_outputs(outs)
+                continue
+            if time.monotonic() - last_ping > 2.0:
+                last_ping = time.monotonic()
+                err = self._actor_error()
+                if err is not None and not self._closing:
+                    self.dead = err
+                    on_outputs(EngineCoreOutputs(engine_error=err))
+                    return
+
+    def _actor_error(self) -> str | None:
+        try:
+            ray.get(self.actor.check_health.remote(), timeout=10)
+            return None
+        except ray.exceptions.GetTimeoutError:
+            return None  # busy, not dead
+        except Exception as e:  # noqa: BLE001
+            return f"engine actor failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def _send(self, msg: CoreInput) -> None:
+        with self._send_lock:
+            self._in.send(msg)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._send(CoreInput("add", request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._send(CoreInput("abort", request_ids=list(request_ids)))
+
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        err = self._actor_error()
+        if err is not None:
+            raise EngineDeadError(err)
+
+    def worker_pids(self) -> list[int]:
+        return ray.get(self.actor.worker_pids.remote(), timeout=30)
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            ray.get(self.actor.shutdown.remote(), timeout=60)
+        except Exception as e:  # noqa: BLE001 - it may already be dead
+            log.info("engine actor shutdown: %r", e)
+        ray.kill(self.actor, no_restart=True)
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        self._in.close()
+        self._out.close()
+        self._ctx.term()
+        if self.started_ray:
+            ray.shutdown()
+
+
+class SyncRayEngine:
+    """The EngineCore-shaped face of a RayCoreClient, for the blocking LLM class."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.core import validate_core_request
+
+        self._validate = validate_core_request
+        self.config = config
+        self.client = RayCoreClient(config)
+        self.kv_info = self.client.kv_info
+        self._outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
+        self._live: set[str] = set()
+        self.client.start(self._outputs.put)
+
+    def validate_request(self, request: EngineCoreRequest) -> None:
+        self._validate(request, self.config, self.kv_info)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.validate_request(request)
+        self._live.add(request.request_id)
+        self.client.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._live.difference_update(request_ids)
+        self.client.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def step_fn(self) -> tuple[EngineCoreOutputs, bool]:
+        outs = self._outputs.get()
+        if outs.engine_error is not None:
+            self._live.clear()
+            raise EngineDeadError(outs.engine_error)
+        for o in outs.outputs:
+            if o.finished:
+                self._live.discard(o.request_id)
+        return outs, True
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

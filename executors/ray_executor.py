@@ -1,0 +1,162 @@
+"""RayExecutor: workers are Ray actors in one placement group per engine.
+
+Ray is used for placement and lifecycle only. The per-step SchedulerOutput
+goes over the signed ZMQ data plane of DistributedExecutor, never as a Ray
+call per worker per step. Rank order: bundles on the driver's node first,
+then node by node, so each TP group (consecutive ranks) stays on one node.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import msgspec
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import EngineConfig
+from executors.distributed import DistributedExecutor
+from executors.ray_worker import RayWorkerActor
+
+log = logging.getLogger(__name__)
+PG_TIMEOUT_S = float(os.environ.get("CONVEYOR_PG_TIMEOUT_S", "120"))
+_ENV_PREFIXES = ("CONVEYOR_", "NCCL_", "GLOO_", "TRITON_", "OMP_", "HF_", "TRANSFORMERS_")
+
+
+def ensure_ray() -> bool:
+    """Connect to (or start) Ray; True if this call started a local instance."""
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(include_dashboard=False)
+        return False
+    ray.init(address="local", include_dashboard=False)
+    return True
+
+
+def _use_gpus() -> bool:
+    return ray.cluster_resources().get("GPU", 0) > 0
+
+
+def worker_bundle() -> dict[str, float]:
+    return {"GPU": 1.0} if _use_gpus() else {"CPU": 1.0}
+
+
+def order_bundles(bundle_nodes: list[str], driver_node: str) -> list[int]:
+    """Bundle indices in rank order: the driver's node first, then by node."""
+    nodes = sorted(set(bundle_nodes), key=lambda n: (n != driver_node, n))
+    return [i for n in nodes for i, bn in enumerate(bundle_nodes) if bn == n]
+
+
+def check_tp_locality(order: list[int], bundle_nodes: list[str], tp: int) -> None:
+    for start in range(0, len(order), tp):
+        group = {bundle_nodes[i] for i in order[start:start + tp]}
+        if len(group) > 1:
+            raise RuntimeError(f"tensor-parallel group of ranks {start}..{start + tp - 1} spans "
+                               f"{len(group)} nodes; give each node a multiple of {tp} bundles")
+
+
+def place_workers(pg: PlacementGroup, first: int, world: int, tp: int
+                  ) -> tuple[list[Any], list[str], list[int], list[tuple[str, str, int]]]:
+    """One worker actor per bundle first..first+world-1, returned in rank
+    order with (bundle nodes, rank order, per-rank (node, ip, pid))."""
+    bundle = pg.bundle_specs[first]
+    gpus = bundle.get("GPU", 0)
+    env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
+    actors = [RayWorkerActor.options(
+        num_cpus=0 if gpus else bundle.get("CPU", 1), num_gpus=gpus,
+        runtime_env={"env_vars": env},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + i),
+    ).remote() for i in range(world)]
+    infos = ray.get([a.node_info.remote() for a in actors], timeout=PG_TIMEOUT_S)
+    nodes = [n for n, _, _ in infos]
+    order = order_bundles(nodes, ray.get_runtime_context().get_node_id())
+    check_tp_locality(order, nodes, tp)
+    return [actors[i] for i in order], nodes, order, [infos[i] for i in order]
+
+
+class RayExecutor(DistributedExecutor):
+    def __init__(self, config: EngineConfig, pg: PlacementGroup | None = None) -> None:
+        self.started_ray = ensure_ray()
+        multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
+        super().__init__(config, host=ray.util.get_node_ip_address() if multi_node else "127.0.0.1")
+        self._pg = pg
+        self._own_pg = False
+        self._actors: list[Any] = []
+        self._run_refs: list[Any] = []
+        self.bundle_nodes: list[str] = []
+        self.rank_order: list[int] = []
+
+    # ---- placement ------------------------------------------------------------------
+
+    def _placement_group(self) -> tuple[PlacementGroup, int]:
+        """(placement group, index of its first worker bundle)."""
+        if self._pg is not None:
+            return self._pg, 0
+        current = ray.util.get_current_placement_group()
+        if current is not None and len(current.bundle_specs) >= self.world_size + 1:
+            return current, 1  # a Serve replica: bundle 0 is the replica's own
+        bundle = worker_bundle()
+        pg = placement_group([dict(bundle) for _ in range(self.world_size)],
+                             strategy=self.config.parallel.placement_strategy)
+        self._own_pg = True
+        try:
+            ray.get(pg.ready(), timeout=PG_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"placement group of {self.world_size} x {bundle} ({self.config.parallel.placement_strategy}) "
+                f"not ready after {PG_TIMEOUT_S:.0f}s; available: {ray.available_resources()}") from None
+        return pg, 0
+
+    def _start_workers(self) -> None:
+        pg, first = self._placement_group()
+        self._pg = pg
+        gpus = pg.bundle_specs[first].get("GPU", 0)
+        placed = place_workers(pg, first, self.world_size, self.config.parallel.tensor_parallel_size)
+        self._actors, self.bundle_nodes, self.rank_order, infos = placed
+        port = ray.get(self._actors[0].free_port.remote())
+        host = "127.0.0.1" if self._host_is_local() else infos[0][1]
+        specs = self._specs(f"tcp://{host}:{port}", self._local_ranks(gpus > 0))
+        cfg = msgspec.msgpack.encode(self.config)
+        self.worker_pids = [pid for _, _, pid in infos]
+        self._run_refs = [a.run.remote(cfg, dataclasses.asdict(s)) for a, s in zip(self._actors, specs)]
+
+    def _host_is_local(self) -> bool:
+        return self._replies.address.startswith("tcp://127.0.0.1")
+
+    def _local_ranks(self, gpus: bool) -> list[int]:
+        # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU: it is device 0.
+        if gpus:
+            return [0] * self.world_size
+        nodes = [self.bundle_nodes[i] for i in self.rank_order]
+        return [nodes[:r].count(n) for r, n in enumerate(nodes)]
+
+    # ---- supervision -----------------------------------------------------------------
+
+    def _dead_workers(self) -> str | None:
+        if not self._run_refs:
+            return None
+        done, _ = ray.wait(self._run_refs, num_returns=1, timeout=0)
+        if not done:
+            return None
+        rank = self._run_refs.index(done[0])
+        try:
+            ray.get(done[0])
+            why = "exited"
+        except Exception as e:  # noqa: BLE001 - any failure is a dead worker
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        return f"worker actor of rank {rank} died ({why})"
+
+    def _stop_workers(self) -> None:
+        if self._run_refs:
+            ray.wait(self._run_refs, num_returns=len(self._run_refs), timeout=5)
+        for a in self._actors:
+            ray.kill(a, no_restart=True)
+        self._actors, self._run_refs = [], []
+        if self._own_pg and self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None

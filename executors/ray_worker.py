@@ -1,0 +1,31 @@
+"""The Ray actor that hosts one worker rank: it runs the same busy loop as a
+spawned process (executors/worker_proc.py); Ray only places and supervises it."""
+from __future__ import annotations
+
+import os
+import socket
+
+import msgspec
+import ray
+
+from engine.config import EngineConfig
+
+
+@ray.remote(max_concurrency=2)
+class RayWorkerActor:
+    def node_info(self) -> tuple[str, str, int]:
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def run(self, config_bytes: bytes, spec_fields: dict) -> None:
+        from executors.worker_proc import WorkerSpec, run_worker_loop
+
+        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        spec_fields = dict(spec_fields)
+        spec_fields["secret"] = bytes(spec_fields["secret"])
+        run_worker_loop(config, WorkerSpec(**spec_fields))

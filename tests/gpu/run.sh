@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# GPU checks for kernels/: Triton correctness (bf16, tol 1.5e-2, head sizes
+# 64/80/96/128/256, block 16/32; plus fp16/fp32, split-KV, CUDA graphs), then
+# bench/attention.py. Every step runs under `timeout`; the whole script stays
+# within about 8 minutes when a CUDA-capable Python already exists.
+# Usage (from anywhere): bash tests/gpu/run.sh        LOG_DIR=... to keep logs elsewhere.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+unset TRITON_INTERPRET
+LOG_DIR=${LOG_DIR:-/tmp/conveyor-gpu}
+mkdir -p "$LOG_DIR"
+BUDGET=470   # seconds for everything, leaving slack under 8 minutes
+declare -a SUMMARY=()
+
+has_cuda_stack() {  # $1: python; true if it has torch (CUDA visible), triton, pytest
+  [ -x "$(command -v "$1" 2>/dev/null)" ] || return 1
+  timeout 90 "$1" -c "import torch, triton, pytest, numpy; assert torch.cuda.is_available()" 2>/dev/null
+}
+
+pick_python() {
+  for py in .venv/bin/python python3; do
+    if has_cuda_stack "$py"; then echo "$py"; return 0; fi
+  done
+  return 1
+}
+
+remaining() { echo $((BUDGET - SECONDS)); }
+
+step() {  # $1: name, $2: timeout seconds, rest: command
+  local name=$1 limit=$2; shift 2
+  local left; left=$(remaining)
+  if [ "$left" -lt 20 ]; then
+    SUMMARY+=("SKIP  $name (time budget spent)"); return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $name (timeout ${limit}s)"
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+  rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - t0))
+  if [ "$rc" -eq 0 ]; then SUMMARY+=("PASS  $name (${took}s)")
+  elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then SUMMARY+=("TIME  $name (killed after ${took}s)")
+  else SUMMARY+=("FAIL  $name (rc=$rc, ${took}s)"); fi
+  return "$rc"
+}
+
+if ! command -v nvidia-smi >/dev/null 2>&1 && [ ! -e /dev/nvidiactl ]; then
+  echo "SKIP  no NVIDIA GPU on this machine; tests/gpu/run.sh needs one"
+  exit 0
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null
+
+PY=$(pick_python)
+if [ -z "$PY" ]; then
+  echo "=== setup: no Python with CUDA torch + triton + pytest; preparing .venv"
+  [ -x .venv/bin/python ] || python3 -m venv --system-site-packages .venv
+  timeout 240 .venv/bin/pip install -q "torch>=2.4" "triton>=3.0" pytest numpy \
+    || echo "pip install failed or timed out (offline machine?)"
+  PY=$(pick_python)
+fi
+if [ -z "$PY" ]; then
+  echo "FAIL  setup: no usable CUDA Python (is there a GPU and a CUDA build of torch?)"
+  exit 1
+fi
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_name(0))"
+
+step kernel-tests 300 "$PY" -m pytest tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider -rf
+tests_rc=$?
+step bench 200 "$PY" bench/attention.py
+bench_rc=$?
+
+echo
+echo "=== summary (logs in $LOG_DIR, ${SECONDS}s total)"
+for line in "${SUMMARY[@]}"; do echo "$line"; done
+grep -E "passed|failed|error" "$LOG_DIR/kernel-tests.log" 2>/dev/null | tail -n 1
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
