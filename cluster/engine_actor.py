@@ -139,8 +139,18 @@ class RayCoreClient:
             return f"engine actor failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     def _send(self, msg: CoreInput) -> None:
+        payload = self._in.encode(msg)
+        deadline = time.monotonic() + 10.0
         with self._send_lock:
-            self._in.send(msg)
+            # Never block the caller's event loop on a dead engine actor.
+            while not self._in.try_send_bytes(payload):
+                if self.dead is not None:
+                    raise EngineDeadError(self.dead)
+                if time.monotonic() > deadline:
+                    err = self._actor_error() or "engine actor is not accepting input"
+                    self.dead = err
+                    raise EngineDeadError(err)
+                time.sleep(0.0005)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(CoreInput("add", request))

@@ -53,6 +53,15 @@ class Channel:
         """Send an already-encoded payload (encode once, send to many)."""
         self.sock.send_multipart((sign(self.secret, payload), payload), copy=False)
 
+    def try_send_bytes(self, payload: bytes) -> bool:
+        """Non-blocking send; False when no peer can take it now (none
+        connected yet, a dead one, or a full queue)."""
+        try:
+            self.sock.send_multipart((sign(self.secret, payload), payload), flags=zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:
+            return False
+
     def encode(self, msg: Any) -> bytes:
         return self._enc.encode(msg)
 

@@ -117,7 +117,14 @@ class DistributedExecutor(Executor):
     def _broadcast(self, cmd: WorkerCommand) -> None:
         payload = self._cmds[0].encode(cmd)  # encode once
         for ch in self._cmds:
-            ch.send_bytes(payload)
+            # A PUSH socket blocks while its worker is not connected (starting
+            # up, or dead): wait, but give up as soon as the engine is dead.
+            while not ch.try_send_bytes(payload):
+                if self._closing:
+                    return
+                if self._dead is not None:
+                    raise EngineDeadError(self._dead)
+                time.sleep(0.0005)
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
@@ -194,11 +201,10 @@ class DistributedExecutor(Executor):
     def shutdown(self) -> None:
         if self._closing:
             return
+        payload = self._cmds[0].encode(WorkerCommand("shutdown"))
         self._closing = True
-        try:
-            self._broadcast(WorkerCommand("shutdown"))
-        except zmq.ZMQError:
-            pass
+        for ch in self._cmds:
+            ch.try_send_bytes(payload)
         self._stop_workers()
         self._fail(self._dead or "engine shut down")
         if self._receiver is not None:
