@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 class DistributedExecutor(Executor):
     rpc_timeout_s = 600.0  # model loading can be slow
 
-    def __init__(self, config: EngineConfig, host: str = "127.0.0.1") -> None:
+    def __init__(self, config: EngineConfig, host: str = "127.0.0.1",
+                 worker_class: str = "workers.worker:Worker") -> None:
         self.config = config
+        self.worker_class = worker_class
         self.world_size = config.world_size
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self.secret = os.urandom(32)
@@ -72,7 +74,7 @@ class DistributedExecutor(Executor):
         init = init_method or self._init_method()
         local = local_ranks or list(range(self.world_size))
         return [WorkerSpec(rank, local[rank], init, self._cmds[rank].address, self._replies.address,
-                           self.secret, parent_pid) for rank in range(self.world_size)]
+                           self.secret, parent_pid, self.worker_class) for rank in range(self.world_size)]
 
     # ---- start-up ------------------------------------------------------------------
 

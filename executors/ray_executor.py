@@ -79,10 +79,12 @@ def place_workers(pg: PlacementGroup, first: int, world: int, tp: int
 
 
 class RayExecutor(DistributedExecutor):
-    def __init__(self, config: EngineConfig, pg: PlacementGroup | None = None) -> None:
+    def __init__(self, config: EngineConfig, pg: PlacementGroup | None = None,
+                 worker_class: str = "workers.worker:Worker") -> None:
         self.started_ray = ensure_ray()
         multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
-        super().__init__(config, host=ray.util.get_node_ip_address() if multi_node else "127.0.0.1")
+        super().__init__(config, host=ray.util.get_node_ip_address() if multi_node else "127.0.0.1",
+                         worker_class=worker_class)
         self._pg = pg
         self._own_pg = False
         self._actors: list[Any] = []

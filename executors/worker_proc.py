@@ -47,6 +47,8 @@ class WorkerSpec:
     reply_address: str  # the executor's PULL
     secret: bytes
     parent_pid: int | None = None  # exit when this process disappears
+    # "module:Class" of the worker; benchmarks swap in a no-op model.
+    worker_class: str = "workers.worker:Worker"
 
 
 def is_output_rank(config: EngineConfig, rank: int) -> bool:
@@ -55,12 +57,14 @@ def is_output_rank(config: EngineConfig, rank: int) -> bool:
 
 
 def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
-    from workers.worker import Worker
+    import importlib
 
+    module, _, name = spec.worker_class.partition(":")
+    worker_cls = getattr(importlib.import_module(module), name)
     ctx = zmq.Context()
     cmds = Channel(ctx, zmq.PULL, spec.secret, WorkerCommand, connect=spec.command_address)
     replies = Channel(ctx, zmq.PUSH, spec.secret, None, connect=spec.reply_address)
-    worker = Worker(config, spec.rank, spec.local_rank, spec.init_method)
+    worker = worker_cls(config, spec.rank, spec.local_rank, spec.init_method)
     output_rank = is_output_rank(config, spec.rank)
     fault_at = _fault_point(spec.rank)
     steps = 0
