@@ -190,7 +190,7 @@ class SyncRayEngine:
     """The EngineCore-shaped face of a RayCoreClient, for the blocking LLM class."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine.core import validate_core_request
+        from engine.frontend import validate_core_request
 
         self._validate = validate_core_request
         self.config = config
@@ -201,7 +201,7 @@ class SyncRayEngine:
         self.client.start(self._outputs.put)
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        self._validate(request, self.config, self.kv_info)
+        self._validate(request, self.config, self.kv_info.vocab_size)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate_request(request)

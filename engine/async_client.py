@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.contracts import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from engine.contracts import EngineCoreOutputs, SchedulerStats
 from engine.core_client import CoreClient
-from engine.llm import _eos_ids, _maybe_tokenizer
+from engine.frontend import Frontend, PreparedRequest
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
 
@@ -65,11 +65,10 @@ def make_core_client(config: EngineConfig) -> CoreClient:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, client: CoreClient | None = None) -> None:
         self.config = config
-        self.tokenizer = _maybe_tokenizer(config)
-        self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
         self.client = client if client is not None else make_core_client(config)
         self.max_model_len = config.max_model_len
-        self.vocab_size = self.client.kv_info.vocab_size
+        self.frontend = Frontend(config, self.client.kv_info.vocab_size)
+        self.tokenizer = self.frontend.tokenizer
         self.streams: dict[str, _Stream] = {}
         self._child_to_stream: dict[str, tuple[_Stream, RequestState]] = {}
         self.stats = SchedulerStats()
@@ -107,48 +106,27 @@ class AsyncLLM:
     # ---- requests ----------------------------------------------------------------
 
     def prepare(self, prompt: str | list[int], sp: SamplingParams,
-                request_id: str | None = None) -> tuple[str, str | None, list[int], list[EngineCoreRequest]]:
+                request_id: str | None = None, priority: int = 0) -> PreparedRequest:
         """Tokenize and validate; raises ValueError (nothing queued)."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: send token ids")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        sp.validate(max_n=self.config.model.max_n)
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else 1
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
-        if self.vocab_size and any(t < 0 or t >= self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if self.extra_eos and not sp.ignore_eos:
-            sp = sp.clone(stop_token_ids=sorted(set(sp.stop_token_ids) | self.extra_eos))
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        reqs = [EngineCoreRequest(request_id=f"{rid}-{k}", prompt_token_ids=ids,
-                                  sampling_params=sp.clone(n=1, seed=None if sp.seed is None else sp.seed + k),
-                                  eos_token_id=self.eos_token_id, arrival_time=time.time())
-                for k in range(sp.n)]
-        return rid, text, ids, reqs
+        return self.frontend.prepare(prompt, sp, rid, priority)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields deltas: each RequestOutput carries only the choices that
         changed, with their new text/token ids/logprobs; the last has finished=True."""
         self._ensure_started()
-        rid, text, ids, reqs = self.prepare(prompt, sampling_params, request_id)
+        prep = self.prepare(prompt, sampling_params, request_id, priority)
+        rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
         children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer)
                     for k, r in enumerate(reqs)]
-        stream = _Stream(rid, text, ids, children)
+        stream = _Stream(rid, prep.prompt, ids, children)
         self.streams[rid] = stream
         for r, c in zip(reqs, children):
-            r.priority = priority
             self._child_to_stream[r.request_id] = (stream, c)
         self.counters.prompt_tokens += len(ids) * len(reqs)
         for r in reqs:

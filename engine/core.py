@@ -14,29 +14,12 @@ from concurrent.futures import Future
 from engine.config import EngineConfig
 from engine.contracts import (EngineCoreOutputs, EngineCoreRequest, KVCacheInfo,
                               ModelRunnerOutput, RequestStatus, SchedulerOutput)
+from engine.frontend import validate_core_request
 from engine.request import Request
 from engine.scheduler import Scheduler
 from executors.base import Executor
 
 _Entry = tuple["Future[ModelRunnerOutput]", SchedulerOutput]
-
-
-def validate_core_request(request: EngineCoreRequest, config: EngineConfig,
-                          kv_info: KVCacheInfo) -> None:
-    """Raise ValueError naming the problem; called before anything is queued."""
-    n = len(request.prompt_token_ids)
-    max_len = config.max_model_len
-    if n == 0:
-        raise ValueError("prompt must not be empty")
-    sp = request.sampling_params
-    sp.validate(max_n=config.model.max_n)
-    max_tokens = sp.max_tokens or 1
-    if n + max_tokens > max_len:
-        raise ValueError(
-            f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len ({max_len})")
-    vocab = kv_info.vocab_size
-    if vocab and any(t < 0 or t >= vocab for t in request.prompt_token_ids):
-        raise ValueError(f"prompt_token_ids must be in [0, {vocab})")
 
 
 class EngineCore:
@@ -59,7 +42,7 @@ class EngineCore:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.config.max_model_len))
 
     def validate_request(self, request: EngineCoreRequest) -> None:
-        validate_core_request(request, self.config, self.kv_info)
+        validate_core_request(request, self.config, self.kv_info.vocab_size)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._aborts.put(list(request_ids))

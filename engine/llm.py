@@ -5,8 +5,6 @@ plus the tokenizer and the per-request output state."""
 from __future__ import annotations
 
 import itertools
-import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,11 +13,10 @@ from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.frontend import Frontend, Prompt
+from engine.tokenizer import Tokenizer
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput"]
-
-Prompt = str | list[int]
 
 
 class LLM:
@@ -32,9 +29,9 @@ class LLM:
         if not config.model.path:
             raise ValueError("model is required: a local Hugging Face checkpoint directory")
         self.config = config
-        self.tokenizer = _maybe_tokenizer(config)
-        self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
         self.engine = self._make_engine(config)
+        self.frontend = Frontend(config, self.engine.kv_info.vocab_size)
+        self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
 
     @staticmethod
@@ -76,25 +73,10 @@ class LLM:
 
     def _make_requests(self, prompt: Prompt, sp: SamplingParams
                        ) -> tuple[str | None, list[int], list[tuple[EngineCoreRequest, RequestState]]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json: pass token ids")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-        sp.validate(max_n=self.config.model.max_n)
-        if self.extra_eos and not sp.ignore_eos:
-            sp = sp.clone(stop_token_ids=sorted(set(sp.stop_token_ids) | self.extra_eos))
-        base = f"req{next(self._ids)}"
-        out = []
-        for k in range(sp.n):
-            child = sp.clone(n=1, seed=None if sp.seed is None else sp.seed + k)
-            rid = f"{base}-{k}"
-            ecr = EngineCoreRequest(request_id=rid, prompt_token_ids=ids, sampling_params=child,
-                                    eos_token_id=self.eos_token_id)
-            self.engine.validate_request(ecr)
-            out.append((ecr, RequestState.make(rid, k, child, ids, self.tokenizer)))
-        return text, ids, out
+        prep = self.frontend.prepare(prompt, sp, f"req{next(self._ids)}")
+        states = [RequestState.make(c.request_id, k, c.sampling_params, prep.prompt_token_ids,
+                                    self.tokenizer) for k, c in enumerate(prep.children)]
+        return prep.prompt, prep.prompt_token_ids, list(zip(prep.children, states))
 
     def _run(self, states: dict[str, RequestState], use_tqdm: bool) -> None:
         pending = set(states)
@@ -157,28 +139,6 @@ def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int
     if len(sp) != n:
         raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
     return sp
-
-
-def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:
-    path = config.model.tokenizer or config.model.path
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return None
-    return load_tokenizer(path)
-
-
-def _eos_ids(config: EngineConfig, tok: Tokenizer | None) -> tuple[int | None, set[int]]:
-    if tok is not None:
-        return tok.eos_token_id, set(tok.eos_token_ids) - {tok.eos_token_id}
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        f = os.path.join(config.model.path, name)
-        if os.path.isfile(f):
-            with open(f) as fh:
-                v = json.load(fh).get("eos_token_id")
-            if v is not None:
-                ids = v if isinstance(v, list) else [v]
-                break
-    return (ids[0] if ids else None), set(ids[1:])
 
 
 def _progress(total: int) -> Any:

@@ -116,7 +116,7 @@ def test_eos_min_tokens_and_ignore_eos(ckpts, prompts, refs):
     # not the same thing; instead check min_tokens suppresses a real EOS.
     llm = LLM(model=path)
     try:
-        llm.eos_token_id = ref[3]  # pretend this token is EOS for this engine
+        llm.frontend.eos_token_id = ref[3]  # pretend this token is EOS for this engine
         o = llm.generate([prompts[1]], SamplingParams(max_tokens=32, temperature=0.0), use_tqdm=False)[0]
         assert o.outputs[0].token_ids == ref[:4] and o.outputs[0].finish_reason == "stop"
         o = llm.generate([prompts[1]], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
@@ -195,3 +195,14 @@ def test_invalid_input_queues_nothing(ckpts):
         assert len(out[0].outputs[0].token_ids) == 4  # the engine still works
     finally:
         llm.shutdown()
+
+
+def test_triton_backend_matches_torch(ckpts):
+    """The Triton kernels (under TRITON_INTERPRET=1 on CPU) give the torch
+    backend's greedy tokens, prefill chunks and decodes alike."""
+    path = ckpts["llama"]
+    prompts = random_prompts(3, 5, 40, seed=9)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref, _ = _generate(path, prompts, sp, attention_backend="torch", max_num_batched_tokens=32)
+    got, _ = _generate(path, prompts, sp, attention_backend="triton", max_num_batched_tokens=32)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]

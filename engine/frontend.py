@@ -1,0 +1,91 @@
+"""What every frontend does before a request reaches the core: tokenize,
+resolve EOS ids, validate against the engine's limits, fan `n` out into child
+requests. Shared by LLM (offline) and AsyncLLM (serving, batch)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.contracts import EngineCoreRequest
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass
+class PreparedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[EngineCoreRequest]  # one per n, ids "<request_id>-<k>"
+
+
+def validate_core_request(request: EngineCoreRequest, config: EngineConfig, vocab_size: int) -> None:
+    """Raise ValueError naming the problem; runs before anything is queued."""
+    n = len(request.prompt_token_ids)
+    max_len = config.max_model_len
+    if n == 0:
+        raise ValueError("prompt must not be empty")
+    sp = request.sampling_params
+    sp.validate(max_n=config.model.max_n)
+    max_tokens = sp.max_tokens or 1
+    if n + max_tokens > max_len:
+        raise ValueError(
+            f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len ({max_len})")
+    if vocab_size and any(t < 0 or t >= vocab_size for t in request.prompt_token_ids):
+        raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
+
+
+class Frontend:
+    def __init__(self, config: EngineConfig, vocab_size: int = 0) -> None:
+        self.config = config
+        self.vocab_size = vocab_size
+        self.tokenizer = _maybe_tokenizer(config)
+        self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
+
+    def prepare(self, prompt: Prompt, sp: SamplingParams, request_id: str,
+                priority: int = 0) -> PreparedRequest:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        sp.validate(max_n=self.config.model.max_n)
+        # Extra EOS ids of generation_config.json stop like stop_token_ids (vLLM).
+        if self.extra_eos and not sp.ignore_eos:
+            sp = sp.clone(stop_token_ids=sorted(set(sp.stop_token_ids) | self.extra_eos))
+        now = time.time()
+        children = [EngineCoreRequest(request_id=f"{request_id}-{k}", prompt_token_ids=ids,
+                                      sampling_params=sp.clone(n=1, seed=None if sp.seed is None else sp.seed + k),
+                                      eos_token_id=self.eos_token_id, arrival_time=now, priority=priority)
+                    for k in range(sp.n)]
+        for c in children:
+            validate_core_request(c, self.config, self.vocab_size)
+        return PreparedRequest(request_id, text, ids, children)
+
+
+def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    path = config.model.tokenizer or config.model.path
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    return load_tokenizer(path)
+
+
+def _eos_ids(config: EngineConfig, tok: Tokenizer | None) -> tuple[int | None, set[int]]:
+    if tok is not None:
+        return tok.eos_token_id, set(tok.eos_token_ids) - {tok.eos_token_id}
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = os.path.join(config.model.path, name)
+        if os.path.isfile(f):
+            with open(f) as fh:
+                v = json.load(fh).get("eos_token_id")
+            if v is not None:
+                ids = v if isinstance(v, list) else [v]
+                break
+    return (ids[0] if ids else None), set(ids[1:])
