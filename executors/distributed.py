@@ -23,7 +23,7 @@ from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
 from executors.base import EngineDeadError, Executor
 from executors.channel import Channel
 from executors.messages import WorkerCommand, WorkerReply
-from executors.worker_proc import WorkerSpec, is_output_rank
+from executors.worker_proc import WorkerSpec
 
 log = logging.getLogger(__name__)
 

@@ -70,3 +70,16 @@ def tmpdir(base: str, name: str) -> str:
     p = os.path.join(base, name)
     os.makedirs(p, exist_ok=True)
     return p
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from engine.config import build_config
 from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreRequest, KVCacheInfo,
                               ModelRunnerOutput, SchedulerOutput)
 from engine.request import Request

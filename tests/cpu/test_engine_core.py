@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import build_config
-from engine.contracts import EngineCoreRequest, RequestStatus
+from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
 from sched_utils import EOS, FakeExecutor

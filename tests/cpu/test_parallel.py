@@ -3,14 +3,13 @@
 weights, uneven splits, and a failing rank."""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
 from engine import LLM, SamplingParams
 from executors.base import EngineDeadError
-from llm_utils import hf_greedy, make_checkpoint, random_prompts, top5_agree
+from llm_utils import pid_alive, hf_greedy, make_checkpoint, random_prompts, top5_agree
 from tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -103,17 +102,5 @@ def test_failing_rank_fails_the_step(ckpts, prompts, monkeypatch):
         llm.shutdown()
     time.sleep(0.5)
     for pid in pids:
-        assert not _alive(pid), f"worker {pid} outlived shutdown"
+        assert not pid_alive(pid), f"worker {pid} outlived shutdown"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purpose.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False

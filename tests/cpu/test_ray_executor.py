@@ -15,7 +15,7 @@ from engine import LLM, SamplingParams
 from engine.async_client import AsyncLLM, collect
 from engine.config import build_config
 from executors.channel import Channel
-from llm_utils import make_checkpoint, random_prompts
+from llm_utils import pid_alive, make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -84,7 +84,7 @@ def test_worker_death_fails_requests_and_engine(ray_local, ckpt, prompts):
         assert len(o.outputs[0].token_ids) < 400
     time.sleep(1.0)
     for pid in pids:
-        assert not _alive(pid), f"worker process {pid} left behind"
+        assert not pid_alive(pid), f"worker process {pid} left behind"
     # A new engine starts fine afterwards.
     llm = LLM(model=ckpt, executor="ray")
     try:
@@ -140,16 +140,4 @@ def test_pp_batch_queue_overlaps(ckpt, prompts):
     steps = sorted(s1)
     overlaps = sum(1 for a, b in zip(steps, steps[1:]) if b in s0 and s0[b][0] < s1[a][1])
     assert overlaps > 0, "stage 0 never started a new batch while stage 1 was busy"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
