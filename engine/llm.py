@@ -52,11 +52,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. `priority` (one per prompt,
+        lower runs first) matters with policy="priority"."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        prios = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prios) != len(prompts):
+            raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
         # Build and validate every request first: on bad input nothing is queued.
-        batch = [self._make_requests(p, sp) for p, sp in zip(prompts, params)]
+        batch = [self._make_requests(p, sp, pr) for p, sp, pr in zip(prompts, params, prios)]
         states: dict[str, RequestState] = {}
         for reqs in batch:
             for ecr, st in reqs[2]:
@@ -71,9 +76,9 @@ class LLM:
                                          max(st.num_cached_tokens for st in sts), True))
         return results
 
-    def _make_requests(self, prompt: Prompt, sp: SamplingParams
+    def _make_requests(self, prompt: Prompt, sp: SamplingParams, priority: int = 0
                        ) -> tuple[str | None, list[int], list[tuple[EngineCoreRequest, RequestState]]]:
-        prep = self.frontend.prepare(prompt, sp, f"req{next(self._ids)}")
+        prep = self.frontend.prepare(prompt, sp, f"req{next(self._ids)}", priority)
         states = [RequestState.make(c.request_id, k, c.sampling_params, prep.prompt_token_ids,
                                     self.tokenizer) for k, c in enumerate(prep.children)]
         return prep.prompt, prep.prompt_token_ids, list(zip(prep.children, states))

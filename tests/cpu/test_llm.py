@@ -206,3 +206,25 @@ def test_triton_backend_matches_torch(ckpts):
     ref, _ = _generate(path, prompts, sp, attention_backend="torch", max_num_batched_tokens=32)
     got, _ = _generate(path, prompts, sp, attention_backend="triton", max_num_batched_tokens=32)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_priority_policy_orders_admission(ckpts):
+    """With max_num_seqs=1 and policy="priority", the lowest value finishes first."""
+    llm = LLM(model=ckpts["llama"], policy="priority", max_num_seqs=1)
+    try:
+        order: list[str] = []
+        sched = llm.engine.scheduler
+        orig = sched.schedule
+
+        def spy():
+            so = orig()
+            order.extend(r.req_id for r in so.scheduled_new_reqs)
+            return so
+
+        sched.schedule = spy
+        outs = llm.generate([[5, 6]] * 4, SamplingParams(max_tokens=2, ignore_eos=True),
+                            use_tqdm=False, priority=[3, 1, 2, 0])
+        assert [o.request_id for o in outs] == ["req0", "req1", "req2", "req3"]
+        assert order == ["req3-0", "req1-0", "req2-0", "req0-0"]
+    finally:
+        llm.shutdown()
