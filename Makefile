@@ -4,11 +4,10 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: venv test bench-scheduler clean
+.PHONY: venv test run bench-scheduler clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 
 # torch first, so pip takes the local CPU build instead of a CUDA one.
 venv: $(VPY)
@@ -17,6 +16,10 @@ venv: $(VPY)
 
 test: venv
 	$(VPY) -m pytest tests/cpu
+
+# `make run`: fresh clone -> local Ray, the demo model served at 127.0.0.1, one request answered.
+run: venv
+	$(VPY) -m cluster.demo
 
 bench-scheduler: venv
 	$(VPY) bench/scheduler.py

@@ -52,7 +52,8 @@ class EngineCoreActor:
         self._out = Channel(self._ctx, zmq.PUSH, secret, None, bind_host=host)
         self._loop = EngineBusyLoop(self.core, self._out.send)
         self._closing = False
-        threading.Thread(target=self._read_inputs, daemon=True, name="core-inputs").start()
+        self._reader = threading.Thread(target=self._read_inputs, daemon=True, name="core-inputs")
+        self._reader.start()
         self._runner = threading.Thread(target=self._loop.run, daemon=True, name="core-loop")
         self._runner.start()
 
@@ -81,6 +82,7 @@ class EngineCoreActor:
         self._closing = True
         self._loop.stop()
         self._runner.join(timeout=30)
+        self._reader.join(timeout=5)  # it polls self._in: close only after it stopped
         self.core.shutdown()
         self._in.close()
         self._out.close()

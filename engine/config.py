@@ -158,8 +158,8 @@ def build_config(tree: dict[str, Any] | None = None, source: str = "<kwargs>",
         cfg = msgspec.convert(tree, EngineConfig, strict=True)
     except msgspec.ValidationError as e:
         raise ConfigError(_format_validation_error(str(e), tree, over, source)) from None
-    _validate(cfg, source)
-    return _resolve(cfg, source)
+    _validate(cfg, source, over)
+    return _resolve(cfg, source, over)
 
 
 def _default_max_num_seqs(tree: dict[str, Any]) -> None:
@@ -184,7 +184,10 @@ def read_config_tree(path: str) -> dict[str, Any]:
         with open(p) as f:
             tree = yaml.safe_load(f) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).replace("\n", " ")
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level: expected a mapping of sections, got {type(tree).__name__}")
     return tree
@@ -205,8 +208,9 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
-def _fail(source: str, key: str, expect: str, got: Any) -> ConfigError:
-    return ConfigError(f"{source}: {key}: expected {expect}, got {_show(got)}")
+def _fail(source: str, key: str, expect: str, got: Any, over: dict[str, Any] | None = None) -> ConfigError:
+    mark = " (from an override)" if over and _lookup(over, key) is not _MISSING else ""
+    return ConfigError(f"{source}: {key}: expected {expect}, got {_show(got)}{mark}")
 
 
 _MISSING = object()
@@ -319,19 +323,19 @@ def _get(cfg: EngineConfig, key: str) -> Any:
     return getattr(getattr(cfg, section), field)
 
 
-def _validate(cfg: EngineConfig, source: str) -> None:
+def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
     for key, (expect, ok) in _RULES.items():
         value = _get(cfg, key)
         if not ok(value):
-            raise _fail(source, key, expect, value)
+            raise _fail(source, key, expect, value, over)
     p = cfg.parallel
     if p.pp_layer_partition is not None and len(p.pp_layer_partition) != p.pipeline_parallel_size:
         raise _fail(source, "parallel.pp_layer_partition",
                     f"a list of parallel.pipeline_parallel_size ({p.pipeline_parallel_size}) layer counts",
-                    p.pp_layer_partition)
+                    p.pp_layer_partition, over)
 
 
-def _resolve(cfg: EngineConfig, source: str) -> EngineConfig:
+def _resolve(cfg: EngineConfig, source: str, over: dict[str, Any]) -> EngineConfig:
     """Fill max_model_len (from the checkpoint when it is there) and check the
     combinations that depend on it."""
     m, s = cfg.model, cfg.scheduler
@@ -341,14 +345,14 @@ def _resolve(cfg: EngineConfig, source: str) -> EngineConfig:
         max_len = hf_len if hf_len is not None else 2048
     elif hf_len is not None and max_len > hf_len:
         raise _fail(source, "model.max_model_len",
-                    f"int <= the checkpoint's max_position_embeddings ({hf_len})", max_len)
+                    f"int <= the checkpoint's max_position_embeddings ({hf_len})", max_len, over)
     if s.max_num_batched_tokens < s.max_num_seqs:
         raise _fail(source, "scheduler.max_num_batched_tokens",
-                    f"int >= scheduler.max_num_seqs ({s.max_num_seqs})", s.max_num_batched_tokens)
+                    f"int >= scheduler.max_num_seqs ({s.max_num_seqs})", s.max_num_batched_tokens, over)
     if not s.enable_chunked_prefill and max_len > s.max_num_batched_tokens:
         raise _fail(source, "scheduler.max_num_batched_tokens",
                     f"int >= max_model_len ({max_len}) when scheduler.enable_chunked_prefill is false "
-                    f"(a longer prompt could never be scheduled)", s.max_num_batched_tokens)
+                    f"(a longer prompt could never be scheduled)", s.max_num_batched_tokens, over)
     return msgspec.structs.replace(cfg, model=msgspec.structs.replace(m, max_model_len=max_len))
 
 

@@ -51,6 +51,7 @@ class IncrementalDetokenizer:
         self._text = ""
         self._sent = 0  # chars of _text already returned by get_delta
         self._stop_str: str | None = None
+        self._flushed = False
 
     # ---- state ----------------------------------------------------------
     @property
@@ -136,6 +137,16 @@ class IncrementalDetokenizer:
         return s
 
     # ---- output ---------------------------------------------------------
+    def finish(self) -> None:
+        """The request ended: flush tokens pending as an incomplete character
+        (U+FFFD, as a full decode gives). Idempotent; get_delta state untouched."""
+        if self._flushed or self._stop_str is not None:
+            return
+        self._flushed = True
+        old_len = len(self._text)
+        self._text += self._advance(final=True)
+        self._check_stop(old_len)
+
     def get_delta(self, stream: bool, finished: bool = False) -> str:
         """Text not returned before.
 
@@ -147,10 +158,8 @@ class IncrementalDetokenizer:
         character: a request that ends mid-character gets U+FFFD, exactly as a
         full decode would produce.
         """
-        if finished and self._stop_str is None:
-            old_len = len(self._text)
-            self._text += self._advance(final=True)
-            self._check_stop(old_len)
+        if finished:
+            self.finish()
         done = finished or self._stop_str is not None
         if not stream and not done:
             return ""

@@ -90,6 +90,8 @@ class RequestState:
             self.finish_reason, self.stop_reason = str(o.finish_reason), o.stop_reason
             if o.error:
                 self.stop_reason = o.error
+            if self.detokenizer is not None:
+                self.detokenizer.finish()
         return False
 
     def fail(self, reason: str, message: str | None = None) -> None:
