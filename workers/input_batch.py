@@ -6,6 +6,7 @@ beyond matching the flattened token order of the step.
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,8 +77,11 @@ class InputBatch:
         return len(self.req_id_to_index)
 
     def add_request(self, state: CachedRequestState) -> int:
+        # The lowest free row, whatever order rows were freed in: every TP rank
+        # must put the same request in the same row (finished ids arrive as a
+        # set, whose order differs between processes).
         if self._holes:
-            row = self._holes.pop()
+            row = heapq.heappop(self._holes)
             self.req_ids[row] = state.req_id
         else:
             row = len(self.req_ids)
@@ -98,7 +102,7 @@ class InputBatch:
         row = self.req_id_to_index.pop(req_id, None)
         if row is not None:
             self.req_ids[row] = None
-            self._holes.append(row)
+            heapq.heappush(self._holes, row)
         return row
 
     def append_token(self, row: int, token: int) -> None:

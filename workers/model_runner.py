@@ -70,7 +70,7 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
-        for rid in so.finished_req_ids:
+        for rid in sorted(so.finished_req_ids):
             self.requests.pop(rid, None)
             batch.remove_request(rid)
         cached = so.scheduled_cached_reqs

@@ -61,3 +61,19 @@ def test_remove_and_condense_keep_rows_consistent():
     assert b.block_table.table[0, :2].tolist() == [4, 8]
     b.add_request(_state("x", [7], [9]))
     assert b.req_id_to_index["x"] == 2
+
+
+def test_row_assignment_independent_of_removal_order():
+    """TP ranks free rows in different orders (finished ids come as a set);
+    new requests must still land in the same rows on every rank."""
+    rows = []
+    for order in (["0", "2", "3"], ["3", "0", "2"], ["2", "3", "0"]):
+        b = InputBatch(6, 64, 16)
+        for i in range(5):
+            b.add_request(_state(str(i), [i + 1], [i + 1]))
+        for rid in order:
+            b.remove_request(rid)
+        placed = [b.add_request(_state(x, [9], [9])) for x in ("a", "b")]
+        b.condense()
+        rows.append((placed, list(b.req_ids)))
+    assert rows[0] == rows[1] == rows[2]

@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""Executor overhead per engine step: the RayExecutor data plane with a no-op model,
+next to the same fan-out done with plain Ray actor calls.
+
+What is timed (all in one run, on one local Ray instance, interleaved round-robin):
+
+- ``ours``   : ``executor.execute_model(so); executor.sample_tokens()`` on a
+  ``RayExecutor(cfg, worker_class="executors.noop_worker:NoopWorker")`` with TP=2.
+  The SchedulerOutput is msgspec-encoded once, HMAC-signed and pushed to both
+  ranks over ZMQ; the output rank replies with a ModelRunnerOutput.
+- ``ray``    : the peer. Two plain Ray actors (``num_cpus=1`` each) with a method
+  ``execute(so)`` that does the NoopWorker's work and returns a ModelRunnerOutput
+  (the output rank only; the other returns None, as our non-output rank does),
+  driven per step as ``ray.get([w.execute.remote(so) for w in workers])``. The
+  SchedulerOutput object is passed as is: Ray pickles it for each call.
+- ``core``   : full ``EngineCore.step()`` (schedule + execute + sample + update)
+  on the same RayExecutor, 256 requests in steady decode.
+- ``core-inproc``: the same ``EngineCore.step()`` with the NoopWorker called
+  in-process (no IPC): the scheduler's share of ``core``.
+
+The SchedulerOutputs of ``ours`` and ``ray`` are a recorded trace of real
+all-decode steps: a real ``Scheduler`` with 256 requests (prompts of 16-47 tokens,
+serve-style request ids ``cmpl-<32 hex>-0``) is driven to steady decode with fake
+one-token outputs, then ``--trace-len`` consecutive decode steps are recorded and
+replayed cyclically (256 cached requests, 1 token each, ``new_block_ids`` None
+except for the ~1/16 of requests that cross a 16-token block boundary that step).
+
+Method: ``perf_counter_ns`` around each step; gc collected, frozen and disabled
+during the timed loops (untimed collect every 500 steps); ``--warmup`` untimed
+steps per mode; then ``--rounds`` rounds of ``--steps / --rounds`` steps per
+mode, round-robin, each mode bounded by ``--max-seconds`` in all.
+
+Usage:
+  .venv/bin/python bench/executor_overhead.py                 # ~1 min
+  .venv/bin/python bench/executor_overhead.py --quick         # smoke test
+  .venv/bin/python bench/executor_overhead.py --profile       # + cProfile and worker timestamps
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import hmac
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import msgspec
+import ray
+
+from engine.config import EngineConfig, build_config
+from engine.contracts import (
+    EngineCoreRequest,
+    KVCacheInfo,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
+from engine.core import EngineCore
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from executors.base import Executor
+from executors.messages import WorkerCommand, WorkerReply
+
+DEFAULT_OUT = os.path.join(REPO, "bench", "out", "executor_overhead.json")
+NOOP = "executors.noop_worker:NoopWorker"
+PROMPT_LEN = 32
+GC_EVERY = 500
+perf_ns = time.perf_counter_ns
+
+
+# ---------------------------------------------------------------------------
+# Workload
+# ---------------------------------------------------------------------------
+def make_config(args) -> EngineConfig:
+    max_len = args.max_model_len
+    blocks = args.requests * (max_len // 16 + 1) + 1
+    return build_config(tensor_parallel_size=args.tp, executor="ray", max_num_seqs=args.requests,
+                        max_num_batched_tokens=max(8192, args.requests * PROMPT_LEN),
+                        max_model_len=max_len, num_gpu_blocks=blocks, enable_prefix_caching=False)
+
+
+def make_requests(n: int, max_tokens: int, seed: int, id_style: str) -> list[EngineCoreRequest]:
+    rng = random.Random(seed)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    out = []
+    for i in range(n):
+        rid = f"cmpl-{rng.getrandbits(128):032x}-0" if id_style == "serve" else f"req{i}-0"
+        n = rng.randint(PROMPT_LEN // 2, PROMPT_LEN * 3 // 2 - 1)
+        out.append(EngineCoreRequest(request_id=rid, prompt_token_ids=[rng.randrange(4, 500) for _ in range(n)],
+                                     sampling_params=sp, eos_token_id=1))
+    return out
+
+
+def noop_output(so: SchedulerOutput) -> ModelRunnerOutput:
+    """What NoopWorker.sample_tokens returns: one token per scheduled request."""
+    ids = list(so.num_scheduled_tokens)
+    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [[7] for _ in ids])
+
+
+def is_steady_decode(so: SchedulerOutput, n: int) -> bool:
+    return (not so.scheduled_new_reqs and so.scheduled_cached_reqs.num_reqs == n
+            and so.total_num_scheduled_tokens == n and not so.finished_req_ids)
+
+
+def record_decode_trace(cfg: EngineConfig, args) -> list[SchedulerOutput]:
+    """Drive a real Scheduler to steady decode; record `trace_len` decode steps."""
+    sched = Scheduler(cfg, cfg.cache.num_gpu_blocks, log_stats=True)
+    for ecr in make_requests(args.requests, args.max_model_len - 2 * PROMPT_LEN, args.seed, args.id_style):
+        sched.add_request(Request.from_engine_core_request(ecr, cfg.max_model_len))
+    trace: list[SchedulerOutput] = []
+    for _ in range(args.trace_len + 64):
+        so = sched.schedule()
+        sched.update_from_output(so, noop_output(so))
+        if is_steady_decode(so, args.requests):
+            trace.append(so)
+            if len(trace) == args.trace_len:
+                return trace
+    raise RuntimeError("scheduler did not reach steady decode")
+
+
+# ---------------------------------------------------------------------------
+# The peer: plain Ray actor calls
+# ---------------------------------------------------------------------------
+@ray.remote(num_cpus=1)
+class PlainRayWorker:
+    def __init__(self, output_rank: bool) -> None:
+        self.output_rank = output_rank
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], {}, [])
+        out = noop_output(so)
+        return out if self.output_rank else None
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+# ---------------------------------------------------------------------------
+# In-process no-op executor (EngineCore baseline without IPC)
+# ---------------------------------------------------------------------------
+class InprocNoopExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        from executors.noop_worker import NoopWorker
+        self.config = config
+        self.worker = NoopWorker(config)
+
+    def initialize(self) -> KVCacheInfo:
+        return self.worker.kv_info(self.worker.determine_num_blocks())
+
+    def execute_model(self, so, non_block=False):
+        return self.worker.execute_model(so)
+
+    def sample_tokens(self, grammar_output=None, non_block=False):
+        return self.worker.sample_tokens(grammar_output)
+
+
+# ---------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
+
+
+def summary(ns: list[int]) -> dict:
+    us = [x / 1000 for x in ns]
+    return {"n": len(us), "p50_us": pct(us, 50), "p90_us": pct(us, 90), "p99_us": pct(us, 99),
+            "mean_us": statistics.fmean(us), "min_us": min(us),
+            "steps_per_s": 1e6 / statistics.fmean(us)}
+
+
+def timed_loop(step, n: int, deadline: float, cpu: list[float]) -> list[int]:
+    out: list[int] = []
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    c0 = time.process_time()
+    try:
+        for i in range(n):
+            if time.monotonic() > deadline:
+                break
+            t0 = perf_ns()
+            step(i)
+            out.append(perf_ns() - t0)
+            if i % GC_EVERY == GC_EVERY - 1:
+                gc.collect()
+    finally:
+        cpu.append(time.process_time() - c0)
+        gc.enable()
+        gc.unfreeze()
+    return out
+
+
+def component_costs(so: SchedulerOutput, secret: bytes) -> dict:
+    """Driver-side microbenchmarks of one step's serialization work (µs)."""
+    import pickle
+
+    import ray.cloudpickle as cp
+
+    cmd = WorkerCommand("step", 1, scheduler_output=so)
+    enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(WorkerCommand)
+    payload = enc.encode(cmd)
+    reply = WorkerReply(0, 1, output=noop_output(so))
+    rpayload = enc.encode(reply)
+    rdec = msgspec.msgpack.Decoder(WorkerReply)
+    pick = cp.dumps(so, protocol=5)
+
+    def t(fn, n=2000):
+        fn()
+        t0 = perf_ns()
+        for _ in range(n):
+            fn()
+        return (perf_ns() - t0) / n / 1000
+
+    return {
+        "command_bytes": len(payload), "reply_bytes": len(rpayload), "pickled_so_bytes": len(pick),
+        "msgspec_encode_cmd_us": t(lambda: enc.encode(cmd)),
+        "msgspec_decode_cmd_us": t(lambda: dec.decode(payload)),
+        "hmac_sha256_cmd_us": t(lambda: hmac.new(secret, payload, hashlib.sha256).digest()),
+        "msgspec_encode_reply_us": t(lambda: enc.encode(reply)),
+        "msgspec_decode_reply_us": t(lambda: rdec.decode(rpayload)),
+        "noop_output_us": t(lambda: noop_output(so)),
+        "cloudpickle_dumps_so_us": t(lambda: cp.dumps(so, protocol=5)),
+        "pickle_loads_so_us": t(lambda: pickle.loads(pick)),
+    }
+
+
+def worker_breakdown(executor, sends: list[float], dones: list[float], n: int) -> dict:
+    """Align the last n driver steps with the workers' step timelines
+    (time.time() on both sides; same host clock)."""
+    tl = executor.collective_rpc("step_timeline")
+    res = {}
+    for rank, floats in enumerate(tl):
+        triples = [floats[i:i + 3] for i in range(0, len(floats), 3)][-n:]
+        m = min(len(triples), len(sends))
+        s, d, tr = sends[-m:], dones[-m:], triples[-m:]
+        recv = [(w0 - s0) * 1e6 for s0, (_, w0, _) in zip(s, tr)]
+        handle = [(w1 - w0) * 1e6 for _, w0, w1 in tr]
+        row = {"send_to_worker_start_p50_us": pct(recv, 50), "worker_handle_p50_us": pct(handle, 50)}
+        if rank == 0:  # output rank for PP=1
+            back = [(d0 - w1) * 1e6 for d0, (_, _, w1) in zip(d, tr)]
+            row["worker_end_to_driver_done_p50_us"] = pct(back, 50)
+        res[f"rank{rank}"] = row
+    total = [(d0 - s0) * 1e6 for s0, d0 in zip(sends[-n:], dones[-n:])]
+    res["driver_total_p50_us"] = pct(total, 50)
+    return res
+
+
+# ---------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=3000, help="timed steps per mode (all rounds)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--trace-len", type=int, default=64)
+    ap.add_argument("--max-seconds", type=float, default=60.0, help="time bound per mode")
+    ap.add_argument("--id-style", choices=["serve", "offline"], default="serve")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-core", action="store_true", help="skip the EngineCore.step() modes")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the timed run: cProfile of the driver loop + worker timestamps")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 200 steps, 1 round")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.warmup = 200, 1, 20
+    steps_core_max = args.max_model_len - 2 * PROMPT_LEN - 2 * args.warmup - 64
+
+    cfg = make_config(args)
+    trace = record_decode_trace(cfg, args)
+    nb = [sum(b is not None for b in so.scheduled_cached_reqs.new_block_ids) for so in trace]
+    print(f"decode trace: {len(trace)} steps x {args.requests} cached requests, 1 token each; "
+          f"requests with new blocks per step: mean {statistics.fmean(nb):.1f}, max {max(nb)}")
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
+    from executors.ray_executor import RayExecutor
+
+    core = inproc = None
+    results: dict = {"args": vars(args)}
+    try:
+        t0 = time.monotonic()
+        executor = RayExecutor(cfg, worker_class=NOOP)
+        core = EngineCore(cfg, executor)
+        print(f"RayExecutor TP={args.tp} with NoopWorker up in {time.monotonic() - t0:.1f}s "
+              f"(worker pids {getattr(executor, 'worker_pids', '?')})")
+        plain = [PlainRayWorker.remote(i == 0) for i in range(args.tp)]
+        ray.get([w.ping.remote() for w in plain])
+        costs = component_costs(trace[0], executor.secret)
+        results["components"] = costs
+        print("per-step serialization (driver, µs): " + ", ".join(
+            f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in costs.items()))
+
+        L = len(trace)
+
+        def ours(i: int) -> None:
+            executor.execute_model(trace[i % L])
+            out = executor.sample_tokens()
+            assert out is not None and len(out.req_ids) == args.requests
+
+        def plain_ray(i: int) -> None:
+            outs = ray.get([w.execute.remote(trace[i % L]) for w in plain])
+            assert outs[0] is not None and len(outs[0].req_ids) == args.requests
+
+        modes = {"ours": ours, "ray": plain_ray}
+        if not args.no_core:
+            for ecr in make_requests(args.requests, args.max_model_len - 2 * PROMPT_LEN, args.seed, args.id_style):
+                core.add_request(ecr)
+            inproc = EngineCore(cfg, InprocNoopExecutor(cfg))
+            for ecr in make_requests(args.requests, args.max_model_len - 2 * PROMPT_LEN, args.seed, args.id_style):
+                inproc.add_request(ecr)
+
+            def core_step(i: int, c=core) -> None:
+                c.step()
+
+            def inproc_step(i: int, c=inproc) -> None:
+                c.step()
+
+            modes["core"] = core_step
+            modes["core-inproc"] = inproc_step
+
+        # warm-up (also brings the cores to steady decode)
+        for name, fn in modes.items():
+            for i in range(args.warmup):
+                fn(i)
+        if not args.no_core:
+            for c in (core, inproc):
+                assert c.scheduler.get_num_unfinished_requests() == args.requests
+        per_round = max(1, args.steps // args.rounds)
+        if not args.no_core:
+            per_round = min(per_round, steps_core_max // args.rounds)
+        samples: dict[str, list[int]] = {m: [] for m in modes}
+        cpu: dict[str, list[float]] = {m: [] for m in modes}
+        walls: dict[str, float] = {m: 0.0 for m in modes}
+        tstart = time.monotonic()
+        for r in range(args.rounds):
+            for name, fn in modes.items():
+                w0 = time.monotonic()
+                deadline = w0 + max(0.0, args.max_seconds - walls[name])
+                samples[name] += timed_loop(fn, per_round, deadline, cpu[name])
+                walls[name] += time.monotonic() - w0
+        print(f"timed loops: {time.monotonic() - tstart:.1f}s, {per_round} steps/round x {args.rounds} rounds")
+        summ = {m: summary(v) | {"driver_cpu_per_step_us": sum(cpu[m]) / max(1, len(v)) * 1e6}
+                for m, v in samples.items()}
+        results["modes"] = summ
+        print()
+        print("| mode | steps | p50 µs | p90 µs | p99 µs | mean µs | min µs | steps/s | driver CPU µs/step |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for m, s in summ.items():
+            print(f"| {m} | {s['n']} | {s['p50_us']:.0f} | {s['p90_us']:.0f} | {s['p99_us']:.0f} | "
+                  f"{s['mean_us']:.0f} | {s['min_us']:.0f} | {s['steps_per_s']:.0f} | "
+                  f"{s['driver_cpu_per_step_us']:.0f} |")
+        o, p = summ["ours"], summ["ray"]
+        ratios = {"p50": p["p50_us"] / o["p50_us"], "p99": p["p99_us"] / o["p99_us"],
+                  "mean": p["mean_us"] / o["mean_us"]}
+        results["ray_over_ours"] = ratios
+        print(f"\nplain Ray / ours: p50 {ratios['p50']:.2f}x, p99 {ratios['p99']:.2f}x, mean {ratios['mean']:.2f}x")
+        print(f"goal p50 <= 1000 µs: {'MET' if o['p50_us'] <= 1000 else 'MISSED'} ({o['p50_us']:.0f} µs); "
+              f"goal >= 3x plain Ray: {'MET' if ratios['p50'] >= 3 else 'MISSED'} ({ratios['p50']:.2f}x)")
+        if not args.no_core:
+            extra = summ["core"]["p50_us"] - summ["core-inproc"]["p50_us"]
+            results["core_minus_inproc_p50_us"] = extra
+            print(f"EngineCore.step(): over Ray {summ['core']['p50_us']:.0f} µs vs in-process "
+                  f"{summ['core-inproc']['p50_us']:.0f} µs p50 -> executor adds {extra:.0f} µs")
+
+        if args.profile:
+            results["profile"] = profile(executor, trace, args)
+    finally:
+        if core is not None:
+            core.shutdown()
+        ray.shutdown()
+    results["env"] = {"python": platform.python_version(), "ray": ray.__version__,
+                      "msgspec": msgspec.__version__, "nproc": os.cpu_count(),
+                      "loadavg_end": os.getloadavg(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {args.out}")
+
+
+def profile(executor, trace, args) -> dict:
+    import cProfile
+    import io
+    import pstats
+
+    L, n = len(trace), 2000
+    sends, dones = [], []
+    for i in range(n):  # timestamps (not under cProfile)
+        s = time.time()
+        executor.execute_model(trace[i % L])
+        executor.sample_tokens()
+        sends.append(s)
+        dones.append(time.time())
+    br = worker_breakdown(executor, sends, dones, n)
+    print("\nworker timestamps (p50, µs):", json.dumps(br))
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(n):
+        executor.execute_model(trace[i % L])
+        executor.sample_tokens()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(18)
+    print("\ncProfile of the driver (main thread only), by tottime:\n" + buf.getvalue())
+    path = os.path.join(os.path.dirname(args.out), "executor_overhead.prof")
+    pr.dump_stats(path)
+    return {"worker_timestamps": br, "prof": path}
+
+
+if __name__ == "__main__":
+    main()
