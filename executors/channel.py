@@ -53,11 +53,13 @@ class Channel:
         """Send an already-encoded payload (encode once, send to many)."""
         self.sock.send_multipart((sign(self.secret, payload), payload), copy=False)
 
-    def try_send_bytes(self, payload: bytes) -> bool:
+    def try_send_bytes(self, payload: bytes, mac: bytes | None = None) -> bool:
         """Non-blocking send; False when no peer can take it now (none
-        connected yet, a dead one, or a full queue)."""
+        connected yet, a dead one, or a full queue). `mac` lets a broadcast
+        to channels sharing the secret sign once."""
         try:
-            self.sock.send_multipart((sign(self.secret, payload), payload), flags=zmq.NOBLOCK, copy=False)
+            self.sock.send_multipart((mac or sign(self.secret, payload), payload),
+                                     flags=zmq.NOBLOCK, copy=False)
             return True
         except zmq.Again:
             return False

@@ -21,7 +21,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
 from executors.base import EngineDeadError, Executor
-from executors.channel import Channel
+from executors.channel import Channel, sign
 from executors.messages import WorkerCommand, WorkerReply
 from executors.worker_proc import WorkerSpec
 
@@ -117,11 +117,12 @@ class DistributedExecutor(Executor):
     # ---- per step --------------------------------------------------------------------
 
     def _broadcast(self, cmd: WorkerCommand) -> None:
-        payload = self._cmds[0].encode(cmd)  # encode once
+        payload = self._cmds[0].encode(cmd)  # encode and sign once
+        mac = sign(self.secret, payload)
         for ch in self._cmds:
             # A PUSH socket blocks while its worker is not connected (starting
             # up, or dead): wait, but give up as soon as the engine is dead.
-            while not ch.try_send_bytes(payload):
+            while not ch.try_send_bytes(payload, mac):
                 if self._closing:
                     return
                 if self._dead is not None:
