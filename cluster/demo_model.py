@@ -1,0 +1,160 @@
+"""The bundled demo checkpoint: a small random-weight Llama with a byte-level
+BPE tokenizer trained on the spot (nothing is downloaded, ever).
+
+    python -m cluster.demo_model demo_model     # what `make run` builds if missing
+
+`train_tiny_tokenizer(path)` writes tokenizer.json, tokenizer_config.json and
+special_tokens_map.json so that both engine.tokenizer.load_tokenizer(path) and
+transformers.AutoTokenizer.from_pretrained(path) load it. Its output is a pure
+function of `vocab_size`: the corpus is built by index arithmetic (no RNG) and
+the BPE trainer breaks ties deterministically. The tests build their tiny
+checkpoints with the same code (tests/cpu/tokenizer_utils.py re-exports it).
+
+Special token ids are fixed: <s>=0 (bos), </s>=1 (eos), <unk>=2, <pad>=3.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
+SPECIAL_TOKENS = [BOS, EOS, UNK, PAD]
+
+# Role markers are plain text (not added tokens) so they tokenize like prose.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+_SUBJECTS = ["the cat", "a dog", "my friend", "the engine", "our model", "the teacher",
+             "a small bird", "the old man", "this request", "the scheduler", "her brother",
+             "the café owner", "a naïve student", "the GPU", "every token"]
+_VERBS = ["runs", "sees", "likes", "builds", "reads", "writes", "finds", "loves",
+          "stops", "decodes", "serves", "caches", "visits", "eats", "schedules"]
+_OBJECTS = ["the ball", "a book", "some tea", "the garden", "a long story", "the river",
+            "fresh bread", "the blocks", "many requests", "a crème brûlée", "日本語の本",
+            "the résumé", "an über fast kernel", "the city of São Paulo", "a jalapeño"]
+_TAILS = ["today.", "every day.", "at night!", "with joy.", "in the morning?",
+          "slowly, then quickly.", "again and again.", "for 42 minutes.", "— naturally.",
+          "without a sound.", "in Zürich.", "très bien.", "😀 happily.", "(twice)", "in 東京."]
+
+
+def tiny_corpus() -> list[str]:
+    """A few hundred distinct sentences; mixes ASCII, Latin-1, CJK and emoji
+    so 2-, 3- and 4-byte UTF-8 sequences all occur in training and in tests."""
+    lines = []
+    for i in range(400):
+        # Coprime strides walk the lists in different orders -> varied combos.
+        s = _SUBJECTS[i % len(_SUBJECTS)]
+        v = _VERBS[(i * 7 + 3) % len(_VERBS)]
+        o = _OBJECTS[(i * 11 + 5) % len(_OBJECTS)]
+        t = _TAILS[(i * 13 + 1) % len(_TAILS)]
+        lines.append(f"{s[0].upper()}{s[1:]} {v} {o} {t}")
+    return lines
+
+
+def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    # Llama-style: BOS is prepended by the post-processor, never EOS.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
+        special_tokens=[(BOS, tok.token_to_id(BOS))])
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    return tok
+
+
+def train_tiny_tokenizer(path: str, vocab_size: int = 512,
+                         chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Train and save into directory `path` (created if missing)."""
+    os.makedirs(path, exist_ok=True)
+    tok = build_tiny_tokenizer(vocab_size)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    special_map = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special_map,
+        "model_max_length": 2048,
+        "clean_up_tokenization_spaces": False,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    _write_json(os.path.join(path, "tokenizer_config.json"), config)
+    _write_json(os.path.join(path, "special_tokens_map.json"), special_map)
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+# ---- the demo checkpoint ------------------------------------------------------------
+
+DEMO_CONFIG: dict[str, Any] = dict(
+    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=1024,
+    initializer_range=0.05, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=0, eos_token_id=1, pad_token_id=3,  # the tokenizer's ids
+)
+
+
+def is_checkpoint(path: str) -> bool:
+    names = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+    return all(os.path.isfile(os.path.join(path, n)) for n in names)
+
+
+def make_demo_model(path: str, seed: int = 0) -> str:
+    """Write the random-weight Llama (fp32 safetensors, config.json,
+    generation_config.json) and the trained tokenizer into `path`.
+    Written into a sibling temp directory and renamed, so an interrupted build
+    never leaves a half checkpoint that `is_checkpoint` would accept."""
+    import shutil
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".demo_model-", dir=parent)
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**DEMO_CONFIG), dtype=torch.float32)
+        model.save_pretrained(tmp)
+        train_tiny_tokenizer(tmp, vocab_size=DEMO_CONFIG["vocab_size"])
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is not a secret
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def ensure_demo_model(path: str) -> bool:
+    """Build the demo checkpoint unless it is already there; True if built."""
+    if is_checkpoint(path):
+        return False
+    make_demo_model(path)
+    return True
+
+
+if __name__ == "__main__":
+    target = sys.argv[1] if len(sys.argv) > 1 else "demo_model"
+    print(f"{target}: {'built' if ensure_demo_model(target) else 'already there'}")

@@ -1,0 +1,123 @@
+"""Prometheus metrics of one serving replica, with vLLM's names under a
+`conveyor:` prefix (vllm:num_requests_running -> conveyor:num_requests_running).
+
+Each replica owns its own CollectorRegistry (never the global one), so several
+apps can live in one process (tests) and nothing leaks between them.
+
+Sources:
+- gauges and cumulative counters are read from the AsyncLLM at scrape time
+  (`llm.stats`: the scheduler's stats of the last engine step; `llm.counters`:
+  the frontend's cumulative token/finish/prefix-cache counts);
+- latency histograms are observed by the HTTP layer through `RequestTimer`.
+
+Known approximation: the engine reports no per-request scheduling timestamp,
+so `request_queue_time_seconds` is the time from arrival at the replica to
+the first engine output for the request (it includes the prefill step).
+The scheduler gauges are as of the last engine step: an engine that went idle
+through aborts alone keeps its last values until it steps again.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+PREFIX = "conveyor:"
+
+# vLLM's buckets, extended downwards: a tiny CPU model answers in milliseconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+               0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+               30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Scrape-time view of the engine (a custom collector: no copying of
+    counters, so the exported values can never drift from the engine's)."""
+
+    def __init__(self, llm: Any, model_name: str) -> None:
+        self.llm, self.model_name = llm, model_name
+
+    def collect(self) -> Iterator[Any]:
+        st, c, lab = self.llm.stats, self.llm.counters, [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(lab, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            m.add_metric(lab, value)
+            return m
+
+        yield gauge("num_requests_running", "Requests in the running batch.", st.num_running_reqs)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting_reqs)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage, 1 = full.", st.kv_cache_usage)
+        yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", c.prefix_queries)
+        yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", c.prefix_hits)
+        yield counter("num_preemptions", "Cumulative preemptions.", c.preemptions)
+        yield counter("prompt_tokens", "Prefill tokens processed.", c.prompt_tokens)
+        yield counter("generation_tokens", "Generation tokens produced.", c.generation_tokens)
+        ok = CounterMetricFamily(PREFIX + "request_success", "Finished engine requests.",
+                                 labels=["model_name", "finished_reason"])
+        for reason, n in sorted(c.finished.items()):
+            ok.add_metric([self.model_name, reason], n)
+        yield ok
+
+
+class ServeMetrics:
+    def __init__(self, llm: Any, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(llm, model_name))
+        lab = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, lab, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds",
+                          "Arrival to first engine output (approximation, see module doc).",
+                          TTFT_BUCKETS)
+        self.in_progress = Gauge(PREFIX + "api_requests_in_progress",
+                                 "HTTP generation requests being handled by this replica.",
+                                 lab, registry=self.registry).labels(model_name)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one engine request stream (one prompt)."""
+
+    def __init__(self, m: ServeMetrics) -> None:
+        self.m = m
+        self.start = time.monotonic()
+        self.last: float | None = None
+
+    def on_tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.m.ttft.observe(now - self.start)
+            self.m.queue.observe(now - self.start)
+        else:
+            self.m.itl.observe(now - self.last)
+        self.last = now
+
+    def finish(self) -> None:
+        self.m.e2e.observe(time.monotonic() - self.start)

@@ -1,0 +1,323 @@
+"""OpenAI wire format: request models, conversion to SamplingParams, response
+and stream-chunk builders, and the error body.
+
+Invariants:
+- Every client mistake becomes an `APIError` (status + OpenAI error body with
+  string `type`/`code` and `param` naming the offending field); nothing here
+  touches the engine, so validation finishes before anything is queued.
+- Range checks live in SamplingParams (one place); this module only maps its
+  ValueError's field name back to the request field the client sent.
+- NaN/±inf: Python's json accepts the `NaN`/`Infinity` literals, so they reach
+  the models; `allow_inf_nan=False` rejects them there with the field as param.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.sampling_params import SamplingParams
+
+
+# ---- errors -----------------------------------------------------------------------
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str = "invalid_value", param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type, code
+        self.param, self.headers = param, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    return obj
+
+
+def validate_model(cls: type[BaseModel], obj: dict[str, Any]) -> Any:
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ())]
+        param = loc[0] if loc else None
+        code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_value"
+        where = ".".join(loc) or "body"
+        raise bad_request(f"{where}: {err.get('msg', 'invalid value')}", param, code) from None
+
+
+# ---- requests -----------------------------------------------------------------------
+
+_MODEL_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = _MODEL_CONFIG
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints (OpenAI + vLLM extras)."""
+    model_config = _MODEL_CONFIG
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    model_config = _MODEL_CONFIG
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = _MODEL_CONFIG
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
+    """Reject features we do not implement instead of silently ignoring them."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_request("echo is not supported", "echo", "unsupported_parameter")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+        if req.best_of is not None and req.best_of != req.n:
+            raise bad_request("best_of must equal n", "best_of", "unsupported_parameter")
+        return
+    if req.tools or req.tool_choice not in (None, "none"):
+        raise bad_request("tools are not supported", "tools", "unsupported_parameter")
+    if req.response_format and req.response_format.get("type") != "text":
+        raise bad_request("only response_format {'type': 'text'} is supported",
+                          "response_format", "unsupported_parameter")
+
+
+def chat_max_tokens(req: ChatRequest) -> tuple[int | None, str]:
+    """(value, the field it came from); max_completion_tokens wins (OpenAI)."""
+    if req.max_completion_tokens is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
+    """Build (and so validate) SamplingParams; ValueError -> 400 naming the request field."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        renames = {"logprobs": "top_logprobs", "max_tokens": chat_max_tokens(req)[1]}
+    else:
+        logprobs, renames = req.logprobs, {}
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    kwargs: dict[str, Any] = dict(
+        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p,
+        seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        param = renames.get(field, field) if field in kwargs else None
+        raise bad_request(str(e), param) from None
+
+
+def render_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the chat template (text parts joined)."""
+    out = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(p.text for p in content)
+        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+# ---- responses ----------------------------------------------------------------------
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    # "abort"/"error" never reach a successful response; keep OpenAI's two values.
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def completion_choice(index: int, text: str, logprobs: dict | None, reason: str | None,
+                      stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, text: str, logprobs: dict | None, reason: str | None,
+                stop_reason: int | str | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason(reason),
+            "stop_reason": stop_reason}
+
+
+def chat_delta(index: int, delta: dict[str, Any], logprobs: dict | None = None,
+               reason: str | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": finish_reason(reason)}
+    if reason is not None:
+        choice["stop_reason"] = stop_reason
+    return choice
+
+
+def envelope(kind: str, rid: str, model: str, choices: list[dict[str, Any]],
+             usage_: dict[str, int] | None = None, created: int | None = None) -> dict[str, Any]:
+    """kind: text_completion | chat.completion | chat.completion.chunk."""
+    out: dict[str, Any] = {"id": rid, "object": kind, "created": created or int(time.time()),
+                           "model": model, "choices": choices}
+    if usage_ is not None:
+        out["usage"] = usage_
+    return out
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    # ASCII-only: U+2028/U+0085 in generated text would split the event for
+    # clients that break lines the way str.splitlines() does.
+    data = obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+# ---- logprobs -----------------------------------------------------------------------
+
+def _finite(x: float) -> float:
+    # JSON has no -inf; vLLM clamps the same way.
+    return x if math.isfinite(x) else -9999.0
+
+
+class LogprobFormatter:
+    """Turns the engine's per-token {token_id: logprob} dicts (top-k plus the
+    sampled token) into OpenAI's completions/chat logprobs shapes."""
+
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def token(self, tid: int) -> str:
+        s = self._cache.get(tid)
+        if s is None:
+            s = (self.tokenizer.decode([tid], skip_special_tokens=False)
+                 if self.tokenizer is not None else f"token_id:{tid}")
+            if len(self._cache) < 65536:
+                self._cache[tid] = s
+        return s
+
+    @staticmethod
+    def _top(d: dict[int, float], k: int) -> list[tuple[int, float]]:
+        # The dict holds k entries, or k+1 when the sampled token is outside the
+        # top-k; sorting and cutting at k recovers exactly the top-k.
+        return sorted(d.items(), key=lambda kv: -kv[1])[:k]
+
+    def completion(self, token_ids: list[int], lps: list[dict[int, float]], k: int,
+                   offset: int) -> tuple[dict[str, Any], int]:
+        """offset: characters of this choice's tokens already sent (the
+        text_offset base); returns the logprobs and the next offset."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, d in zip(token_ids, lps):
+            s = self.token(tid)
+            tokens.append(s)
+            token_lps.append(_finite(d.get(tid, -math.inf)))
+            tops.append({self.token(t): _finite(v) for t, v in self._top(d, k)} if k else None)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}, offset
+
+    def _entry(self, tid: int, lp: float) -> dict[str, Any]:
+        s = self.token(tid)
+        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
+
+    def chat(self, token_ids: list[int], lps: list[dict[int, float]], k: int) -> dict[str, Any]:
+        content = []
+        for tid, d in zip(token_ids, lps):
+            e = self._entry(tid, d.get(tid, -math.inf))
+            e["top_logprobs"] = [self._entry(t, v) for t, v in self._top(d, k)]
+            content.append(e)
+        return {"content": content}

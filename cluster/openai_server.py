@@ -1,0 +1,473 @@
+"""The OpenAI-compatible HTTP app of one replica: FastAPI routes over one AsyncLLM.
+
+Independent of Ray Serve (cluster/serve_app.py wraps it in a deployment), so
+it can be driven in-process through an ASGI transport.
+
+Invariants:
+- Validation (JSON, fields, model name, tokenization, context length, the
+  engine's own prepare()) finishes for every prompt before any is queued.
+- Every engine stream is closed when its HTTP request ends for any reason
+  (finish, error, client disconnect -> task cancellation), which aborts the
+  request in the engine exactly once (AsyncLLM guarantees the "once").
+- One request id: the `X-Request-Id` header (Serve's proxy sets one when the
+  client did not and echoes it back) -> the engine request id and the
+  response `id` (`cmpl-<id>` / `chatcmpl-<id>`).
+- Prompts are never logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster import openai_protocol as P
+from cluster.metrics import CONTENT_TYPE, RequestTimer, ServeMetrics
+from cluster.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from engine.async_client import AsyncLLM, EngineDeadError
+from engine.config import EngineConfig
+from engine.output_processor import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("conveyor.serve")
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def model_name_of(config: EngineConfig) -> str:
+    return config.serve.served_model_name or os.path.basename(config.model.path.rstrip("/")) or "model"
+
+
+def engine_unavailable(message: str = "the engine is not available") -> P.APIError:
+    return P.APIError(503, message, type="service_unavailable_error", code="engine_unavailable",
+                      headers={"Retry-After": "5"})
+
+
+def internal_error() -> P.APIError:
+    return P.APIError(500, "internal server error", type="internal_error", code="internal_error")
+
+
+async def merge_streams(gens: list[AsyncIterator[RequestOutput]]
+                        ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """Interleave engine streams. Yields every delta that is ready as one
+    batch of (prompt index, delta), in arrival order: a consumer that falls
+    behind the engine takes several steps at once (fewer, larger SSE events
+    under load) instead of falling further behind. Closing this generator (or
+    cancelling its consumer) closes every engine stream, which aborts them."""
+    q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for ro in g:
+                q.put_nowait((i, ro))
+            q.put_nowait((i, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(gens)
+        while remaining:
+            items = [await q.get()]
+            while not q.empty():
+                items.append(q.get_nowait())
+            batch = []
+            for i, item in items:
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    batch.append((i, item))
+            if batch:
+                yield batch
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+
+
+@dataclass
+class _Acc:
+    """One choice accumulated over deltas (non-streaming responses)."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Job:
+    """A validated request, ready to run: one engine request per prompt."""
+    kind: str  # "completion" | "chat"
+    rid: str  # response id; engine ids are rid or rid-p<i>
+    engine_ids: list[str]
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    req: Any
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self) -> int:
+        return self.params[0].n
+
+    @property
+    def k(self) -> int | None:
+        return self.params[0].logprobs
+
+
+class OpenAIServer:
+    def __init__(self, llm: AsyncLLM, config: EngineConfig, metrics: ServeMetrics | None = None,
+                 stream_interval: int = 1) -> None:
+        """stream_interval: send a choice's tokens once this many are pending
+        (the first token and the finish always go at once); 1 = every step."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.llm, self.config, self.stream_interval = llm, config, stream_interval
+        self.model_name = model_name_of(config)
+        self.metrics = metrics or ServeMetrics(llm, self.model_name)
+        self.fmt = P.LogprobFormatter(llm.tokenizer)
+        self.draining = False
+
+    async def start(self) -> None:
+        """Start the engine's output pump on the loop that serves requests.
+        AsyncLLM starts lazily on the first generate(); until then its health
+        check fails, which would make Serve kill a fresh replica."""
+        self.llm._ensure_started()
+
+    # ---- validation ---------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise P.APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
+                             param="model")
+
+    def _check_alive(self) -> None:
+        if self.draining:
+            raise engine_unavailable("the server is shutting down")
+        if self.llm.dead_error is not None:
+            raise engine_unavailable()
+
+    def _tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if self.llm.tokenizer is None:
+            raise P.bad_request("this model has no tokenizer: send token ids", param)
+        return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items or any(isinstance(p, str) and not p for p in items):
+            raise P.bad_request("prompt must not be empty", "prompt")
+        out = [self._tokenize(p, True, "prompt") if isinstance(p, str) else list(p) for p in items]
+        if any(not ids for ids in out):
+            raise P.bad_request("prompt must not be empty", "prompt")
+        return out
+
+    def _chat_prompt(self, req: P.ChatRequest) -> list[int]:
+        tok = self.llm.tokenizer
+        if tok is None:
+            raise P.bad_request("this model has no tokenizer: chat is unavailable", "messages")
+        try:
+            text = tok.apply_chat_template(P.render_messages(req),
+                                           add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise P.bad_request(str(e), "messages") from None
+        # The template already holds the special tokens it wants (vLLM's default).
+        ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise P.bad_request("the rendered chat prompt is empty", "messages")
+        return ids
+
+    def _params(self, req: Any, prompts: list[list[int]], requested: int | None,
+                prompt_param: str) -> list[SamplingParams]:
+        """One SamplingParams per prompt; max_tokens None fills the context.
+        Never truncates: an over-long request is a 400 context_length_exceeded."""
+        base = P.to_sampling_params(req, requested if requested is not None else 1)
+        limit = self.config.max_model_len
+        out = []
+        for ids in prompts:
+            mt = requested if requested is not None else limit - len(ids)
+            if len(ids) + max(mt, 1) > limit:
+                raise P.bad_request(
+                    f"This model's maximum context length is {limit} tokens. However, you requested "
+                    f"{len(ids) + max(mt, 1)} tokens ({len(ids)} in the prompt, {max(mt, 1)} for the "
+                    f"completion). Reduce the prompt or the completion length.",
+                    prompt_param, "context_length_exceeded")
+            out.append(base if mt == base.max_tokens else base.clone(max_tokens=mt))
+        return out
+
+    def _prepare(self, job: _Job, prompt_param: str) -> None:
+        """The engine's own checks (vocab range, n cap, duplicate ids); queues nothing."""
+        self._check_alive()
+        for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params):
+            try:
+                self.llm.prepare(ids, sp, eid)
+            except EngineDeadError:
+                raise engine_unavailable() from None
+            except ValueError as e:
+                msg = str(e)
+                field_ = msg.split(" ", 1)[0]
+                param = field_ if field_ in SamplingParams.__struct_fields__ else prompt_param
+                raise P.bad_request(msg, param) from None
+
+    @staticmethod
+    def _request_id(request: Request) -> str:
+        rid = request.headers.get("x-request-id", "")
+        if not _REQUEST_ID_RE.match(rid):
+            raise P.bad_request("X-Request-Id must be 1-128 characters of [A-Za-z0-9._:-]",
+                                "X-Request-Id")
+        return rid
+
+    def _job(self, kind: str, request: Request, req: Any, prompts: list[list[int]],
+             requested: int | None, prompt_param: str) -> _Job:
+        params = self._params(req, prompts, requested, prompt_param)
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{self._request_id(request)}"
+        eids = [rid] if len(prompts) == 1 else [f"{rid}-p{i}" for i in range(len(prompts))]
+        job = _Job(kind, rid, eids, prompts, params, req)
+        self._prepare(job, prompt_param)
+        return job
+
+    # ---- endpoints ---------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        req = P.validate_model(P.CompletionRequest, P.parse_json(await request.body()))
+        P.check_unsupported(req)
+        self._check_model(req.model)
+        prompts = self._completion_prompts(req.prompt)
+        job = self._job("completion", request, req, prompts, req.max_tokens, "prompt")
+        return await self._respond(job)
+
+    async def chat(self, request: Request) -> Response:
+        req = P.validate_model(P.ChatRequest, P.parse_json(await request.body()))
+        P.check_unsupported(req)
+        self._check_model(req.model)
+        requested, _ = P.chat_max_tokens(req)
+        job = self._job("chat", request, req, [self._chat_prompt(req)], requested, "messages")
+        return await self._respond(job)
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "conveyor",
+            "max_model_len": self.config.max_model_len}]}
+
+    def health(self) -> Response:
+        if self.draining:
+            return error_response(engine_unavailable("the server is shutting down"))
+        try:
+            self.llm.check_health()
+        except Exception as e:  # noqa: BLE001 - any failure means unhealthy
+            log.warning("health check failed: %s", e)
+            return error_response(engine_unavailable())
+        return JSONResponse({"status": "ok"})
+
+    def metrics_response(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    # ---- running -------------------------------------------------------------------
+
+    def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
+        return [self.llm.generate(ids, sp, request_id=eid, priority=job.req.priority)
+                for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params)]
+
+    async def _respond(self, job: _Job) -> Response:
+        if job.req.stream:
+            return StreamingResponse(self._guarded_sse(job), media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        self.metrics.in_progress.inc()
+        try:
+            return JSONResponse(await self._collect(job))
+        finally:
+            self.metrics.in_progress.dec()
+            await self._abort_all(job)
+
+    async def _abort_all(self, job: _Job) -> None:
+        # No-op for finished requests; makes a cancelled handler's abort explicit.
+        for eid in job.engine_ids:
+            await self.llm.abort(eid)
+
+    def _check_delta(self, reason: str | None) -> None:
+        if reason in ("error", "abort"):
+            if self.llm.dead_error is not None:
+                raise engine_unavailable()
+            raise internal_error()
+
+    def _absorb(self, job: _Job, batch: list[tuple[int, RequestOutput]], timers: list[RequestTimer],
+                into: dict[int, _Acc]) -> int:
+        """Fold a batch of deltas into per-choice accumulators; returns new tokens."""
+        n_tokens = 0
+        for i, ro in batch:
+            timers[i].on_tokens(sum(len(d.token_ids) for d in ro.outputs))
+            for d in ro.outputs:
+                self._check_delta(d.finish_reason)
+                a = into.setdefault(i * job.n + d.index, _Acc())
+                a.text += d.text
+                a.token_ids += d.token_ids
+                a.logprobs += d.logprobs or []
+                a.reason, a.stop_reason = d.finish_reason, d.stop_reason
+                n_tokens += len(d.token_ids)
+            if ro.finished:
+                timers[i].finish()
+        return n_tokens
+
+    async def _collect(self, job: _Job) -> dict[str, Any]:
+        timers = [self.metrics.timer() for _ in job.prompts]
+        accs: dict[int, _Acc] = {}
+        async for batch in merge_streams(self._streams(job)):
+            self._absorb(job, batch, timers, accs)
+        choices = [self._final_choice(job, idx, accs[idx]) for idx in sorted(accs)]
+        completion_tokens = sum(len(a.token_ids) for a in accs.values())
+        kind = "text_completion" if job.kind == "completion" else "chat.completion"
+        return P.envelope(kind, job.rid, self.model_name, choices,
+                          P.usage(sum(map(len, job.prompts)), completion_tokens), job.created)
+
+    def _final_choice(self, job: _Job, idx: int, a: _Acc) -> dict[str, Any]:
+        k = job.k
+        if job.kind == "completion":
+            lp = self.fmt.completion(a.token_ids, a.logprobs, k, 0)[0] if k is not None else None
+            return P.completion_choice(idx, a.text, lp, a.reason, a.stop_reason)
+        lp = self.fmt.chat(a.token_ids, a.logprobs, k) if k is not None else None
+        return P.chat_choice(idx, a.text, lp, a.reason, a.stop_reason)
+
+    async def _guarded_sse(self, job: _Job) -> AsyncIterator[bytes]:
+        """SSE body: errors after the stream started go in-band, then [DONE].
+        Cancellation (client gone) propagates and closes the engine streams."""
+        self.metrics.in_progress.inc()
+        try:
+            async for chunk in self._sse(job):
+                yield chunk
+        except P.APIError as e:
+            yield P.sse(e.body())
+        except Exception:  # noqa: BLE001 - our bug: generic message, details logged
+            log.exception("stream %s failed", job.rid)
+            yield P.sse(internal_error().body())
+        finally:
+            self.metrics.in_progress.dec()
+            await self._abort_all(job)
+        yield P.SSE_DONE
+
+    async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
+        chat = job.kind == "chat"
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        timers = [self.metrics.timer() for _ in job.prompts]
+        offsets: dict[int, int] = {}
+        tokens_out = 0
+        if chat:
+            for idx in range(job.n * len(job.prompts)):
+                yield P.sse(P.envelope(kind, job.rid, self.model_name, [
+                    P.chat_delta(idx, {"role": "assistant", "content": ""})], created=job.created))
+        pending: dict[int, _Acc] = {}  # choice -> tokens not sent yet
+        started: set[int] = set()
+        async for batch in merge_streams(self._streams(job)):
+            tokens_out += self._absorb(job, batch, timers, pending)
+            ready = sorted(idx for idx, a in pending.items() if a.reason is not None or idx not in started
+                           or len(a.token_ids) >= self.stream_interval)
+            if ready:
+                started.update(ready)
+                choices = [self._delta_choice(job, idx, pending.pop(idx), offsets) for idx in ready]
+                yield P.sse(P.envelope(kind, job.rid, self.model_name, choices, created=job.created))
+        if job.req.include_usage:
+            yield P.sse(P.envelope(kind, job.rid, self.model_name, [],
+                                   P.usage(sum(map(len, job.prompts)), tokens_out), job.created))
+
+    def _delta_choice(self, job: _Job, idx: int, d: _Acc, offsets: dict[int, int]) -> dict[str, Any]:
+        k = job.k
+        if job.kind == "completion":
+            lp = None
+            if k is not None:
+                lp, offsets[idx] = self.fmt.completion(d.token_ids, d.logprobs, k, offsets.get(idx, 0))
+            return P.completion_choice(idx, d.text, lp, d.reason, d.stop_reason)
+        lp = self.fmt.chat(d.token_ids, d.logprobs, k) if k is not None else None
+        delta = {"content": d.text} if d.text or d.reason is None else {}
+        return P.chat_delta(idx, delta, lp, d.reason, d.stop_reason)
+
+
+# ---- the ASGI app ----------------------------------------------------------------------
+
+def error_response(e: P.APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: bool = True) -> FastAPI:
+    """echo_request_id: False behind Serve, whose proxy already sets and echoes
+    X-Request-Id (a second header would duplicate it)."""
+    cfg = server.config.serve
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await server.start()
+        yield
+
+    app = FastAPI(title="Conveyor", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+
+    async def guarded(call: Any) -> Response:
+        try:
+            return await call
+        except P.APIError as e:
+            return error_response(e)
+        except Exception:  # noqa: BLE001 - our bug: generic message, details logged
+            log.exception("request failed")
+            return error_response(internal_error())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await guarded(server.completions(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await guarded(server.chat(request))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return server.health()
+
+    @app.get("/live")
+    async def live() -> dict[str, str]:
+        return {"status": "alive"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return server.metrics_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        return error_response(P.APIError(exc.status_code, str(exc.detail), code=code))
+
+    public = {"/health", "/live"} | ({"/metrics"} if cfg.metrics_public else set())
+    # add_middleware: the last added runs first. Order seen by a request:
+    # [request id] -> [CORS] -> auth -> body limit -> routes.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
+    app.add_middleware(AuthMiddleware, api_key=api_key, public_paths=frozenset(public))
+    if cfg.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+        # Bearer keys, not cookies: credentials stay off, so "*" is never combined with them.
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins),
+                           allow_credentials=False, allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    if echo_request_id:
+        app.add_middleware(RequestIdMiddleware)
+    return app

@@ -1,0 +1,179 @@
+"""Ray Serve application: the OpenAI API, one AsyncLLM engine per replica.
+
+    serve run configs/serve-tiny.yaml          # import_path cluster.serve_app:build_app
+    python -c "from cluster.serve_app import run_serve; run_serve('configs/tiny-cpu.yaml')"
+
+Sizing (per replica): `max_ongoing_requests` follows the engine's
+scheduler.max_num_seqs (a little above it, so freed batch slots refill from
+the engine's own waiting queue without a proxy round trip); beyond it each
+proxy queues at most `max_queued_requests` more, and rejects the rest with 429
+and Retry-After (Serve's backpressure response, plain text). A dead engine
+answers 503 (engine_unavailable) and fails Serve's health check, so Serve
+replaces the replica; a draining replica answers 503 on /health.
+
+The API key is read in each replica from the env var named by
+serve.api_key_env: set it where the replicas start (for a local cluster, in the
+shell that runs `serve run` / `conveyor serve`). The secret never goes into the
+deployment config.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from engine.config import EngineConfig, load_config
+
+log = logging.getLogger("conveyor.serve")
+
+RETRY_AFTER_S = 1.0
+_ARG_KEYS = {"config", "overrides", "max_queued_requests", "device", "name", "stream_interval"}
+
+
+# ---- pure sizing helpers (unit-tested) --------------------------------------------
+
+def default_max_ongoing(config: EngineConfig) -> int:
+    if config.serve.max_ongoing_requests is not None:
+        return config.serve.max_ongoing_requests
+    seqs = config.scheduler.max_num_seqs
+    return seqs + max(2, seqs // 8)
+
+
+def default_max_queued(max_ongoing: int) -> int:
+    return 4 * max_ongoing
+
+
+def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
+    """Deployment options that reserve one replica's resources.
+
+    executor "ray": a placement group per replica, bundle 0 = the replica
+    actor itself ({"CPU": 1}), then one bundle per engine worker ({"GPU": 1}
+    on GPU, {"CPU": 1} on CPU), with the configured strategy. Serve captures
+    child actors into it, so the engine must place worker i on bundle i + 1
+    of the current placement group instead of creating its own.
+    Other executors: the workers live in the replica's process tree.
+    """
+    world = config.world_size
+    if config.parallel.executor == "ray":
+        worker = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        return {"ray_actor_options": {"num_cpus": 1},
+                "placement_group_bundles": [{"CPU": 1.0}] + [dict(worker) for _ in range(world)],
+                "placement_group_strategy": config.parallel.placement_strategy}
+    return {"ray_actor_options": {"num_cpus": 1, "num_gpus": world if use_gpu else 0}}
+
+
+def deployment_options(config: EngineConfig, use_gpu: bool,
+                       max_queued: int | None = None) -> dict[str, Any]:
+    ongoing = default_max_ongoing(config)
+    return {"num_replicas": config.serve.replicas, "max_ongoing_requests": ongoing,
+            "max_queued_requests": max_queued if max_queued is not None else default_max_queued(ongoing),
+            "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
+            "health_check_period_s": 5.0, "graceful_shutdown_timeout_s": 30.0,
+            **replica_resources(config, use_gpu)}
+
+
+# ---- the deployment ------------------------------------------------------------------
+
+@serve.ingress()
+class OpenAIDeployment:
+    """One replica: an AsyncLLM plus the OpenAI FastAPI app built on it."""
+
+    def __init__(self, config_path: str, overrides: dict[str, Any], stream_interval: int = 1) -> None:
+        from cluster.metrics import ServeMetrics
+        from cluster.openai_server import OpenAIServer, model_name_of
+        from engine.async_client import AsyncLLM
+
+        self.config = load_config(config_path, **overrides)
+        t0 = time.monotonic()
+        self.llm = AsyncLLM(self.config)
+        log.info("engine for %s ready in %.1fs", model_name_of(self.config), time.monotonic() - t0)
+        name = model_name_of(self.config)
+        self.server = OpenAIServer(self.llm, self.config, ServeMetrics(self.llm, name),
+                                   stream_interval=stream_interval)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from cluster.openai_server import build_api
+
+        env = self.config.serve.api_key_env
+        key = os.environ.get(env) if env else None
+        if env and not key:
+            raise RuntimeError(f"serve.api_key_env names {env!r}, which is not set in the replica")
+        return build_api(self.server, api_key=key, echo_request_id=False)
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: raising makes Serve replace us."""
+        if not self.server.draining:
+            self.llm.check_health()
+
+    async def __del__(self) -> None:
+        self.server.draining = True
+        await self.llm.shutdown()
+
+
+# ---- application builders -----------------------------------------------------------
+
+def _use_gpu(device: str) -> bool:
+    if device in ("cpu", "cuda"):
+        return device == "cuda"
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def _absolute_overrides(config: EngineConfig, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Replicas run in other processes (maybe other dirs): pin relative model
+    paths to this process's working directory."""
+    out = dict(overrides)
+    out["model"] = os.path.abspath(config.model.path)
+    if config.model.tokenizer:
+        out["tokenizer"] = os.path.abspath(config.model.tokenizer)
+    return out
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Serve application builder (import_path `cluster.serve_app:build_app`).
+
+    args: config (engine YAML, relative to the working directory), optional
+    overrides (flat engine keyword arguments, as LLM(...) takes),
+    max_queued_requests, device ("auto" | "cpu" | "cuda"), name, stream_interval
+    (SSE: send every N tokens per choice; default 1).
+    """
+    unknown = set(args) - _ARG_KEYS
+    if unknown or "config" not in args:
+        raise ValueError(f"build_app args need 'config' and accept only {sorted(_ARG_KEYS)}; "
+                         f"got unknown {sorted(unknown)}")
+    path = os.path.abspath(str(args["config"]))
+    overrides = dict(args.get("overrides") or {})
+    config = load_config(path, **overrides)  # fail at deploy time, not in a replica
+    opts = deployment_options(config, _use_gpu(str(args.get("device", "auto"))),
+                              args.get("max_queued_requests"))
+    dep = serve.deployment(OpenAIDeployment, name=str(args.get("name", "OpenAIDeployment")))
+    return dep.options(**opts).bind(path, _absolute_overrides(config, overrides),
+                                    int(args.get("stream_interval", 1)))
+
+
+def run_serve(config_path: str, *, blocking: bool = True, app_name: str = "conveyor",
+              route_prefix: str = "/", **app_args: Any) -> str:
+    """Start Serve on the configured host/port, deploy the app, return its URL.
+    Used by `conveyor serve CONFIG`; blocking=True serves until Ctrl-C."""
+    import ray
+
+    config = load_config(config_path, **dict(app_args.get("overrides") or {}))
+    if not ray.is_initialized():
+        ray.init()
+    serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
+    serve.run(build_app({"config": config_path, **app_args}), name=app_name,
+              route_prefix=route_prefix, blocking=False)
+    url = f"http://{config.serve.host}:{config.serve.port}{route_prefix.rstrip('/')}"
+    log.info("serving %s at %s/v1", app_name, url)
+    if blocking:
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            serve.delete(app_name)
+    return url
