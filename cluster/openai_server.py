@@ -147,7 +147,7 @@ class OpenAIServer:
         """Start the engine's output pump on the loop that serves requests.
         AsyncLLM starts lazily on the first generate(); until then its health
         check fails, which would make Serve kill a fresh replica."""
-        self.llm._ensure_started()
+        self.llm.start()
 
     # ---- validation ---------------------------------------------------------------
 

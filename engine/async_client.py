@@ -79,7 +79,9 @@ class AsyncLLM:
 
     # ---- lifecycle -------------------------------------------------------------
 
-    def _ensure_started(self) -> None:
+    def start(self) -> None:
+        """Start the engine's output routing on the running event loop
+        (idempotent; generate() calls it too)."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self.client.start(self._on_outputs_threadsafe)
@@ -119,7 +121,7 @@ class AsyncLLM:
                        request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields deltas: each RequestOutput carries only the choices that
         changed, with their new text/token ids/logprobs; the last has finished=True."""
-        self._ensure_started()
+        self.start()
         prep = self.prepare(prompt, sampling_params, request_id, priority)
         rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
         children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer)

@@ -14,7 +14,8 @@ import time
 from typing import Callable, Protocol
 
 from engine.config import EngineConfig
-from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
+from engine.contracts import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                              KVCacheInfo)
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,14 @@ class EngineBusyLoop:
             try:
                 self.core.add_request(req)
             except ValueError as e:  # validated upstream; report, do not die
-                from engine.contracts import EngineCoreOutput, FinishReason
                 self.on_outputs(EngineCoreOutputs([EngineCoreOutput(
                     req.request_id, [], FinishReason.ERROR, error=str(e))]))
         elif kind == "abort":
             self.core.abort_requests(payload)  # type: ignore[arg-type]
+            if not self.core.has_work():
+                # Idle after the abort: no step will publish fresh stats, so
+                # send them now (KV usage back to 0, nothing running).
+                self.on_outputs(EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats()))
         elif kind == "stop":
             self._stop.set()
 

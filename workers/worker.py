@@ -3,6 +3,7 @@ pipeline-parallel bridge around ModelRunner.execute_model."""
 from __future__ import annotations
 
 import socket
+import tempfile
 from typing import Any
 
 import torch
@@ -38,7 +39,10 @@ class Worker:
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
-        self.init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        # World size 1 rendezvous through a private file: no port to race for.
+        self.init_method = init_method or (
+            f"file://{tempfile.mktemp(prefix='conveyor-dist-')}" if config.world_size == 1
+            else f"tcp://127.0.0.1:{free_port()}")
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
 
