@@ -2,6 +2,7 @@
 pipeline-parallel bridge around ModelRunner.execute_model."""
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 from typing import Any
@@ -40,9 +41,11 @@ class Worker:
         self.rank = rank
         self.local_rank = local_rank
         # World size 1 rendezvous through a private file: no port to race for.
-        self.init_method = init_method or (
-            f"file://{tempfile.mktemp(prefix='conveyor-dist-')}" if config.world_size == 1
-            else f"tcp://127.0.0.1:{free_port()}")
+        self._store_file: str | None = None
+        if init_method is None and config.world_size == 1:
+            self._store_file = tempfile.mktemp(prefix="conveyor-dist-")
+            init_method = f"file://{self._store_file}"
+        self.init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
 
@@ -56,7 +59,6 @@ class Worker:
         if self.device.type == "cpu" and self.config.world_size > 1:
             # Ranks share this machine's cores: oversubscribed OpenMP threads
             # spin against each other and slow every collective down.
-            import os
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.config.world_size))
         # Even at world size 1, so the TP/PP code paths are the ones that run.
         ps.init_distributed(self.config.world_size, self.rank, p.tensor_parallel_size,
@@ -149,3 +151,5 @@ class Worker:
     def shutdown(self) -> None:
         ps.destroy_distributed()
         self.model_runner = None
+        if self._store_file is not None and os.path.exists(self._store_file):
+            os.unlink(self._store_file)
