@@ -23,8 +23,12 @@ What it does:
      left-padding effect on the reduction order), and the logit gap between
      the two tokens is printed.
 
+Results and the time breakdown of our side: BENCHMARKS.md, "Offline throughput (CPU)".
+Timings on a shared 2-core machine are noisy: use --repeats (fresh process per run, sides
+interleaved; best and median are reported with CPU/wall and the load average of each run).
+
 Usage:
-  .venv/bin/python bench/offline_throughput.py
+  .venv/bin/python bench/offline_throughput.py --repeats 3 --json bench/out/offline_throughput.json
   .venv/bin/python bench/offline_throughput.py --num-prompts 16 --output-len 16   # quick
   .venv/bin/python bench/offline_throughput.py --skip-hf --profile bench/out/ours.prof
 """
@@ -216,7 +220,7 @@ def _run_side_subprocess(side: str, args: argparse.Namespace, prompts_file: str)
     cmd = [sys.executable, os.path.abspath(__file__), "--_side", side, "--_prompts", prompts_file,
            "--_result", out_file] + args._passthrough
     try:
-        subprocess.run(cmd, check=True, cwd=REPO)
+        subprocess.run(cmd, check=True)  # same cwd: relative paths mean the same thing
         with open(out_file) as f:
             return json.load(f)
     finally:
@@ -288,6 +292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--_prompts", help=argparse.SUPPRESS)
     ap.add_argument("--_result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    # Absolute paths, so the result does not depend on where the script is run from.
+    for name in ("profile", "json", "model_dir"):
+        if getattr(args, name):
+            setattr(args, name, os.path.abspath(getattr(args, name)))
     raw = list(sys.argv[1:] if argv is None else argv)
     args._passthrough = [x for x in raw if not x.startswith("--_")]
     return args

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 
 from .backends import AttentionMetadata
 
-# Upper bound on gathered K+V elements per decode batch chunk (fp32: 4 bytes each).
-_DECODE_GATHER_BUDGET = 1 << 27
+# Upper bound on gathered K+V elements per decode chunk (fp32: 4 bytes each), and
+# rows per chunk: small chunks keep the gathered K/V in cache.
+_DECODE_GATHER_BUDGET = 1 << 24
+_DECODE_CHUNK_ROWS = 16
 # Longest query slice attended in one SDPA call (bounds the mask / score memory).
 _PREFILL_CHUNK = 1024
 
@@ -61,27 +63,33 @@ def _decode_rows(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Attention for single-token queries ``tokens`` of requests ``reqs`` (lengths ``lens``)."""
+    """Attention for single-token queries ``tokens`` of requests ``reqs`` (lengths ``lens``).
+
+    K and V are gathered head-major, ``[Hkv, B, S, D]``, with one ``index_select``
+    each on the cache viewed as rows of ``D``, so both products are plain
+    batched GEMMs over (Hkv, B) and nothing else is copied."""
     dev = query.device
-    num_blocks, _, block_size, num_kv, dim = kv_cache.shape
-    num_q = query.shape[1]
-    group = num_q // num_kv
-    max_len = int(lens.max())
-    nblk = _cdiv(max_len, block_size)
-    padded = nblk * block_size
+    num_blocks, _, bs, hkv, d = kv_cache.shape
+    hq = query.shape[1]
+    g = hq // hkv
     b = len(reqs)
-    blocks = block_table[torch.from_numpy(reqs).to(dev), :nblk].long().clamp(0, num_blocks - 1)
-    k, v = _gather_kv(kv_cache, blocks, padded)  # [B, S, Hkv, D]
-    seq = torch.from_numpy(lens).to(dev)
-    valid = torch.arange(padded, device=dev)[None, :] < seq[:, None]  # [B, S]
+    s = _cdiv(int(lens.max()), bs) * bs
+    blocks = block_table[torch.from_numpy(reqs).to(dev), : s // bs].long().clamp_(0, num_blocks - 1)
+    pos = torch.arange(s, device=dev)
+    slot = blocks[:, pos // bs] * (2 * bs) + pos % bs  # [B, S]: row of (block, K, offset) in units of Hkv
+    rows = (slot[None] * hkv + torch.arange(hkv, device=dev)[:, None, None]).view(-1)
+    flat = kv_cache.view(-1, d)
+    k = flat.index_select(0, rows).view(hkv, b, s, d).float()
+    v = flat.index_select(0, rows + bs * hkv).view(hkv, b, s, d).float()
+    pad = torch.from_numpy(np.arange(s)[None, :] >= lens[:, None]).to(dev)  # [B, S]
     # Padded positions may hold garbage (even NaN): zero V there, -inf the scores.
-    v = v.masked_fill(~valid[:, :, None, None], 0.0)
-    q = query[torch.from_numpy(tokens).to(dev)].float().view(b, num_kv, group, dim)
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
-    out[torch.from_numpy(tokens).to(dev)] = o.reshape(b, num_q, dim).to(out.dtype)
+    v.masked_fill_(pad[None, :, :, None], 0.0)
+    tok = torch.from_numpy(tokens).to(dev)
+    q = query[tok].float().view(b, hkv, g, d).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = torch.matmul(q, k.transpose(2, 3))  # [Hkv, B, G, S]
+    scores.mul_(scale).masked_fill_(pad[None, :, None, :], float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, B, G, D]
+    out[tok] = o.transpose(0, 1).reshape(b, hq, d).to(out.dtype)
 
 
 def _decode_batched(
@@ -94,11 +102,13 @@ def _decode_batched(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Decode rows in chunks so the padded gather stays under the memory budget."""
+    """Decode rows sorted by length, in small chunks: little padding, and each
+    chunk's gathered K/V stays cache-sized (memory bandwidth bounds this path)."""
     per_row = (int(lens.max()) + kv_cache.shape[2]) * kv_cache.shape[3] * kv_cache.shape[4] * 2
-    chunk = max(1, _DECODE_GATHER_BUDGET // per_row)
-    for i in range(0, len(reqs), chunk):
-        sl = slice(i, i + chunk)
+    chunk = max(1, min(_DECODE_CHUNK_ROWS, _DECODE_GATHER_BUDGET // per_row))
+    order = np.argsort(lens, kind="stable")
+    for i in range(0, len(order), chunk):
+        sl = order[i:i + chunk]
         _decode_rows(query, kv_cache, block_table, tokens[sl], reqs[sl], lens[sl], scale, out)
 
 
