@@ -87,8 +87,17 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, Hq*D], key [T, Hkv*D] -> rotated, same shapes."""
-        cos, sin = self.cos_sin_cache[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
+        cos, sin = self._cos_sin(positions, query.dtype)
         return self._apply(query, cos, sin), self._apply(key, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a step passes the same positions tensor: look up once.
+        last = self.__dict__.get("_last")
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
+        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        self.__dict__["_last"] = (positions, dtype, cos, sin)
+        return cos, sin
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
