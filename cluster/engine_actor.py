@@ -24,7 +24,7 @@ from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from engine.core_client import EngineBusyLoop, OutputHandler
 from executors.base import EngineDeadError
 from executors.channel import Channel
-from executors.ray_executor import ensure_ray
+from executors.ray_executor import cluster_host, ensure_ray
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = float(os.environ.get("CONVEYOR_STARTUP_TIMEOUT_S", "600"))
@@ -45,8 +45,7 @@ class EngineCoreActor:
 
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         self.core = EngineCore(config, make_executor(config))
-        host = "127.0.0.1" if len([n for n in ray.nodes() if n.get("Alive")]) == 1 \
-            else ray.util.get_node_ip_address()
+        host = cluster_host()
         self._ctx = zmq.Context()
         self._in = Channel(self._ctx, zmq.PULL, secret, CoreInput, bind_host=host)
         self._out = Channel(self._ctx, zmq.PUSH, secret, None, bind_host=host)

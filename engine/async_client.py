@@ -34,7 +34,6 @@ class _Stream:
     prompt_token_ids: list[int]
     children: list[RequestState]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    arrival: float = field(default_factory=time.monotonic)
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,13 @@ def ensure_ray() -> bool:
     return True
 
 
+def cluster_host() -> str:
+    """Where to bind data-plane sockets: loopback on a one-node cluster, else
+    this node's cluster-internal address."""
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return "127.0.0.1" if alive <= 1 else ray.util.get_node_ip_address()
+
+
 def _use_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
 
@@ -81,10 +88,8 @@ def place_workers(pg: PlacementGroup, first: int, world: int, tp: int
 class RayExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig, pg: PlacementGroup | None = None,
                  worker_class: str = "workers.worker:Worker") -> None:
-        self.started_ray = ensure_ray()
-        multi_node = len([n for n in ray.nodes() if n.get("Alive")]) > 1
-        super().__init__(config, host=ray.util.get_node_ip_address() if multi_node else "127.0.0.1",
-                         worker_class=worker_class)
+        ensure_ray()
+        super().__init__(config, host=cluster_host(), worker_class=worker_class)
         self._pg = pg
         self._own_pg = False
         self._actors: list[Any] = []

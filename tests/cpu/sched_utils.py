@@ -6,6 +6,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import msgspec
+
+from engine.config import EngineConfig
 from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreRequest, KVCacheInfo,
                               ModelRunnerOutput, SchedulerOutput)
 from engine.request import Request
@@ -29,8 +32,6 @@ def create_scheduler(num_blocks: int = 10000, block_size: int = 16, max_num_seqs
             "cache": {"block_size": block_size, "enable_prefix_caching": enable_prefix_caching},
             "parallel": {"pipeline_parallel_size": pp}}
     # Unit tests probe odd shapes (budget < max_num_seqs): skip cross-field checks.
-    import msgspec
-    from engine.config import EngineConfig
     cfg = msgspec.convert(tree, EngineConfig)
     return Scheduler(cfg, num_blocks)
 
