@@ -144,7 +144,9 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                 r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                                  headers={"X-Request-Id": "rid-1"})
                 assert r.headers["x-request-id"] == "rid-1" and r.json()["id"] == "cmpl-rid-1"
-                # stream_interval=4: the first token at once, then 4 at a time, the rest at the finish.
+                # stream_interval=4: the first chunk without waiting, then 4 at a time, the rest at
+                # the finish. How many tokens the first chunk holds depends on how far the engine
+                # got before the handler read its stream (1 when idle, 2 seen under CI load).
                 srv4 = OpenAIServer(llm, cfg, stream_interval=4)
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv4, api_key=None)),
                                              base_url="http://t") as c4:
@@ -153,7 +155,8 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                     evs = [json.loads(ln[6:]) for ln in r4.text.splitlines()
                            if ln.startswith("data: {")]
                     sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in evs]
-                    assert sum(sizes) == 10 and sizes[0] == 1 and len(sizes) <= 4, sizes
+                    assert sum(sizes) == 10 and sizes[0] < 4 and len(sizes) <= 4, sizes
+                    assert all(n >= 4 for n in sizes[1:-1]), sizes
                 srv.draining = True
                 assert (await c.get("/health")).status_code == 503
                 _assert_error(await c.post("/v1/completions", json=body), 503, "engine_unavailable")
