@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -87,18 +88,33 @@ class EngineCoreActor:
         self._out.close()
 
 
+@dataclass(frozen=True)
+class CoreActorPlacement:
+    """Where the EngineCoreActor goes inside the caller's placement group.
+
+    Executor "ray": bundle 0 (the replica's own), no resources of its own; the
+    workers take bundles 1..N. Other executors run the model inside the actor,
+    so it reserves the model's resources: its own bundle (1) with a CPU and
+    the GPUs."""
+    bundle_index: int = 0
+    num_cpus: float = 0.0
+    num_gpus: float = 0.0
+
+
 class RayCoreClient:
     """CoreClient over an EngineCoreActor (the process boundary of DESIGN §3)."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, placement: CoreActorPlacement | None = None) -> None:
         self.started_ray = ensure_ray()
         self.config = config
         self._secret = os.urandom(32)
-        opts: dict[str, Any] = {}
+        place = placement or CoreActorPlacement()
+        opts: dict[str, Any] = {"num_cpus": place.num_cpus, "num_gpus": place.num_gpus}
         pg = ray.util.get_current_placement_group()
         if pg is not None:  # a Serve replica: stay in its placement group
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=place.bundle_index)
         self.actor = EngineCoreActor.options(**opts).remote(msgspec.msgpack.encode(config), self._secret)
         in_addr, out_addr, kv = ray.get(self.actor.addresses.remote(), timeout=STARTUP_TIMEOUT_S)
         self.kv_info = msgspec.msgpack.decode(kv, type=KVCacheInfo)

@@ -17,6 +17,7 @@ import math
 import time
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.sampling_params import SamplingParams
@@ -255,11 +256,19 @@ def envelope(kind: str, rid: str, model: str, choices: list[dict[str, Any]],
     return out
 
 
+_JSON = msgspec.json.Encoder()
+# JSON escapes every control character, but not these three line breaks of
+# str.splitlines(): generated text holding one would split the event for
+# clients that break lines that way.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def sse(obj: dict[str, Any] | str) -> bytes:
-    # ASCII-only: U+2028/U+0085 in generated text would split the event for
-    # clients that break lines the way str.splitlines() does.
-    data = obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)
-    return f"data: {data}\n\n".encode()
+    data = obj.encode() if isinstance(obj, str) else _JSON.encode(obj)
+    for raw, escaped in _LINE_BREAKS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -64,6 +64,13 @@ async def merge_streams(gens: list[AsyncIterator[RequestOutput]]
     behind the engine takes several steps at once (fewer, larger SSE events
     under load) instead of falling further behind. Closing this generator (or
     cancelling its consumer) closes every engine stream, which aborts them."""
+    if len(gens) == 1:  # the common case: no pump task, no second queue
+        try:
+            async for ro in gens[0]:
+                yield [(0, ro)]
+        finally:
+            await gens[0].aclose()
+        return
     q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     done = object()
 
@@ -131,13 +138,10 @@ class _Job:
 
 
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, config: EngineConfig, metrics: ServeMetrics | None = None,
-                 stream_interval: int = 1) -> None:
-        """stream_interval: send a choice's tokens once this many are pending
-        (the first token and the finish always go at once); 1 = every step."""
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
-        self.llm, self.config, self.stream_interval = llm, config, stream_interval
+    def __init__(self, llm: AsyncLLM, config: EngineConfig, metrics: ServeMetrics | None = None) -> None:
+        # serve.stream_interval: send a choice's tokens once this many are
+        # pending (the first token and the finish always go at once).
+        self.llm, self.config, self.stream_interval = llm, config, config.serve.stream_interval
         self.model_name = model_name_of(config)
         self.metrics = metrics or ServeMetrics(llm, self.model_name)
         self.fmt = P.LogprobFormatter(llm.tokenizer)
@@ -284,7 +288,9 @@ class OpenAIServer:
     # ---- running -------------------------------------------------------------------
 
     def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
-        return [self.llm.generate(ids, sp, request_id=eid, priority=job.req.priority)
+        interval = self.config.serve.stream_batching_interval_ms / 1000.0 if job.req.stream else 0.0
+        return [self.llm.generate(ids, sp, request_id=eid, priority=job.req.priority,
+                                  min_interval_s=interval)
                 for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params)]
 
     async def _respond(self, job: _Job) -> Response:

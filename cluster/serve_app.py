@@ -4,12 +4,19 @@
     python -c "from cluster.serve_app import run_serve; run_serve('configs/tiny-cpu.yaml')"
 
 Sizing (per replica): `max_ongoing_requests` follows the engine's
-scheduler.max_num_seqs (a little above it, so freed batch slots refill from
-the engine's own waiting queue without a proxy round trip); beyond it each
-proxy queues at most `max_queued_requests` more, and rejects the rest with 429
-and Retry-After (Serve's backpressure response, plain text). A dead engine
+scheduler.max_num_seqs (twice it, so freed batch slots refill from the
+engine's own waiting queue without a proxy round trip); beyond it each
+proxy queues at most serve.max_queued_requests more, and rejects the rest with
+429 and Retry-After (Serve's backpressure response, plain text). A dead engine
 answers 503 (engine_unavailable) and fails Serve's health check, so Serve
 replaces the replica; a draining replica answers 503 on /health.
+
+Processes (serve.engine_actor, default on): the replica runs HTTP and the
+AsyncLLM frontend; EngineCore runs in an EngineCoreActor in the replica's
+placement group. The engine step and the per-token HTTP work then never
+contend for one GIL (in one process, every torch op that releases the GIL
+lets the event loop in, and the engine thread waits up to the 5 ms switch
+interval to get it back).
 
 The API key is read in each replica from the env var named by
 serve.api_key_env: set it where the replicas start (for a local cluster, in the
@@ -26,12 +33,13 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from cluster.engine_actor import CoreActorPlacement, RayCoreClient
 from engine.config import EngineConfig, load_config
 
 log = logging.getLogger("conveyor.serve")
 
 RETRY_AFTER_S = 1.0
-_ARG_KEYS = {"config", "overrides", "max_queued_requests", "device", "name", "stream_interval"}
+_ARG_KEYS = {"config", "overrides", "device", "name"}
 
 
 # ---- pure sizing helpers (unit-tested) --------------------------------------------
@@ -39,38 +47,63 @@ _ARG_KEYS = {"config", "overrides", "max_queued_requests", "device", "name", "st
 def default_max_ongoing(config: EngineConfig) -> int:
     if config.serve.max_ongoing_requests is not None:
         return config.serve.max_ongoing_requests
-    seqs = config.scheduler.max_num_seqs
-    return seqs + max(2, seqs // 8)
+    # Twice the batch: a freed batch slot refills from the engine's own
+    # waiting queue on the next step. Serve's router backs off while every
+    # replica is full, so a queue held in the proxy leaves slots idle for tens
+    # of ms (measured: TTFT ~1 s and idle CPU at concurrency 48 with 36 here).
+    return 2 * config.scheduler.max_num_seqs
 
 
-def default_max_queued(max_ongoing: int) -> int:
-    return 4 * max_ongoing
+def default_max_queued(config: EngineConfig, max_ongoing: int) -> int:
+    q = config.serve.max_queued_requests
+    return q if q is not None else 4 * max_ongoing
+
+
+def _engine_in_actor(config: EngineConfig) -> bool:
+    return config.parallel.executor == "ray" or config.serve.engine_actor
 
 
 def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
     """Deployment options that reserve one replica's resources.
 
     executor "ray": a placement group per replica, bundle 0 = the replica
-    actor itself ({"CPU": 1}), then one bundle per engine worker ({"GPU": 1}
-    on GPU, {"CPU": 1} on CPU), with the configured strategy. Serve captures
-    child actors into it, so the engine must place worker i on bundle i + 1
-    of the current placement group instead of creating its own.
-    Other executors: the workers live in the replica's process tree.
+    actor itself ({"CPU": 1}, shared with the EngineCoreActor), then one bundle
+    per engine worker ({"GPU": 1} on GPU, {"CPU": 1} on CPU), with the
+    configured strategy. Serve captures child actors into it, so the engine
+    places worker i on bundle i + 1 of the current placement group.
+    serve.engine_actor with another executor: bundle 0 = the replica, bundle 1
+    = the EngineCoreActor that runs the model ({"CPU": 1} + its GPUs).
+    Otherwise the engine lives in the replica's process tree.
     """
     world = config.world_size
+    strategy = config.parallel.placement_strategy
     if config.parallel.executor == "ray":
         worker = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
         return {"ray_actor_options": {"num_cpus": 1},
                 "placement_group_bundles": [{"CPU": 1.0}] + [dict(worker) for _ in range(world)],
-                "placement_group_strategy": config.parallel.placement_strategy}
+                "placement_group_strategy": strategy}
+    if config.serve.engine_actor:
+        core = {"CPU": 1.0, **({"GPU": float(world)} if use_gpu else {})}
+        return {"ray_actor_options": {"num_cpus": 1},
+                "placement_group_bundles": [{"CPU": 1.0}, core],
+                "placement_group_strategy": strategy}
     return {"ray_actor_options": {"num_cpus": 1, "num_gpus": world if use_gpu else 0}}
 
 
-def deployment_options(config: EngineConfig, use_gpu: bool,
-                       max_queued: int | None = None) -> dict[str, Any]:
+def core_actor_placement(config: EngineConfig, use_gpu: bool) -> CoreActorPlacement | None:
+    """Where the replica puts its EngineCoreActor (None: in-process core)."""
+    if config.parallel.executor == "ray":
+        return CoreActorPlacement()
+    if config.serve.engine_actor:
+        return CoreActorPlacement(bundle_index=1, num_cpus=1.0,
+                                  num_gpus=float(config.world_size) if use_gpu else 0.0)
+    return None
+
+
+def deployment_options(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
     ongoing = default_max_ongoing(config)
     return {"num_replicas": config.serve.replicas, "max_ongoing_requests": ongoing,
-            "max_queued_requests": max_queued if max_queued is not None else default_max_queued(ongoing),
+            "max_queued_requests": default_max_queued(config, ongoing),
             "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
             "health_check_period_s": 5.0, "graceful_shutdown_timeout_s": 30.0,
             **replica_resources(config, use_gpu)}
@@ -82,18 +115,19 @@ def deployment_options(config: EngineConfig, use_gpu: bool,
 class OpenAIDeployment:
     """One replica: an AsyncLLM plus the OpenAI FastAPI app built on it."""
 
-    def __init__(self, config_path: str, overrides: dict[str, Any], stream_interval: int = 1) -> None:
+    def __init__(self, config_path: str, overrides: dict[str, Any], use_gpu: bool) -> None:
         from cluster.metrics import ServeMetrics
         from cluster.openai_server import OpenAIServer, model_name_of
         from engine.async_client import AsyncLLM
 
         self.config = load_config(config_path, **overrides)
         t0 = time.monotonic()
-        self.llm = AsyncLLM(self.config)
+        place = core_actor_placement(self.config, use_gpu)
+        client = RayCoreClient(self.config, place) if place is not None else None
+        self.llm = AsyncLLM(self.config, client)
         log.info("engine for %s ready in %.1fs", model_name_of(self.config), time.monotonic() - t0)
         name = model_name_of(self.config)
-        self.server = OpenAIServer(self.llm, self.config, ServeMetrics(self.llm, name),
-                                   stream_interval=stream_interval)
+        self.server = OpenAIServer(self.llm, self.config, ServeMetrics(self.llm, name))
 
     def __serve_build_asgi_app__(self) -> Any:
         from cluster.openai_server import build_api
@@ -138,9 +172,9 @@ def build_app(args: dict[str, Any]) -> Application:
     """Serve application builder (import_path `cluster.serve_app:build_app`).
 
     args: config (engine YAML, relative to the working directory), optional
-    overrides (flat engine keyword arguments, as LLM(...) takes),
-    max_queued_requests, device ("auto" | "cpu" | "cuda"), name, stream_interval
-    (SSE: send every N tokens per choice; default 1).
+    overrides (flat engine keyword arguments as LLM(...) takes, or dotted key
+    paths such as "serve.stream_interval"), device ("auto" | "cpu" | "cuda"),
+    name.
     """
     unknown = set(args) - _ARG_KEYS
     if unknown or "config" not in args:
@@ -149,11 +183,10 @@ def build_app(args: dict[str, Any]) -> Application:
     path = os.path.abspath(str(args["config"]))
     overrides = dict(args.get("overrides") or {})
     config = load_config(path, **overrides)  # fail at deploy time, not in a replica
-    opts = deployment_options(config, _use_gpu(str(args.get("device", "auto"))),
-                              args.get("max_queued_requests"))
+    use_gpu = _use_gpu(str(args.get("device", "auto")))
+    opts = deployment_options(config, use_gpu)
     dep = serve.deployment(OpenAIDeployment, name=str(args.get("name", "OpenAIDeployment")))
-    return dep.options(**opts).bind(path, _absolute_overrides(config, overrides),
-                                    int(args.get("stream_interval", 1)))
+    return dep.options(**opts).bind(path, _absolute_overrides(config, overrides), use_gpu)
 
 
 def run_serve(config_path: str, *, blocking: bool = True, app_name: str = "conveyor",

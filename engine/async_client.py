@@ -2,7 +2,7 @@
 
 It validates and tokenizes, fans `n > 1` out into child requests, sends them
 through a CoreClient, and routes each step's EngineCoreOutputs to per-request
-asyncio queues as deltas (new text, new token ids, new logprobs). Stop strings
+output slots as deltas (new text, new token ids, new logprobs). Stop strings
 are detected here and abort the request in the core. A stream that is closed
 before it finished (client disconnect) aborts its requests exactly once.
 """
@@ -29,15 +29,56 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
+    """One user request's output slot. Deltas that arrive before the consumer
+    takes them are merged (text and token ids concatenated per choice), so a
+    consumer that falls behind the engine takes several steps at once instead
+    of falling further behind (vLLM's RequestOutputCollector does the same)."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[RequestState]
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: dict[int, CompletionOutput] = field(default_factory=dict)
+    done: bool = False
+    num_cached_tokens: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    final: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
+
+    def put(self, deltas: list[CompletionOutput], done: bool, num_cached_tokens: int) -> None:
+        for d in deltas:  # each d is fresh (built by _delta), so it may be extended in place
+            acc = self.pending.get(d.index)
+            if acc is None:
+                self.pending[d.index] = d
+                continue
+            acc.text += d.text
+            acc.token_ids.extend(d.token_ids)
+            if d.logprobs is not None:
+                acc.logprobs = (acc.logprobs or []) + d.logprobs
+            acc.finish_reason, acc.stop_reason = d.finish_reason, d.stop_reason
+        self.done = self.done or done
+        self.num_cached_tokens = num_cached_tokens
+        self.ready.set()
+        if self.done:
+            self.final.set()
+
+    async def wait_until(self, deadline: float) -> None:
+        """Sleep until `deadline` (time.monotonic) or the finish, whichever is first."""
+        delay = deadline - time.monotonic()
+        if delay > 0.0 and not self.done:
+            try:
+                await asyncio.wait_for(self.final.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+
+    def take(self) -> RequestOutput:
+        outs = [self.pending[k] for k in sorted(self.pending)]
+        self.pending = {}
+        self.ready.clear()
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
+                             self.num_cached_tokens, self.done)
 
 
 @dataclass
@@ -117,9 +158,15 @@ class AsyncLLM:
         return self.frontend.prepare(prompt, sp, rid, priority)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       min_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Yields deltas: each RequestOutput carries only the choices that
-        changed, with their new text/token ids/logprobs; the last has finished=True."""
+        changed, with their new text/token ids/logprobs; the last has finished=True.
+
+        min_interval_s: after the first delta, yield at most once per interval;
+        steps that finish in between are merged into the next delta. The finish
+        is never held back. Caps a fast model's per-token overhead downstream
+        (SSE events) without delaying a model whose steps are slower anyway."""
         self.start()
         prep = self.prepare(prompt, sampling_params, request_id, priority)
         rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
@@ -133,12 +180,15 @@ class AsyncLLM:
         for r in reqs:
             self.client.add_request(r)
         try:
+            next_at = 0.0
             while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
+                await stream.ready.wait()
+                if min_interval_s > 0.0:
+                    await stream.wait_until(next_at)
+                    next_at = time.monotonic() + min_interval_s
+                out = stream.take()
+                yield out
+                if out.finished:
                     return
         finally:
             if rid in self.streams:  # closed early: the client went away
@@ -192,8 +242,7 @@ class AsyncLLM:
             if stream is None:
                 continue
             done = stream.finished
-            stream.queue.put_nowait(RequestOutput(rid, stream.prompt, stream.prompt_token_ids, deltas,
-                                                  max(c.num_cached_tokens for c in stream.children), done))
+            stream.put(deltas, done, max(c.num_cached_tokens for c in stream.children))
             if done:
                 del self.streams[rid]
 
@@ -221,7 +270,7 @@ class AsyncLLM:
                     c.fail("error", message)
                     deltas.append(CompletionOutput(c.index, "", [], "error", message))
             self.streams.pop(s.request_id, None)
-            s.queue.put_nowait(RequestOutput(s.request_id, s.prompt, s.prompt_token_ids, deltas, 0, True))
+            s.put(deltas, True, 0)
         self._child_to_stream.clear()
 
 

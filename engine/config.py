@@ -68,6 +68,21 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     max_body_bytes: int = 2 * 1024 * 1024
     metrics_public: bool = False
     cors_origins: list[str] = msgspec.field(default_factory=list)
+    # Beyond max_ongoing_requests each proxy queues this many more, then 429s
+    # (None: 4 x max_ongoing_requests).
+    max_queued_requests: int | None = None
+    # SSE: send a choice's tokens once this many are pending (vLLM's
+    # --stream-interval); the first token and the finish always go at once.
+    stream_interval: int = 1
+    # SSE: after a choice's first token, at most one event per this many ms;
+    # tokens that arrive in between go out together (Ray Serve LLM's
+    # stream_batching_interval_ms). A model slower than this per token is
+    # never delayed; a faster one stops paying HTTP work per token.
+    stream_batching_interval_ms: float = 0.0
+    # Run EngineCore (and, for executors other than "ray", the model) in its
+    # own Ray actor, so the replica's HTTP event loop and the engine step never
+    # share a GIL. Executor "ray" always does.
+    engine_actor: bool = True
 
 
 class EngineConfig(msgspec.Struct, **_FROZEN):
@@ -315,6 +330,10 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.replicas": _at_least(1),
     "serve.max_ongoing_requests": _at_least(1, nullable=True),
     "serve.max_body_bytes": _at_least(1),
+    "serve.max_queued_requests": _at_least(1, nullable=True),
+    "serve.stream_interval": _at_least(1),
+    "serve.stream_batching_interval_ms": ("float in [0, 10000]", lambda v: 0.0 <= v <= 10000.0),
+    "serve.engine_actor": ("bool", lambda v: True),
 }
 
 

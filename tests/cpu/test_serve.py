@@ -13,6 +13,7 @@ import socket
 import time
 
 import httpx
+import msgspec
 import pytest
 
 from llm_utils import make_checkpoint
@@ -104,7 +105,8 @@ def _metric(m: dict[str, float], name: str) -> float:
 # ---- no Ray (first, before the module's Ray instance starts) -----------------------
 
 def test_replica_resources_and_sizing():
-    from cluster.serve_app import deployment_options, replica_resources
+    from cluster.engine_actor import CoreActorPlacement
+    from cluster.serve_app import core_actor_placement, deployment_options, replica_resources
     from engine.config import build_config
 
     ray_cfg = build_config(executor="ray", tensor_parallel_size=2, pipeline_parallel_size=2,
@@ -113,13 +115,22 @@ def test_replica_resources_and_sizing():
     assert gpu["placement_group_bundles"] == [{"CPU": 1.0}] + [{"GPU": 1.0}] * 4
     assert gpu["placement_group_strategy"] == "SPREAD" and gpu["ray_actor_options"] == {"num_cpus": 1}
     assert replica_resources(ray_cfg, use_gpu=False)["placement_group_bundles"] == [{"CPU": 1.0}] * 5
-    uni = replica_resources(build_config(), use_gpu=False)
-    assert uni == {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0}}
+    # The default: EngineCore (+ the model) in its own actor, on bundle 1 with the GPUs.
+    tp2 = build_config(executor="mp", tensor_parallel_size=2)
+    assert replica_resources(tp2, use_gpu=True)["placement_group_bundles"] == [
+        {"CPU": 1.0}, {"CPU": 1.0, "GPU": 2.0}]
+    assert core_actor_placement(tp2, use_gpu=True) == CoreActorPlacement(1, 1.0, 2.0)
+    assert core_actor_placement(build_config(), use_gpu=False) == CoreActorPlacement(1, 1.0, 0.0)
+    assert core_actor_placement(ray_cfg, use_gpu=True) == CoreActorPlacement(0, 0.0, 0.0)
+    inproc = build_config({"serve": {"engine_actor": False}})
+    assert replica_resources(inproc, use_gpu=False) == {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0}}
+    assert core_actor_placement(inproc, use_gpu=False) is None
     opts = deployment_options(build_config(max_num_seqs=64), use_gpu=False)
-    assert opts["max_ongoing_requests"] == 72 and opts["max_queued_requests"] == 288
+    assert opts["max_ongoing_requests"] == 128 and opts["max_queued_requests"] == 512
     assert opts["backpressure_config"] == {"status_code": 429, "retry_after_s": 1.0}
-    assert deployment_options(build_config({"serve": {"max_ongoing_requests": 7}}), False,
-                              max_queued=3)["max_ongoing_requests"] == 7
+    small = deployment_options(build_config({"serve": {"max_ongoing_requests": 7,
+                                                       "max_queued_requests": 3}}), False)
+    assert small["max_ongoing_requests"] == 7 and small["max_queued_requests"] == 3
 
 
 def test_in_process_503_500_and_in_band_error(ckpt):
@@ -147,7 +158,8 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                 # stream_interval=4: the first chunk without waiting, then 4 at a time, the rest at
                 # the finish. How many tokens the first chunk holds depends on how far the engine
                 # got before the handler read its stream (1 when idle, 2 seen under CI load).
-                srv4 = OpenAIServer(llm, cfg, stream_interval=4)
+                srv4 = OpenAIServer(llm, msgspec.structs.replace(
+                    cfg, serve=msgspec.structs.replace(cfg.serve, stream_interval=4)))
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv4, api_key=None)),
                                              base_url="http://t") as c4:
                     r4 = await c4.post("/v1/completions", json={
@@ -194,6 +206,42 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                     r = await c.options("/v1/completions", headers=preflight)
                     assert r.headers.get("access-control-allow-origin") == allowed
                     assert "access-control-allow-credentials" not in r.headers
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(run())
+
+
+def test_output_slot_merges_and_batching_interval(ckpt):
+    """A consumer that falls behind gets the steps it missed merged into one
+    delta; min_interval_s spaces deltas out; neither changes the tokens."""
+    from engine.async_client import AsyncLLM
+    from engine.config import build_config
+    from engine.sampling_params import SamplingParams
+
+    cfg = build_config({"model": {"path": ckpt, "max_model_len": 512}})
+    sp = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        llm = AsyncLLM(cfg)
+        try:
+            async def deltas(pause_after_first: float = 0.0, interval: float = 0.0):
+                out = []
+                async for ro in llm.generate("The cat", sp, min_interval_s=interval):
+                    out.append((time.monotonic(), list(ro.outputs[0].token_ids), ro.finished))
+                    if len(out) == 1 and pause_after_first:
+                        await asyncio.sleep(pause_after_first)
+                return out
+
+            ref = [t for _, ids, _ in await deltas() for t in ids]
+            assert len(ref) == 120
+            lagging = await deltas(pause_after_first=0.3)
+            assert [t for _, ids, _ in lagging for t in ids] == ref
+            assert len(lagging[1][1]) > 1, [len(ids) for _, ids, _ in lagging]
+            spaced = await deltas(interval=0.05)
+            assert [t for _, ids, _ in spaced for t in ids] == ref and spaced[-1][2]
+            gaps = [b[0] - a[0] for a, b in zip(spaced, spaced[1:])]
+            assert len(spaced) >= 3 and all(g >= 0.045 for g in gaps[:-1]), gaps
         finally:
             await llm.shutdown()
 
@@ -458,8 +506,9 @@ def test_backpressure_429(server, ckpt, tmp_path):
 
     from cluster.serve_app import build_app
 
-    cfg = _write_config(str(tmp_path / "small.yaml"), ckpt, 1, max_ongoing_requests=1)
-    serve.run(build_app({"config": cfg, "max_queued_requests": 1, "name": "Small"}),
+    cfg = _write_config(str(tmp_path / "small.yaml"), ckpt, 1, max_ongoing_requests=1,
+                        max_queued_requests=1)
+    serve.run(build_app({"config": cfg, "name": "Small"}),
               name="small", route_prefix="/small", blocking=False)
     try:
         async def run() -> list[httpx.Response]:
