@@ -99,23 +99,40 @@ async def run_load(url: str, bodies: list[dict[str, Any]], rate: float, concurre
     if not (host.startswith("127.") or host in ("localhost", "::1")):
         raise SystemExit(f"refusing to load {host}: loopback targets only")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency or len(bodies), max_keepalive_connections=64)
-    gate = asyncio.Semaphore(concurrency or len(bodies))
+    # One single-connection client per in-flight slot: a shared httpx pool
+    # scans every connection on each request, which cost the load generator
+    # more CPU than the requests themselves (it shares the cores with the server).
+    slots = concurrency or len(bodies)
+    idle: asyncio.Queue[Any] = asyncio.Queue()
+    made: list[Any] = []
     rng = random.Random(seed)
 
-    async def gated(c: Any, b: dict[str, Any]) -> Result:
-        async with gate:
-            return await one_request(c, b)
+    async def slot_client() -> Any:
+        if idle.empty() and len(made) < slots:
+            made.append(httpx.AsyncClient(base_url=url, headers=headers, timeout=300,
+                                          limits=httpx.Limits(max_connections=1)))
+            return made[-1]
+        return await idle.get()
 
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=300) as c:
+    async def gated(b: dict[str, Any]) -> Result:
+        c = await slot_client()
+        try:
+            return await one_request(c, b)
+        finally:
+            idle.put_nowait(c)
+
+    try:
         t0, tasks = time.perf_counter(), []
         for b in bodies:
             if time.perf_counter() - t0 > duration_s:
                 break
-            tasks.append(asyncio.create_task(gated(c, b)))
+            tasks.append(asyncio.create_task(gated(b)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=duration_s + 300)
+    finally:
+        for c in made:
+            await c.aclose()
     return list(results), time.perf_counter() - t0
 
 

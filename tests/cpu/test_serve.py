@@ -523,3 +523,37 @@ def test_backpressure_429(server, ckpt, tmp_path):
         assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 429)
     finally:
         serve.delete("small")
+
+
+def test_ray_executor_inside_the_replica_placement_group(server, ckpt, refs, tmp_path):
+    """executor "ray" behind Serve: the EngineCoreActor shares the replica's bundle 0,
+    its worker takes bundle 1 of the replica's placement group (no group of its own),
+    and greedy output equals LLM.generate."""
+    import ray
+    from ray import serve
+
+    from cluster.serve_app import build_app
+
+    def live_groups() -> set[str]:
+        return {pid for pid, g in ray.util.placement_group_table().items() if g["state"] == "CREATED"}
+
+    before = live_groups()
+    cfg = _write_config(str(tmp_path / "rayexec.yaml"), ckpt, 1)
+    serve.run(build_app({"config": cfg, "name": "RayExec", "overrides": {"executor": "ray"}}),
+              name="rayexec", route_prefix="/rayexec", blocking=False)
+    try:
+        added = live_groups() - before
+        assert len(added) == 1, added  # the replica's own; the executor made none
+        r = httpx.post(f"{server}/rayexec/v1/completions", headers=AUTH, timeout=120, json={
+            "model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == refs["completion"][0].text
+        # Both bundles of the replica's group are in use: 0 by the replica, 1 by the worker.
+        pg = added.pop()
+        total, free = ray.cluster_resources(), ray.available_resources()
+        for b in (0, 1):
+            key = f"CPU_group_{b}_{pg}"
+            assert total.get(key) == 1.0 and free.get(key, 0.0) == 0.0, (key, total.get(key), free.get(key))
+    finally:
+        serve.delete("rayexec")
+
