@@ -42,6 +42,7 @@ log = logging.getLogger("conveyor.serve")
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+RETRY_AFTER_S = 1
 
 
 def model_name_of(config: EngineConfig) -> str:
@@ -51,6 +52,12 @@ def model_name_of(config: EngineConfig) -> str:
 def engine_unavailable(message: str = "the engine is not available") -> P.APIError:
     return P.APIError(503, message, type="service_unavailable_error", code="engine_unavailable",
                       headers={"Retry-After": "5"})
+
+
+def at_capacity(limit: int) -> P.APIError:
+    return P.APIError(429, f"The server is at capacity ({limit} requests in flight); retry later.",
+                      type="rate_limit_error", code="server_at_capacity",
+                      headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def internal_error() -> P.APIError:
@@ -138,10 +145,14 @@ class _Job:
 
 
 class OpenAIServer:
-    def __init__(self, llm: AsyncLLM, config: EngineConfig, metrics: ServeMetrics | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, config: EngineConfig, metrics: ServeMetrics | None = None,
+                 max_admitted: int | None = None) -> None:
+        """max_admitted: completion/chat requests in flight at once (None: no
+        limit); beyond it a validated request gets 429 + Retry-After."""
         # serve.stream_interval: send a choice's tokens once this many are
         # pending (the first token and the finish always go at once).
         self.llm, self.config, self.stream_interval = llm, config, config.serve.stream_interval
+        self.max_admitted, self.admitted = max_admitted, 0
         self.model_name = model_name_of(config)
         self.metrics = metrics or ServeMetrics(llm, self.model_name)
         self.fmt = P.LogprobFormatter(llm.tokenizer)
@@ -293,14 +304,24 @@ class OpenAIServer:
                                   min_interval_s=interval)
                 for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params)]
 
+    def _admit(self) -> None:
+        if self.max_admitted is not None and self.admitted >= self.max_admitted:
+            raise at_capacity(self.max_admitted)
+        self.admitted += 1
+
+    def _release(self) -> None:
+        self.admitted -= 1
+
     async def _respond(self, job: _Job) -> Response:
+        self._admit()
         if job.req.stream:
-            return StreamingResponse(self._guarded_sse(job), media_type="text/event-stream",
-                                     headers=_SSE_HEADERS)
+            return _ReleasingStream(self._guarded_sse(job), self._release,
+                                    media_type="text/event-stream", headers=_SSE_HEADERS)
         self.metrics.in_progress.inc()
         try:
             return JSONResponse(await self._collect(job))
         finally:
+            self._release()
             self.metrics.in_progress.dec()
             await self._abort_all(job)
 
@@ -406,6 +427,21 @@ class OpenAIServer:
 
 
 # ---- the ASGI app ----------------------------------------------------------------------
+
+class _ReleasingStream(StreamingResponse):
+    """A streaming response that calls `release` once it is over, however it
+    ends (finished, failed, client gone): an admission slot is never leaked."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._release_slot = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release_slot()
+
 
 def error_response(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)

@@ -3,11 +3,12 @@
     serve run configs/serve-tiny.yaml          # import_path cluster.serve_app:build_app
     python -c "from cluster.serve_app import run_serve; run_serve('configs/tiny-cpu.yaml')"
 
-Sizing (per replica): `max_ongoing_requests` follows the engine's
-scheduler.max_num_seqs (twice it, so freed batch slots refill from the
-engine's own waiting queue without a proxy round trip); beyond it each
-proxy queues at most serve.max_queued_requests more, and rejects the rest with
-429 and Retry-After (Serve's backpressure response, plain text). A dead engine
+Sizing (per replica): a replica admits serve.max_ongoing_requests (default
+twice scheduler.max_num_seqs) + serve.max_queued_requests (default 4x that)
+completion/chat requests, all handed to the engine: its own FCFS queue refills
+a freed batch slot on the next step, where a queue held in Serve's proxy
+leaves slots idle while the router backs off. Past that the replica answers
+429 + Retry-After in the OpenAI error shape. A dead engine
 answers 503 (engine_unavailable) and fails Serve's health check, so Serve
 replaces the replica; a draining replica answers 503 on /health.
 
@@ -39,6 +40,8 @@ from engine.config import EngineConfig, load_config
 log = logging.getLogger("conveyor.serve")
 
 RETRY_AFTER_S = 1.0
+SERVE_HEADROOM = 8
+MIN_SERVE_QUEUE = 256
 _ARG_KEYS = {"config", "overrides", "device", "name"}
 
 
@@ -100,10 +103,26 @@ def core_actor_placement(config: EngineConfig, use_gpu: bool) -> CoreActorPlacem
     return None
 
 
-def deployment_options(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
+def max_admitted(config: EngineConfig) -> int:
+    """Completion/chat requests one replica takes at once: max_ongoing_requests
+    + max_queued_requests. All of them go to the engine, whose own FCFS queue
+    holds the ones beyond its batch (they hold no KV until scheduled); past
+    this the replica answers 429 in the OpenAI error shape."""
     ongoing = default_max_ongoing(config)
-    return {"num_replicas": config.serve.replicas, "max_ongoing_requests": ongoing,
-            "max_queued_requests": default_max_queued(config, ongoing),
+    return ongoing + default_max_queued(config, ongoing)
+
+
+def deployment_options(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
+    # Serve's per-replica cap sits a little above ours, so /health, /metrics
+    # and /v1/models still get in while generation is at capacity. Serve's
+    # queue holds requests its router has not yet assigned to a replica (a
+    # burst of 5 already passes 2 on 2 cores); past it Serve answers a
+    # plain-text 429 (its body is not configurable), so it is sized to let
+    # the replica's OpenAI-shaped 429 answer in all but a flood.
+    admitted = max_admitted(config)
+    return {"num_replicas": config.serve.replicas,
+            "max_ongoing_requests": admitted + SERVE_HEADROOM,
+            "max_queued_requests": max(admitted, MIN_SERVE_QUEUE),
             "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
             "health_check_period_s": 5.0, "graceful_shutdown_timeout_s": 30.0,
             **replica_resources(config, use_gpu)}
@@ -127,7 +146,8 @@ class OpenAIDeployment:
         self.llm = AsyncLLM(self.config, client)
         log.info("engine for %s ready in %.1fs", model_name_of(self.config), time.monotonic() - t0)
         name = model_name_of(self.config)
-        self.server = OpenAIServer(self.llm, self.config, ServeMetrics(self.llm, name))
+        self.server = OpenAIServer(self.llm, self.config, ServeMetrics(self.llm, name),
+                                   max_admitted=max_admitted(self.config))
 
     def __serve_build_asgi_app__(self) -> Any:
         from cluster.openai_server import build_api

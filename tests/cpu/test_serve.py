@@ -106,7 +106,8 @@ def _metric(m: dict[str, float], name: str) -> float:
 
 def test_replica_resources_and_sizing():
     from cluster.engine_actor import CoreActorPlacement
-    from cluster.serve_app import core_actor_placement, deployment_options, replica_resources
+    from cluster.serve_app import (SERVE_HEADROOM, core_actor_placement, deployment_options,
+                                   max_admitted, replica_resources)
     from engine.config import build_config
 
     ray_cfg = build_config(executor="ray", tensor_parallel_size=2, pipeline_parallel_size=2,
@@ -125,12 +126,15 @@ def test_replica_resources_and_sizing():
     inproc = build_config({"serve": {"engine_actor": False}})
     assert replica_resources(inproc, use_gpu=False) == {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0}}
     assert core_actor_placement(inproc, use_gpu=False) is None
-    opts = deployment_options(build_config(max_num_seqs=64), use_gpu=False)
-    assert opts["max_ongoing_requests"] == 128 and opts["max_queued_requests"] == 512
+    # The replica admits 2 x max_num_seqs + 4x that; Serve's caps sit a little above.
+    cfg64 = build_config(max_num_seqs=64)
+    assert max_admitted(cfg64) == 128 + 512
+    opts = deployment_options(cfg64, use_gpu=False)
+    assert opts["max_ongoing_requests"] == 640 + SERVE_HEADROOM
+    assert opts["max_queued_requests"] == 640
     assert opts["backpressure_config"] == {"status_code": 429, "retry_after_s": 1.0}
-    small = deployment_options(build_config({"serve": {"max_ongoing_requests": 7,
-                                                       "max_queued_requests": 3}}), False)
-    assert small["max_ongoing_requests"] == 7 and small["max_queued_requests"] == 3
+    assert max_admitted(build_config({"serve": {"max_ongoing_requests": 7,
+                                                "max_queued_requests": 3}})) == 10
 
 
 def test_in_process_503_500_and_in_band_error(ckpt):
@@ -169,6 +173,18 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                     sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in evs]
                     assert sum(sizes) == 10 and sizes[0] < 4 and len(sizes) <= 4, sizes
                     assert all(n >= 4 for n in sizes[1:-1]), sizes
+                # One admission slot: of two concurrent requests one gets 429; slots come back
+                # after non-streaming and streaming responses alike.
+                srv1 = OpenAIServer(llm, cfg, max_admitted=1)
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv1, api_key=None)),
+                                             base_url="http://t") as c1:
+                    pair = await asyncio.gather(*(c1.post("/v1/completions", json=body) for _ in range(2)))
+                    assert sorted(r.status_code for r in pair) == [200, 429]
+                    _assert_error(next(r for r in pair if r.status_code == 429), 429, "server_at_capacity")
+                    assert next(r for r in pair if r.status_code == 429).headers["retry-after"] == "1"
+                    r1 = await c1.post("/v1/completions", json={**body, "max_tokens": 4, "stream": True})
+                    assert r1.status_code == 200 and r1.text.endswith("data: [DONE]\n\n")
+                    assert srv1.admitted == 0
                 srv.draining = True
                 assert (await c.get("/health")).status_code == 503
                 _assert_error(await c.post("/v1/completions", json=body), 503, "engine_unavailable")
@@ -501,7 +517,8 @@ def test_64_concurrent_streams(server):
 
 
 def test_backpressure_429(server, ckpt, tmp_path):
-    """A second app limited to 1 ongoing + 1 queued request: the rest get 429 + Retry-After."""
+    """A second app that admits 1 ongoing + 1 queued request: the rest get 429 +
+    Retry-After in the OpenAI error shape, and the slots come back afterwards."""
     from ray import serve
 
     from cluster.serve_app import build_app
@@ -519,8 +536,12 @@ def test_backpressure_429(server, ckpt, tmp_path):
 
         responses = asyncio.run(run())
         codes = sorted(r.status_code for r in responses)
-        assert 200 in codes and 429 in codes, codes
-        assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 429)
+        assert codes == [200, 200, 429, 429, 429], codes
+        for r in responses:
+            if r.status_code == 429:
+                assert r.headers.get("retry-after") == "1"
+                _assert_error(r, 429, "server_at_capacity")
+        assert sorted(r.status_code for r in asyncio.run(run())) == codes  # no slot leaked
     finally:
         serve.delete("small")
 
