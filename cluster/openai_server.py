@@ -283,11 +283,12 @@ class OpenAIServer:
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "conveyor",
             "max_model_len": self.config.max_model_len}]}
 
-    def health(self) -> Response:
+    async def health(self) -> Response:
         if self.draining:
             return error_response(engine_unavailable("the server is shutting down"))
         try:
-            self.llm.check_health()
+            # The engine actor's check is a Ray round trip: off the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, self.llm.check_health)
         except Exception as e:  # noqa: BLE001 - any failure means unhealthy
             log.warning("health check failed: %s", e)
             return error_response(engine_unavailable())
@@ -483,7 +484,7 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
 
     @app.get("/health")
     async def health() -> Response:
-        return server.health()
+        return await server.health()
 
     @app.get("/live")
     async def live() -> dict[str, str]:

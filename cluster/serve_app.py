@@ -26,6 +26,7 @@ deployment config.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -60,10 +61,6 @@ def default_max_ongoing(config: EngineConfig) -> int:
 def default_max_queued(config: EngineConfig, max_ongoing: int) -> int:
     q = config.serve.max_queued_requests
     return q if q is not None else 4 * max_ongoing
-
-
-def _engine_in_actor(config: EngineConfig) -> bool:
-    return config.parallel.executor == "ray" or config.serve.engine_actor
 
 
 def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
@@ -160,8 +157,8 @@ class OpenAIDeployment:
 
     async def check_health(self) -> None:
         """Serve's replica health check: raising makes Serve replace us."""
-        if not self.server.draining:
-            self.llm.check_health()
+        if not self.server.draining:  # a Ray round trip when the engine is an actor
+            await asyncio.get_running_loop().run_in_executor(None, self.llm.check_health)
 
     async def __del__(self) -> None:
         self.server.draining = True
