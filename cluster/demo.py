@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.serve_app import run_serve
 
     t0 = time.monotonic()
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    # The replica's placement group takes 2 logical CPUs (replica + engine actor):
+    # declare at least that many, so a 1-core machine does not wait forever.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
+             num_cpus=max(os.cpu_count() or 1, 2))
     try:
         url = run_serve(config_path, blocking=False,
                         overrides={"model.path": model_dir, "serve.port": port})
