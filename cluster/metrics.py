@@ -116,7 +116,11 @@ class RequestTimer:
             self.m.ttft.observe(now - self.start)
             self.m.queue.observe(now - self.start)
         else:
-            self.m.itl.observe(now - self.last)
+            # One sample per token: an event that carries n tokens (a lagging
+            # reader, or serve.stream_batching_interval_ms) spreads its gap.
+            gap = (now - self.last) / n
+            for _ in range(n):
+                self.m.itl.observe(gap)
         self.last = now
 
     def finish(self) -> None:

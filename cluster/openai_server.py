@@ -21,7 +21,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +43,7 @@ log = logging.getLogger("conveyor.serve")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_S = 1
+HEALTH_TTL_S = 1.0
 
 
 def model_name_of(config: EngineConfig) -> str:
@@ -153,6 +154,9 @@ class OpenAIServer:
         # pending (the first token and the finish always go at once).
         self.llm, self.config, self.stream_interval = llm, config, config.serve.stream_interval
         self.max_admitted, self.admitted = max_admitted, 0
+        self._active_ids: set[str] = set()  # engine ids of admitted requests
+        self._health: asyncio.Future[None] | None = None
+        self._health_at = 0.0
         self.model_name = model_name_of(config)
         self.metrics = metrics or ServeMetrics(llm, self.model_name)
         self.fmt = P.LogprobFormatter(llm.tokenizer)
@@ -256,6 +260,9 @@ class OpenAIServer:
         params = self._params(req, prompts, requested, prompt_param)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{self._request_id(request)}"
         eids = [rid] if len(prompts) == 1 else [f"{rid}-p{i}" for i in range(len(prompts))]
+        # A request id in flight twice would let one request's clean-up abort the other.
+        if not self._active_ids.isdisjoint(eids):
+            raise P.bad_request(f"request id {rid!r} is already in use", "X-Request-Id")
         job = _Job(kind, rid, eids, prompts, params, req)
         self._prepare(job, prompt_param)
         return job
@@ -287,12 +294,23 @@ class OpenAIServer:
         if self.draining:
             return error_response(engine_unavailable("the server is shutting down"))
         try:
-            # The engine actor's check is a Ray round trip: off the event loop.
-            await asyncio.get_running_loop().run_in_executor(None, self.llm.check_health)
+            await self.check_engine()
         except Exception as e:  # noqa: BLE001 - any failure means unhealthy
             log.warning("health check failed: %s", e)
             return error_response(engine_unavailable())
         return JSONResponse({"status": "ok"})
+
+    async def check_engine(self) -> None:
+        """Raise if the engine is unhealthy. The check is a Ray round trip when
+        the engine is an actor, so it runs off the event loop; concurrent
+        callers share one check, and its result stands for HEALTH_TTL_S."""
+        if self.llm.dead_error is not None:  # known locally: never hidden by a cached pass
+            raise EngineDeadError(self.llm.dead_error)
+        now = time.monotonic()
+        if self._health is None or (self._health.done() and now - self._health_at > HEALTH_TTL_S):
+            self._health = asyncio.get_running_loop().run_in_executor(None, self.llm.check_health)
+            self._health_at = now
+        await asyncio.shield(self._health)
 
     def metrics_response(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
@@ -305,24 +323,28 @@ class OpenAIServer:
                                   min_interval_s=interval)
                 for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params)]
 
-    def _admit(self) -> None:
+    def _admit(self, job: _Job) -> None:
+        """Take a slot and the job's engine ids (checked free in _job, with no
+        await in between)."""
         if self.max_admitted is not None and self.admitted >= self.max_admitted:
             raise at_capacity(self.max_admitted)
         self.admitted += 1
+        self._active_ids.update(job.engine_ids)
 
-    def _release(self) -> None:
+    def _release(self, job: _Job) -> None:
         self.admitted -= 1
+        self._active_ids.difference_update(job.engine_ids)
 
     async def _respond(self, job: _Job) -> Response:
-        self._admit()
+        self._admit(job)
         if job.req.stream:
-            return _ReleasingStream(self._guarded_sse(job), self._release,
+            return _ReleasingStream(self._guarded_sse(job), lambda: self._release(job),
                                     media_type="text/event-stream", headers=_SSE_HEADERS)
         self.metrics.in_progress.inc()
         try:
             return JSONResponse(await self._collect(job))
         finally:
-            self._release()
+            self._release(job)
             self.metrics.in_progress.dec()
             await self._abort_all(job)
 
@@ -433,7 +455,8 @@ class _ReleasingStream(StreamingResponse):
     """A streaming response that calls `release` once it is over, however it
     ends (finished, failed, client gone): an admission slot is never leaked."""
 
-    def __init__(self, content: AsyncIterator[bytes], release: Any, **kwargs: Any) -> None:
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None],
+                 **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._release_slot = release
 

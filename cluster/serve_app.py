@@ -26,7 +26,6 @@ deployment config.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -157,8 +156,8 @@ class OpenAIDeployment:
 
     async def check_health(self) -> None:
         """Serve's replica health check: raising makes Serve replace us."""
-        if not self.server.draining:  # a Ray round trip when the engine is an actor
-            await asyncio.get_running_loop().run_in_executor(None, self.llm.check_health)
+        if not self.server.draining:
+            await self.server.check_engine()
 
     async def __del__(self) -> None:
         self.server.draining = True

@@ -191,7 +191,7 @@ class AsyncLLM:
                 if out.finished:
                     return
         finally:
-            if rid in self.streams:  # closed early: the client went away
+            if self.streams.get(rid) is stream:  # closed early: the client went away
                 self._abort_stream(stream, "abort")
 
     async def abort(self, request_id: str) -> None:
@@ -200,14 +200,17 @@ class AsyncLLM:
             self._abort_stream(s, "abort")
 
     def _abort_stream(self, s: _Stream, reason: str) -> None:
-        if self.streams.pop(s.request_id, None) is None:
-            return  # exactly once
-        live = [c.request_id for c in s.children if not c.finished]
+        if self.streams.get(s.request_id) is not s:
+            return  # exactly once (and never another stream that reuses the id)
+        del self.streams[s.request_id]
+        live = [c for c in s.children if not c.finished]
         for c in s.children:
             c.fail(reason)
             self._child_to_stream.pop(c.request_id, None)
         if live and self.dead_error is None:
-            self.client.abort_requests(live)
+            self.client.abort_requests([c.request_id for c in live])
+        # A consumer still waiting (abort() from elsewhere, shutdown) ends now.
+        s.put([CompletionOutput(c.index, "", [], reason) for c in live], True, s.num_cached_tokens)
 
     # ---- outputs -------------------------------------------------------------------
 
@@ -270,7 +273,7 @@ class AsyncLLM:
                     c.fail("error", message)
                     deltas.append(CompletionOutput(c.index, "", [], "error", message))
             self.streams.pop(s.request_id, None)
-            s.put(deltas, True, 0)
+            s.put(deltas, True, s.num_cached_tokens)
         self._child_to_stream.clear()
 
 

@@ -68,20 +68,22 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     max_body_bytes: int = 2 * 1024 * 1024
     metrics_public: bool = False
     cors_origins: list[str] = msgspec.field(default_factory=list)
-    # Beyond max_ongoing_requests each proxy queues this many more, then 429s
-    # (None: 4 x max_ongoing_requests).
+    # A replica admits max_ongoing_requests (None: 2 x max_num_seqs) +
+    # max_queued_requests (None: 4 x max_ongoing_requests) requests, all queued
+    # in its engine; past that it answers 429 + Retry-After.
     max_queued_requests: int | None = None
     # SSE: send a choice's tokens once this many are pending (vLLM's
     # --stream-interval); the first token and the finish always go at once.
     stream_interval: int = 1
-    # SSE: after a choice's first token, at most one event per this many ms;
+    # SSE: after a prompt's first delta, at most one event per this many ms;
     # tokens that arrive in between go out together (Ray Serve LLM's
     # stream_batching_interval_ms). A model slower than this per token is
     # never delayed; a faster one stops paying HTTP work per token.
     stream_batching_interval_ms: float = 0.0
-    # Run EngineCore (and, for executors other than "ray", the model) in its
-    # own Ray actor, so the replica's HTTP event loop and the engine step never
-    # share a GIL. Executor "ray" always does.
+    # Serve replicas run EngineCore (and, for executors other than "ray", the
+    # model) in their own Ray actor, so the HTTP event loop and the engine step
+    # never share a GIL. Executor "ray" always does; AsyncLLM(config) outside
+    # Serve keeps the core in a thread of its own process.
     engine_actor: bool = True
 
 

@@ -185,6 +185,15 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                     r1 = await c1.post("/v1/completions", json={**body, "max_tokens": 4, "stream": True})
                     assert r1.status_code == 200 and r1.text.endswith("data: [DONE]\n\n")
                     assert srv1.admitted == 0
+                # One request id in flight twice: the second is refused, the first is untouched.
+                dup = {"X-Request-Id": "dup-1"}
+                pair = await asyncio.gather(*(c.post("/v1/completions", json=body, headers=dup)
+                                              for _ in range(2)))
+                assert sorted(r.status_code for r in pair) == [200, 400], [r.text for r in pair]
+                ok = next(r for r in pair if r.status_code == 200).json()
+                assert ok["usage"]["completion_tokens"] == 400
+                _assert_error(next(r for r in pair if r.status_code == 400), 400, "invalid_value",
+                              "X-Request-Id")
                 srv.draining = True
                 assert (await c.get("/health")).status_code == 503
                 _assert_error(await c.post("/v1/completions", json=body), 503, "engine_unavailable")
@@ -254,6 +263,13 @@ def test_output_slot_merges_and_batching_interval(ckpt):
             lagging = await deltas(pause_after_first=0.3)
             assert [t for _, ids, _ in lagging for t in ids] == ref
             assert len(lagging[1][1]) > 1, [len(ids) for _, ids, _ in lagging]
+            # abort() from elsewhere ends a consumer that is waiting for output.
+            gen = llm.generate("The cat", sp, request_id="to-abort")
+            first = await gen.__anext__()
+            await llm.abort("to-abort")
+            rest = [ro async for ro in gen]
+            assert not first.finished and rest[-1].finished
+            assert rest[-1].outputs[-1].finish_reason == "abort"
             spaced = await deltas(interval=0.05)
             assert [t for _, ids, _ in spaced for t in ids] == ref and spaced[-1][2]
             gaps = [b[0] - a[0] for a, b in zip(spaced, spaced[1:])]
