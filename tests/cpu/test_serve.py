@@ -185,6 +185,16 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                     r1 = await c1.post("/v1/completions", json={**body, "max_tokens": 4, "stream": True})
                     assert r1.status_code == 200 and r1.text.endswith("data: [DONE]\n\n")
                     assert srv1.admitted == 0
+                # serve.stream_batching_interval_ms reaches the SSE path: far fewer events than tokens.
+                srvw = OpenAIServer(llm, msgspec.structs.replace(
+                    cfg, serve=msgspec.structs.replace(cfg.serve, stream_batching_interval_ms=50.0)))
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srvw, api_key=None)),
+                                             base_url="http://t") as cw:
+                    rw = await cw.post("/v1/completions", json={
+                        "prompt": "hi", "max_tokens": 120, "logprobs": 0, "ignore_eos": True, "stream": True})
+                    evs = [json.loads(ln[6:]) for ln in rw.text.splitlines() if ln.startswith("data: {")]
+                    sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in evs]
+                    assert sum(sizes) == 120 and len(sizes) <= 40, sizes
                 # One request id in flight twice: the second is refused, the first is untouched.
                 dup = {"X-Request-Id": "dup-1"}
                 pair = await asyncio.gather(*(c.post("/v1/completions", json=body, headers=dup)
