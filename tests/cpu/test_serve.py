@@ -604,3 +604,56 @@ def test_ray_executor_inside_the_replica_placement_group(server, ckpt, refs, tmp
     finally:
         serve.delete("rayexec")
 
+
+
+def _engine_actor_pids() -> set[int]:
+    pids = set()
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"ray::EngineCoreActor" in f.read():
+                    pids.add(int(p))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def test_engine_actor_death_fails_streams_and_health(server, ckpt, tmp_path):
+    """The replica's engine actor dies mid-stream: the stream ends with an in-band
+    engine_unavailable error and [DONE] within 30 s, and /health answers 503."""
+    import signal
+
+    from ray import serve
+
+    from cluster.serve_app import build_app
+
+    before = _engine_actor_pids()
+    cfg = _write_config(str(tmp_path / "doomed.yaml"), ckpt, 1)
+    serve.run(build_app({"config": cfg, "name": "Doomed"}), name="doomed", route_prefix="/doomed",
+              blocking=False)
+    try:
+        new = _engine_actor_pids() - before
+        assert len(new) == 1, new
+        victim = new.pop()
+
+        async def stream_while_killing() -> list[str]:
+            body = {"prompt": "The cat", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+            events: list[str] = []
+            async with httpx.AsyncClient(base_url=f"{server}/doomed", headers=AUTH, timeout=60) as c:
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            if len(events) == 3:
+                                os.kill(victim, signal.SIGKILL)
+            return events
+
+        t0 = time.monotonic()
+        events = asyncio.run(asyncio.wait_for(stream_while_killing(), 60))
+        assert time.monotonic() - t0 < 30
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "engine_unavailable"
+        _assert_error(httpx.get(f"{server}/doomed/health", timeout=30), 503, "engine_unavailable")
+    finally:
+        serve.delete("doomed")
