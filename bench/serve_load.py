@@ -197,13 +197,24 @@ def bodies_for(prompts: list[list[int]], output_len: int, model: str | None) -> 
             for p in prompts]
 
 
-def start_server(config: str, overrides: dict[str, Any]) -> str:
+def start_server(config: str, overrides: dict[str, Any], direct: bool = False) -> str:
+    """Our own Serve app; direct: Ray Serve direct ingress, and the URL returned
+    is the replica's own (no proxy hop)."""
     import ray
 
-    from cluster.serve_app import run_serve
+    from cluster.serve_app import direct_ingress_urls, enable_direct_ingress, run_serve
 
+    if direct:
+        enable_direct_ingress()
+        overrides = {**overrides, "serve.direct_ingress": True}
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    return run_serve(config, blocking=False, overrides=overrides)
+    url = run_serve(config, blocking=False, overrides=overrides)
+    if direct:
+        urls = direct_ingress_urls("conveyor", urlparse(url).hostname or "127.0.0.1")
+        if not urls:
+            raise SystemExit("direct ingress is on but no replica port was found")
+        url = urls[0]
+    return url
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:
@@ -298,6 +309,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                         "(our own server only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="engine config override for our own server, e.g. serve.engine_actor=false")
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="our own server with Ray Serve direct ingress; load its replica port")
     p.add_argument("--make-tiny", action="store_true",
                    help="build the tests' tiny Llama checkpoint at --model if it is missing")
     p.add_argument("--rates", default="5,20,inf", help="comma-separated req/s; inf = all at once")
@@ -351,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_overrides = {**overrides, **({"serve.port": a.port} if a.port else {}),
                        **_parse_sets(a.set),
                        **({"serve.stream_interval": a.stream_interval} if a.stream_interval else {})}
-    url = a.url or start_server(a.config, serve_overrides)
+    url = a.url or start_server(a.config, serve_overrides, a.direct_ingress)
     runs = []
     try:
         model = _model_name(url, a.api_key)

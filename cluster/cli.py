@@ -71,15 +71,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from cluster.batch import init_ray
     from cluster.openai_server import model_name_of
-    from cluster.serve_app import run_serve
+    from cluster.serve_app import direct_ingress_urls, enable_direct_ingress, replica_cpus, run_serve
 
-    per_replica = 1 + (config.world_size if config.parallel.executor == "ray" else 0)
-    started = init_ray(args.address, local_cpus=per_replica * config.serve.replicas + 2)
+    per_replica = replica_cpus(config, use_gpu=False)  # CPU bundles; GPUs are checked below
+    if config.serve.direct_ingress and not (args.address or os.environ.get("RAY_ADDRESS")):
+        enable_direct_ingress()  # before the local Ray instance starts
+    started = init_ray(args.address, local_cpus=int(per_replica * config.serve.replicas) + 2)
     try:
         check_cluster_fits(config, ray.cluster_resources().get("GPU", 0),
                            copies=config.serve.replicas, source=args.config)
         url = run_serve(args.config, blocking=False, overrides=overrides, device=args.device)
         print(f"Serving {model_name_of(config)!r} at {url}/v1 (OpenAI API). Ctrl-C to stop.", flush=True)
+        if config.serve.direct_ingress:
+            for direct in direct_ingress_urls("conveyor", config.serve.host):
+                print(f"Replica direct ingress (no proxy hop): {direct}/v1", flush=True)
         _wait_for_signal()
     finally:
         serve.shutdown()

@@ -205,20 +205,65 @@ def build_app(args: dict[str, Any]) -> Application:
     return dep.options(**opts).bind(path, _absolute_overrides(config, overrides), use_gpu)
 
 
+def replica_cpus(config: EngineConfig, use_gpu: bool) -> float:
+    """Logical CPUs one replica reserves (its placement group, or its actor)."""
+    opts = replica_resources(config, use_gpu)
+    bundles = opts.get("placement_group_bundles")
+    if bundles:
+        return sum(b.get("CPU", 0.0) for b in bundles)
+    return float(opts["ray_actor_options"].get("num_cpus", 1))
+
+
+def enable_direct_ingress() -> None:
+    """Turn on Ray Serve's direct ingress for a Ray instance this process is
+    about to start (its processes inherit the environment; Serve reads these
+    at import). A replica that stops keeps its port open for the drain period:
+    5 s here instead of Serve's 30, unless set already."""
+    os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
+    os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "5")
+
+
+def direct_ingress_urls(app_name: str, host: str) -> list[str]:
+    """The replicas' own API URLs when direct ingress is on ([] otherwise).
+    Uses the controller's target groups (Serve's alpha API): best effort."""
+    import ray
+
+    try:
+        from ray.serve.context import _get_global_client
+
+        groups = ray.get(_get_global_client()._controller.get_target_groups.remote(app_name), timeout=30)
+        ports = sorted({t.port for g in groups if str(g.protocol).endswith("HTTP") for t in g.targets})
+    except Exception as e:  # noqa: BLE001 - only a hint for the user
+        log.warning("could not list direct ingress ports: %s", e)
+        return []
+    # Each replica binds serve.host; the controller reports node IPs.
+    return [f"http://{host}:{p}" for p in ports if p >= 30000]
+
+
 def run_serve(config_path: str, *, blocking: bool = True, app_name: str = "conveyor",
               route_prefix: str = "/", **app_args: Any) -> str:
     """Start Serve on the configured host/port, deploy the app, return its URL.
-    Used by `conveyor serve CONFIG`; blocking=True serves until Ctrl-C."""
+    Used by `conveyor serve CONFIG`; blocking=True serves until Ctrl-C.
+    With serve.direct_ingress the replicas' own URLs are logged too (see
+    direct_ingress_urls)."""
     import ray
 
     config = load_config(config_path, **dict(app_args.get("overrides") or {}))
     if not ray.is_initialized():
+        if config.serve.direct_ingress:
+            enable_direct_ingress()
         ray.init()
+    elif config.serve.direct_ingress and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        log.warning("serve.direct_ingress needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in every Ray "
+                    "process: export it before `ray start`")
     serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
     serve.run(build_app({"config": config_path, **app_args}), name=app_name,
               route_prefix=route_prefix, blocking=False)
     url = f"http://{config.serve.host}:{config.serve.port}{route_prefix.rstrip('/')}"
     log.info("serving %s at %s/v1", app_name, url)
+    if config.serve.direct_ingress:
+        for direct in direct_ingress_urls(app_name, config.serve.host):
+            log.info("replica direct ingress at %s/v1", direct)
     if blocking:
         try:
             while True:

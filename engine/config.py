@@ -85,6 +85,11 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # never share a GIL. Executor "ray" always does; AsyncLLM(config) outside
     # Serve keeps the core in a thread of its own process.
     engine_actor: bool = True
+    # Ray Serve's direct ingress (experimental in Ray 2.60): each replica also
+    # serves the API on its own port (30000+), and clients there skip the
+    # proxy hop. Every Ray process needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1:
+    # `conveyor serve` sets it when it starts Ray itself.
+    direct_ingress: bool = False
 
 
 class EngineConfig(msgspec.Struct, **_FROZEN):
@@ -336,6 +341,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.stream_interval": _at_least(1),
     "serve.stream_batching_interval_ms": ("float in [0, 10000]", lambda v: 0.0 <= v <= 10000.0),
     "serve.engine_actor": ("bool", lambda v: True),
+    "serve.direct_ingress": ("bool", lambda v: True),
 }
 
 

@@ -149,21 +149,27 @@ def _post_chat(url: str, max_tokens: int = 4) -> dict:
 
 
 def test_serve_prints_the_url_and_stops_on_sigint(tiny):
+    """`conveyor serve` with serve.direct_ingress: the proxy URL and the replica's own
+    URL (Ray Serve direct ingress, no proxy hop) both answer."""
     _, cfg = tiny
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", cfg, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", cfg, "--port", str(port),
+                             "--set", "serve.direct_ingress=true"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     try:
-        line = ""
+        lines: list[str] = []
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and "Serving" not in line:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "conveyor serve exited early"
+        while time.monotonic() < deadline and not any("direct ingress" in ln for ln in lines):
+            lines.append(proc.stdout.readline())
+            assert lines[-1] or proc.poll() is None, f"conveyor serve exited early: {lines}"
         url = f"http://127.0.0.1:{port}/v1"
-        assert f"Serving 'tiny' at {url}" in line
-        reply = _post_chat(url)
-        assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 4
+        assert any(f"Serving 'tiny' at {url}" in ln for ln in lines), lines
+        direct = lines[-1].split(": ", 1)[1].strip()
+        assert direct.startswith("http://127.0.0.1:") and direct != url, lines
+        for u in (url, direct):
+            reply = _post_chat(u)
+            assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0
     finally:
