@@ -107,7 +107,10 @@ async def run_load(url: str, bodies: list[dict[str, Any]], rate: float, concurre
     # All made before the clock starts, sharing one SSL context (building one
     # per client costs ~17 ms of event-loop time each).
     ssl_ctx = httpx.create_ssl_context()
-    made = [httpx.AsyncClient(base_url=url, headers=headers, timeout=300, verify=ssl_ctx,
+    # No per-read timeout: httpcore arms a timer for every read, which was a fifth
+    # of the client's CPU; run_load's wait_for bounds the whole run instead.
+    timeout = httpx.Timeout(300.0, read=None)
+    made = [httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, verify=ssl_ctx,
                               limits=httpx.Limits(max_connections=1))
             for _ in range(min(concurrency or len(bodies), len(bodies)))]
     idle: asyncio.Queue[Any] = asyncio.Queue()
@@ -215,6 +218,16 @@ def start_server(config: str, overrides: dict[str, Any], direct: bool = False) -
             raise SystemExit("direct ingress is on but no replica port was found")
         url = urls[0]
     return url
+
+
+def _run(coro: Any) -> Any:
+    """asyncio.run on uvloop when it is installed (Ray brings it): the client
+    shares the cores with the server, so its own loop overhead counts."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:
@@ -368,9 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         model = _model_name(url, a.api_key)
-        asyncio.run(run_load(url, bodies_for(prompts[:8], 8, model), math.inf, None, 60, a.api_key, 0))
+        _run(run_load(url, bodies_for(prompts[:8], 8, model), math.inf, None, 60, a.api_key, 0))
         for rate in rates:
-            results, wall = asyncio.run(run_load(url, bodies_for(prompts, a.output_len, model), rate,
+            results, wall = _run(run_load(url, bodies_for(prompts, a.output_len, model), rate,
                                                  a.max_concurrency, a.duration_s, a.api_key, a.seed))
             label = "inf" if math.isinf(rate) else f"{rate:g}"
             s = {"label": label, "rate": rate, **summarize(results, wall, slos)}
