@@ -137,6 +137,21 @@ def test_replica_resources_and_sizing():
                                                 "max_queued_requests": 3}})) == 10
 
 
+async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> list[int]:
+    """Tokens per SSE event of one streamed completion from a server whose
+    serve.* config has `serve_fields` replaced."""
+    from cluster.openai_server import OpenAIServer, build_api
+
+    srv = OpenAIServer(llm, msgspec.structs.replace(
+        cfg, serve=msgspec.structs.replace(cfg.serve, **serve_fields)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv, api_key=None)),
+                                 base_url="http://t") as c:
+        r = await c.post("/v1/completions", json={
+            "prompt": "hi", "max_tokens": max_tokens, "logprobs": 0, "ignore_eos": True, "stream": True})
+    events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+    return [len(e["choices"][0]["logprobs"]["tokens"]) for e in events]
+
+
 def test_in_process_503_500_and_in_band_error(ckpt):
     from cluster.openai_server import OpenAIServer, build_api
     from engine.async_client import AsyncLLM
@@ -162,17 +177,9 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                 # stream_interval=4: the first chunk without waiting, then 4 at a time, the rest at
                 # the finish. How many tokens the first chunk holds depends on how far the engine
                 # got before the handler read its stream (1 when idle, 2 seen under CI load).
-                srv4 = OpenAIServer(llm, msgspec.structs.replace(
-                    cfg, serve=msgspec.structs.replace(cfg.serve, stream_interval=4)))
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv4, api_key=None)),
-                                             base_url="http://t") as c4:
-                    r4 = await c4.post("/v1/completions", json={
-                        "prompt": "hi", "max_tokens": 10, "logprobs": 0, "ignore_eos": True, "stream": True})
-                    evs = [json.loads(ln[6:]) for ln in r4.text.splitlines()
-                           if ln.startswith("data: {")]
-                    sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in evs]
-                    assert sum(sizes) == 10 and sizes[0] < 4 and len(sizes) <= 4, sizes
-                    assert all(n >= 4 for n in sizes[1:-1]), sizes
+                sizes = await _event_sizes(llm, cfg, 10, stream_interval=4)
+                assert sum(sizes) == 10 and sizes[0] < 4 and len(sizes) <= 4, sizes
+                assert all(n >= 4 for n in sizes[1:-1]), sizes
                 # One admission slot: of two concurrent requests one gets 429; slots come back
                 # after non-streaming and streaming responses alike.
                 srv1 = OpenAIServer(llm, cfg, max_admitted=1)
@@ -186,15 +193,8 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                     assert r1.status_code == 200 and r1.text.endswith("data: [DONE]\n\n")
                     assert srv1.admitted == 0
                 # serve.stream_batching_interval_ms reaches the SSE path: far fewer events than tokens.
-                srvw = OpenAIServer(llm, msgspec.structs.replace(
-                    cfg, serve=msgspec.structs.replace(cfg.serve, stream_batching_interval_ms=50.0)))
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srvw, api_key=None)),
-                                             base_url="http://t") as cw:
-                    rw = await cw.post("/v1/completions", json={
-                        "prompt": "hi", "max_tokens": 120, "logprobs": 0, "ignore_eos": True, "stream": True})
-                    evs = [json.loads(ln[6:]) for ln in rw.text.splitlines() if ln.startswith("data: {")]
-                    sizes = [len(e["choices"][0]["logprobs"]["tokens"]) for e in evs]
-                    assert sum(sizes) == 120 and len(sizes) <= 40, sizes
+                sizes = await _event_sizes(llm, cfg, 120, stream_batching_interval_ms=50.0)
+                assert sum(sizes) == 120 and len(sizes) <= 40, sizes
                 # One request id in flight twice: the second is refused, the first is untouched.
                 dup = {"X-Request-Id": "dup-1"}
                 pair = await asyncio.gather(*(c.post("/v1/completions", json=body, headers=dup)
