@@ -330,22 +330,22 @@ class OpenAIServer:
             raise at_capacity(self.max_admitted)
         self.admitted += 1
         self._active_ids.update(job.engine_ids)
+        self.metrics.in_progress.inc()
 
     def _release(self, job: _Job) -> None:
         self.admitted -= 1
         self._active_ids.difference_update(job.engine_ids)
+        self.metrics.in_progress.dec()
 
     async def _respond(self, job: _Job) -> Response:
         self._admit(job)
         if job.req.stream:
             return _ReleasingStream(self._guarded_sse(job), lambda: self._release(job),
                                     media_type="text/event-stream", headers=_SSE_HEADERS)
-        self.metrics.in_progress.inc()
         try:
             return JSONResponse(await self._collect(job))
         finally:
             self._release(job)
-            self.metrics.in_progress.dec()
             await self._abort_all(job)
 
     async def _abort_all(self, job: _Job) -> None:
@@ -399,7 +399,6 @@ class OpenAIServer:
     async def _guarded_sse(self, job: _Job) -> AsyncIterator[bytes]:
         """SSE body: errors after the stream started go in-band, then [DONE].
         Cancellation (client gone) propagates and closes the engine streams."""
-        self.metrics.in_progress.inc()
         try:
             async for chunk in self._sse(job):
                 yield chunk
@@ -409,7 +408,6 @@ class OpenAIServer:
             log.exception("stream %s failed", job.rid)
             yield P.sse(internal_error().body())
         finally:
-            self.metrics.in_progress.dec()
             await self._abort_all(job)
         yield P.SSE_DONE
 

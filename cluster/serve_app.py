@@ -81,8 +81,9 @@ def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
         return {"ray_actor_options": {"num_cpus": 1},
                 "placement_group_bundles": [{"CPU": 1.0}] + [dict(worker) for _ in range(world)],
                 "placement_group_strategy": strategy}
-    if config.serve.engine_actor:
-        core = {"CPU": 1.0, **({"GPU": float(world)} if use_gpu else {})}
+    place = core_actor_placement(config, use_gpu)
+    if place is not None:  # the actor's own bundle holds exactly what it asks for
+        core = {"CPU": place.num_cpus, **({"GPU": place.num_gpus} if place.num_gpus else {})}
         return {"ray_actor_options": {"num_cpus": 1},
                 "placement_group_bundles": [{"CPU": 1.0}, core],
                 "placement_group_strategy": strategy}

@@ -38,7 +38,6 @@ class _Stream:
     prompt_token_ids: list[int]
     children: list[RequestState]
     pending: dict[int, CompletionOutput] = field(default_factory=dict)
-    done: bool = False
     num_cached_tokens: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     final: asyncio.Event = field(default_factory=asyncio.Event)
@@ -47,7 +46,7 @@ class _Stream:
     def finished(self) -> bool:
         return all(c.finished for c in self.children)
 
-    def put(self, deltas: list[CompletionOutput], done: bool, num_cached_tokens: int) -> None:
+    def put(self, deltas: list[CompletionOutput], num_cached_tokens: int) -> None:
         for d in deltas:  # each d is fresh (built by _delta), so it may be extended in place
             acc = self.pending.get(d.index)
             if acc is None:
@@ -58,16 +57,15 @@ class _Stream:
             if d.logprobs is not None:
                 acc.logprobs = (acc.logprobs or []) + d.logprobs
             acc.finish_reason, acc.stop_reason = d.finish_reason, d.stop_reason
-        self.done = self.done or done
         self.num_cached_tokens = num_cached_tokens
         self.ready.set()
-        if self.done:
+        if self.finished:
             self.final.set()
 
     async def wait_until(self, deadline: float) -> None:
         """Sleep until `deadline` (time.monotonic) or the finish, whichever is first."""
         delay = deadline - time.monotonic()
-        if delay > 0.0 and not self.done:
+        if delay > 0.0 and not self.finished:
             try:
                 await asyncio.wait_for(self.final.wait(), delay)
             except asyncio.TimeoutError:
@@ -78,7 +76,7 @@ class _Stream:
         self.pending = {}
         self.ready.clear()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.num_cached_tokens, self.done)
+                             self.num_cached_tokens, self.finished)
 
 
 @dataclass
@@ -210,7 +208,7 @@ class AsyncLLM:
         if live and self.dead_error is None:
             self.client.abort_requests([c.request_id for c in live])
         # A consumer still waiting (abort() from elsewhere, shutdown) ends now.
-        s.put([CompletionOutput(c.index, "", [], reason) for c in live], True, s.num_cached_tokens)
+        s.put([CompletionOutput(c.index, "", [], reason) for c in live], s.num_cached_tokens)
 
     # ---- outputs -------------------------------------------------------------------
 
@@ -244,9 +242,8 @@ class AsyncLLM:
             stream = self.streams.get(rid)
             if stream is None:
                 continue
-            done = stream.finished
-            stream.put(deltas, done, max(c.num_cached_tokens for c in stream.children))
-            if done:
+            stream.put(deltas, max(c.num_cached_tokens for c in stream.children))
+            if stream.finished:
                 del self.streams[rid]
 
     @staticmethod
@@ -273,7 +270,7 @@ class AsyncLLM:
                     c.fail("error", message)
                     deltas.append(CompletionOutput(c.index, "", [], "error", message))
             self.streams.pop(s.request_id, None)
-            s.put(deltas, True, s.num_cached_tokens)
+            s.put(deltas, s.num_cached_tokens)
         self._child_to_stream.clear()
 
 
