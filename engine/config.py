@@ -92,12 +92,18 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     direct_ingress: bool = False
 
 
+class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
+    backend: str = "llguidance"
+    compile_threads: int = 1  # grammar compiles run here, never on the step loop
+
+
 class EngineConfig(msgspec.Struct, **_FROZEN):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
+    structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
 
     @property
     def max_model_len(self) -> int:
@@ -342,6 +348,8 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.stream_batching_interval_ms": ("float in [0, 10000]", lambda v: 0.0 <= v <= 10000.0),
     "serve.engine_actor": ("bool", lambda v: True),
     "serve.direct_ingress": ("bool", lambda v: True),
+    "structured_outputs.backend": _one_of(("llguidance",)),
+    "structured_outputs.compile_threads": ("int in 1..64", lambda v: 1 <= v <= 64),
 }
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output.backend import StructuredOutputBackend, make_backend
+from engine.structured_output.params import StructuredOutputsParams
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
@@ -46,6 +48,7 @@ class Frontend:
         self.vocab_size = vocab_size
         self.tokenizer = _maybe_tokenizer(config)
         self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
+        self._grammar_backend: StructuredOutputBackend | None = None
 
     def prepare(self, prompt: Prompt, sp: SamplingParams, request_id: str,
                 priority: int = 0) -> PreparedRequest:
@@ -56,6 +59,8 @@ class Frontend:
         else:
             text, ids = None, list(prompt)
         sp.validate(max_n=self.config.model.max_n)
+        if sp.structured_outputs is not None:
+            self.validate_structured_outputs(sp.structured_outputs)
         # Extra EOS ids of generation_config.json stop like stop_token_ids (vLLM).
         if self.extra_eos and not sp.ignore_eos:
             sp = sp.clone(stop_token_ids=sorted(set(sp.stop_token_ids) | self.extra_eos))
@@ -69,11 +74,27 @@ class Frontend:
         return PreparedRequest(request_id, text, ids, children)
 
 
+    def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile-check the constraint before anything is queued (ValueError)."""
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer.json")
+            vocab = self.vocab_size or len(self.tokenizer)
+            self._grammar_backend = make_backend(self.config.structured_outputs.backend,
+                                                 self.config.model.tokenizer or self.config.model.path,
+                                                 vocab, self.eos_token_id)
+        self._grammar_backend.validate(params)
+
+
 def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:
     path = config.model.tokenizer or config.model.path
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return None
     return load_tokenizer(path)
+
+
+def eos_token_id_of(config: EngineConfig) -> int | None:
+    return _eos_ids(config, _maybe_tokenizer(config))[0]
 
 
 def _eos_ids(config: EngineConfig, tok: Tokenizer | None) -> tuple[int | None, set[int]]:

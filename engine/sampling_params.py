@@ -10,6 +10,8 @@ from typing import Any
 
 import msgspec
 
+from engine.structured_output.params import StructuredOutputsParams
+
 # Upper bounds that are policy, not physics; the engine config may lower them.
 DEFAULT_MAX_N = 128
 MAX_LOGPROBS = 20
@@ -33,6 +35,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Runs on construction and on msgspec decode: a worker never sees an
@@ -41,6 +44,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self, max_n: int = DEFAULT_MAX_N) -> None:
@@ -67,6 +72,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=1e4, lo_open=True)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
 
     @property
     def greedy(self) -> bool:

@@ -48,6 +48,7 @@ class DistributedExecutor(Executor):
         self._rpc_replies: dict[int, list[WorkerReply]] = {}
         self._rpc_done = threading.Condition(self._lock)
         self._last_step: Future | None = None
+        self._last_step_id = 0
         self._dead: str | None = None
         self._closing = False
         self._receiver: threading.Thread | None = None
@@ -138,6 +139,7 @@ class DistributedExecutor(Executor):
         with self._lock:
             self._step_futures[sid] = fut
         self._last_step = fut
+        self._last_step_id = sid
         self._broadcast(WorkerCommand("step", sid, scheduler_output=so))
         if so.total_num_scheduled_tokens == 0:
             return fut if non_block else fut.result()
@@ -148,6 +150,8 @@ class DistributedExecutor(Executor):
         fut = self._last_step
         if fut is None:
             raise RuntimeError("sample_tokens() without execute_model()")
+        if grammar_output is not None:  # the ranks of a structured step wait for it
+            self._broadcast(WorkerCommand("grammar", self._last_step_id, grammar_output=grammar_output))
         return fut if non_block else fut.result()
 
     # ---- replies and failures ------------------------------------------------------------

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+from engine.contracts import GrammarOutput, KVCacheInfo, ModelRunnerOutput, SchedulerOutput
 
 
 class WorkerCommand(msgspec.Struct, array_like=True, gc=False):
-    kind: str  # "step" | "rpc" | "shutdown"
+    kind: str  # "step" | "grammar" | "rpc" | "shutdown"
     step_id: int = 0
     scheduler_output: SchedulerOutput | None = None
+    # "grammar": the bitmask of step `step_id`, sent while its forward runs.
+    grammar_output: GrammarOutput | None = None
     method: str | None = None  # rpc: a Worker method taking ints
     args: list[int] = msgspec.field(default_factory=list)
 

@@ -13,6 +13,7 @@ import os
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -88,7 +89,7 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
                     reply = WorkerReply(spec.rank, cmd.step_id, floats=[x for t in timeline for x in t])
                 else:
                     t0 = time.time()
-                    reply = _handle(worker, cmd, spec.rank, output_rank)
+                    reply = _handle(worker, cmd, spec.rank, output_rank, lambda: _await_grammar(cmds, spec))
                     if cmd.kind == "step":
                         timeline.append((cmd.step_id, t0, time.time()))
             except Exception as e:  # noqa: BLE001 - reported to the driver
@@ -107,12 +108,29 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
             ctx.term()
 
 
-def _handle(worker, cmd: WorkerCommand, rank: int, output_rank: bool) -> WorkerReply | None:
+def _await_grammar(cmds: Channel, spec: WorkerSpec) -> WorkerCommand:
+    """The command after a structured step is its grammar (commands are FIFO)."""
+    while True:
+        cmd = cmds.recv(timeout_ms=1000)
+        if cmd is not None:
+            return cmd
+        if spec.parent_pid is not None and os.getppid() != spec.parent_pid:
+            raise RuntimeError("the driver died while a step waited for its grammar")
+
+
+def _handle(worker, cmd: WorkerCommand, rank: int, output_rank: bool,
+            next_command: Callable[[], WorkerCommand]) -> WorkerReply | None:
     if cmd.kind == "step":
         so = cmd.scheduler_output
         out = worker.execute_model(so)
+        grammar = None
+        if so.has_structured_output:
+            g = next_command()
+            if g.kind != "grammar" or g.step_id != cmd.step_id:
+                raise RuntimeError(f"step {cmd.step_id} expected its grammar, got {g.kind!r} {g.step_id}")
+            grammar = g.grammar_output
         if out is None:
-            out = worker.sample_tokens(None)
+            out = worker.sample_tokens(grammar)
         return WorkerReply(rank, cmd.step_id, output=out) if output_rank else None
     if cmd.kind == "rpc" and cmd.method in RPC_METHODS:
         value = getattr(worker, cmd.method)(*cmd.args)

@@ -7,17 +7,17 @@ requests travel in full once and running ones only as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, NewRequestData,
-                              SchedulerOutput)
+from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, GrammarOutput, ModelRunnerOutput,
+                              NewRequestData, SchedulerOutput)
 from kernels.backends import AttentionMetadata, get_attention_backend
 from parallel.communication import IntermediateTensors
 from workers.forward_context import set_forward_context
+from workers.grammar_mask import apply_grammar_bitmask
 from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
 from workers.layers.attention import find_attention_layers
 from workers.sampler import Sampler, SamplingMetadata
@@ -171,10 +171,12 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
+        if grammar_output is not None:
+            apply_grammar_bitmask(pending.logits, pending.req_ids, grammar_output)
         states = [self.requests[r] for r in pending.req_ids]
         meta = SamplingMetadata.build(states, self.vocab_size, self.device)
         out = self.sampler(pending.logits, meta)
