@@ -104,6 +104,9 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -141,7 +144,6 @@ class ChatRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
@@ -160,9 +162,6 @@ def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
         return
     if req.tools or req.tool_choice not in (None, "none"):
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-    if req.response_format and req.response_format.get("type") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported",
-                          "response_format", "unsupported_parameter")
 
 
 def chat_max_tokens(req: ChatRequest) -> tuple[int | None, str]:
@@ -181,6 +180,8 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) ->
         renames = {"logprobs": "top_logprobs", "max_tokens": chat_max_tokens(req)[1]}
     else:
         logprobs, renames = req.logprobs, {}
+    from cluster.structured_request import structured_outputs_of
+
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kwargs: dict[str, Any] = dict(
         n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -189,7 +190,8 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) ->
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
+        repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured_outputs_of(req.response_format, req.structured_outputs)[0])
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

@@ -220,6 +220,8 @@ class OpenAIServer:
         """One SamplingParams per prompt; max_tokens None fills the context.
         Never truncates: an over-long request is a 400 context_length_exceeded."""
         base = P.to_sampling_params(req, requested if requested is not None else 1)
+        if base.structured_outputs is not None:
+            self._check_structured(req, base)
         limit = self.config.max_model_len
         out = []
         for ids in prompts:
@@ -232,6 +234,17 @@ class OpenAIServer:
                     prompt_param, "context_length_exceeded")
             out.append(base if mt == base.max_tokens else base.clone(max_tokens=mt))
         return out
+
+    def _check_structured(self, req: Any, sp: SamplingParams) -> None:
+        """Compile-check the constraint once, here, so a bad one is a 400 naming
+        the field the client used (the engine's own check then hits a cache)."""
+        from cluster.structured_request import structured_outputs_of
+
+        param = structured_outputs_of(req.response_format, req.structured_outputs)[1]
+        try:
+            self.llm.frontend.validate_structured_outputs(sp.structured_outputs)
+        except ValueError as e:
+            raise P.bad_request(str(e), param) from None
 
     def _prepare(self, job: _Job, prompt_param: str) -> None:
         """The engine's own checks (vocab range, n cap, duplicate ids); queues nothing."""

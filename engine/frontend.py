@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -16,6 +17,7 @@ from engine.structured_output.params import StructuredOutputsParams
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
+_VALID_SPECS_CACHED = 256
 
 
 @dataclass
@@ -49,6 +51,7 @@ class Frontend:
         self.tokenizer = _maybe_tokenizer(config)
         self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
         self._grammar_backend: StructuredOutputBackend | None = None
+        self._valid_specs: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def prepare(self, prompt: Prompt, sp: SamplingParams, request_id: str,
                 priority: int = 0) -> PreparedRequest:
@@ -75,7 +78,12 @@ class Frontend:
 
 
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
-        """Compile-check the constraint before anything is queued (ValueError)."""
+        """Compile-check the constraint before anything is queued (ValueError).
+        Specs that passed are remembered (LRU), so each is checked once."""
+        key = (params.kind, params.spec_text())
+        if key in self._valid_specs:
+            self._valid_specs.move_to_end(key)
+            return
         if self._grammar_backend is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer.json")
@@ -84,6 +92,9 @@ class Frontend:
                                                  self.config.model.tokenizer or self.config.model.path,
                                                  vocab, self.eos_token_id)
         self._grammar_backend.validate(params)
+        self._valid_specs[key] = None
+        if len(self._valid_specs) > _VALID_SPECS_CACHED:
+            self._valid_specs.popitem(last=False)
 
 
 def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:
