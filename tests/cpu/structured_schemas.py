@@ -76,7 +76,7 @@ SCHEMAS: list[dict] = [
      "required": ["id", "n"], "additionalProperties": False},
 ]
 
-REGEXES = [r"[a-c]{2,4}-\d{2}", r"(yes|no)", r"\d{3}-\d{4}", r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5})?"]
+REGEXES = [r"[a-c]{2,4}-[0-9]{2}", r"(yes|no)", r"[0-9]{3}-[0-9]{4}", r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5})?"]
 CHOICES = [["yes", "no", "maybe"], ["red", "green", "blue", "cyan"], ["日本", "中国"]]
 LARK = """
 start: expr
