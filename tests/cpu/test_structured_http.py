@@ -186,6 +186,23 @@ def test_errors_are_400_naming_the_field(api, body, param):
     assert ok.status_code == 200 and llm.num_unfinished == 0
 
 
+def test_structured_metrics(api):
+    from cluster.metrics import ServeMetrics
+
+    _, _, llm = api
+    text = ServeMetrics(llm, "tiny").render().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("conveyor:structured_output"):
+            name, v = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(v)
+    # The module's earlier tests sent structured requests (parse, both routes, streaming).
+    assert values["conveyor:structured_output_requests_total"] >= 10
+    assert values["conveyor:structured_output_grammar_compile_seconds_count"] >= 10
+    assert values["conveyor:structured_output_bitmask_seconds_count"] >= 10
+    assert 0 < values["conveyor:structured_output_bitmask_seconds_sum"] < 60
+
+
 def test_batch_lines_with_structured_bodies(tmp_path, ckpt):
     from cluster.batch import main
 
