@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ class StructuredOutputStats:
     """Cumulative; the frontends export them as metrics."""
     num_requests: int = 0
     compile_ms: list[float] = field(default_factory=list)  # drained by take_compile_ms
+    compile_ms_recent: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     bitmask_ms_total: float = 0.0
     bitmask_steps: int = 0
     bitmask_rows: int = 0
@@ -85,7 +87,9 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams) -> Grammar:
         t0 = time.perf_counter()
         grammar = self.backend.compile(params)
-        self.stats.compile_ms.append((time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.compile_ms.append(ms)
+        self.stats.compile_ms_recent.append(ms)
         return grammar
 
     def take_compile_ms(self) -> list[float]:
