@@ -95,9 +95,10 @@ class ForeignPeers:
 
 
 def insider_push(keys: PlaneKeys, address: str) -> tuple[DataPlane, zmq.Socket]:
-    """A CURVE client holding the plane's client key, to send raw frames."""
+    """A CURVE client holding the plane's client key; the test sends raw
+    frames on its socket (its sealer is never used)."""
     plane = DataPlane(keys.for_clients(), server=False)
-    ch = plane.push(plane.sealer(TO_EXECUTOR, "unused"), connect=address)
+    ch = plane.push(plane.sealer(Route("raw", "raw"), "insider"), connect=address)
     return plane, ch.sock
 
 
@@ -262,7 +263,7 @@ def ray_local():
 
 def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
     llm = LLM(model=ckpt, executor="ray", tensor_parallel_size=2, enable_prefix_caching=False)
-    foreign = plane = None
+    foreign = foreign_exec = plane = None
     try:
         client = llm.engine.client
         captured: list[list[bytes]] = []
@@ -275,7 +276,6 @@ def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
         # key); the executor's inside the actor with a wrong one.
         foreign = _attack(addresses[:2], client.keys.server_public, captured)
         foreign_exec = _attack(addresses[2:], None, captured)
-        foreign_exec.close()
         plane, sock = insider_push(client.keys, addresses[0])
         frames, expected = bad_frames(client.keys.mac, TO_CORE, TO_FRONTEND, "frontend")
         for f in frames + captured:  # every captured add, replayed
@@ -288,14 +288,14 @@ def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
 
         wait_until(lambda: sum(dropped().values()) >= sum(expected.values()))
         assert _generate(llm, prompts) == clean
-        assert foreign.received() == 0
+        assert foreign.received() == 0 and foreign_exec.received() == 0
         assert dropped() == expected
         stats = ray.get(client.actor.data_plane_stats.remote())
         assert stats["denied_handshakes"] >= 2
         assert not any(k.startswith("executor_") and k != "executor_denied_handshakes" for k in stats)
         llm.engine.client.check_health()
     finally:
-        for p in (foreign, plane):
+        for p in (foreign, foreign_exec, plane):
             if p is not None:
                 p.close()
         llm.shutdown()
