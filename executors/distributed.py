@@ -1,5 +1,5 @@
-"""Driver side of a multi-rank executor: one signed ZMQ command socket per
-worker, one reply socket, a receiver thread that resolves step futures in
+"""Driver side of a multi-rank executor: one CURVE-encrypted ZMQ command
+socket per worker, one reply socket (executors/channel.py), a receiver thread that resolves step futures in
 order and turns any worker error or death into EngineDeadError.
 
 Subclasses start the workers (processes or Ray actors) and say whether they
@@ -16,13 +16,11 @@ from abc import abstractmethod
 from concurrent.futures import Future
 from typing import Any
 
-import zmq
-
 from engine.config import EngineConfig
 from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
 from executors.base import EngineDeadError, Executor
-from executors.channel import Channel, sign
-from executors.messages import WorkerCommand, WorkerReply
+from executors.channel import DataPlane, PlaneKeys
+from executors.messages import EXECUTOR_SENDER, TO_EXECUTOR, TO_WORKERS, WorkerCommand, WorkerReply
 from executors.worker_proc import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -37,11 +35,14 @@ class DistributedExecutor(Executor):
         self.worker_class = worker_class
         self.world_size = config.world_size
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
-        self.secret = os.urandom(32)
-        self._ctx = zmq.Context()
-        self._replies = Channel(self._ctx, zmq.PULL, self.secret, WorkerReply, bind_host=host)
-        self._cmds = [Channel(self._ctx, zmq.PUSH, self.secret, None, bind_host=host)
-                      for _ in range(self.world_size)]
+        # This engine's data-plane keys; workers get the client half.
+        self.keys = PlaneKeys.generate()
+        self._plane = DataPlane(self.keys, server=True)
+        self._replies = self._plane.pull(TO_EXECUTOR, WorkerReply, bind_host=host)
+        # One sealer for all ranks: a command is sealed once, and each rank
+        # sees the same strictly increasing sequence numbers.
+        self._cmd_sealer = self._plane.sealer(TO_WORKERS, EXECUTOR_SENDER)
+        self._cmds = [self._plane.push(self._cmd_sealer, bind_host=host) for _ in range(self.world_size)]
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._step_futures: dict[int, Future] = {}
@@ -75,7 +76,7 @@ class DistributedExecutor(Executor):
         init = init_method or self._init_method()
         local = local_ranks or list(range(self.world_size))
         return [WorkerSpec(rank, local[rank], init, self._cmds[rank].address, self._replies.address,
-                           self.secret, parent_pid, self.worker_class) for rank in range(self.world_size)]
+                           self.keys.for_clients(), parent_pid, self.worker_class) for rank in range(self.world_size)]
 
     # ---- start-up ------------------------------------------------------------------
 
@@ -118,17 +119,18 @@ class DistributedExecutor(Executor):
     # ---- per step --------------------------------------------------------------------
 
     def _broadcast(self, cmd: WorkerCommand) -> None:
-        payload = self._cmds[0].encode(cmd)  # encode and sign once
-        mac = sign(self.secret, payload)
-        for ch in self._cmds:
-            # A PUSH socket blocks while its worker is not connected (starting
-            # up, or dead): wait, but give up as soon as the engine is dead.
-            while not ch.try_send_bytes(payload, mac):
-                if self._closing:
-                    return
-                if self._dead is not None:
-                    raise EngineDeadError(self._dead)
-                time.sleep(0.0005)
+        payload = self._cmds[0].encode(cmd)
+        with self._cmd_sealer.lock:  # seal once; every rank gets it in seq order
+            frames = self._cmd_sealer.seal(payload)
+            for ch in self._cmds:
+                # A PUSH socket blocks while its worker is not connected (starting
+                # up, or dead): wait, but give up as soon as the engine is dead.
+                while not ch.try_send_frames(frames):
+                    if self._closing:
+                        return
+                    if self._dead is not None:
+                        raise EngineDeadError(self._dead)
+                    time.sleep(0.0005)
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
@@ -205,20 +207,28 @@ class DistributedExecutor(Executor):
             self._fail(dead)
             raise EngineDeadError(dead)
 
+    def listen_addresses(self) -> list[str]:
+        """Every ZMQ endpoint this executor binds (the reply socket first)."""
+        return [self._replies.address, *(ch.address for ch in self._cmds)]
+
+    def data_plane_stats(self) -> dict[str, int]:
+        """Frames dropped on the reply socket (by reason) and refused handshakes."""
+        return {**self._replies.dropped, "denied_handshakes": self._plane.denied}
+
     def shutdown(self) -> None:
         if self._closing:
             return
         payload = self._cmds[0].encode(WorkerCommand("shutdown"))
-        self._closing = True
-        for ch in self._cmds:
-            ch.try_send_bytes(payload)
+        self._closing = True  # a broadcast waiting for a peer gives up now
+        with self._cmd_sealer.lock:
+            frames = self._cmd_sealer.seal(payload)
+            for ch in self._cmds:
+                ch.try_send_frames(frames)
         self._stop_workers()
         self._fail(self._dead or "engine shut down")
         if self._receiver is not None:
             self._receiver.join(timeout=5)
-        for ch in (*self._cmds, self._replies):
-            ch.close()
-        self._ctx.term()
+        self._plane.close()
 
 
 def check_parallel_sizes(config: EngineConfig) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import msgspec
 
 from engine.contracts import GrammarOutput, KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+from executors.frames import Route
 
 
 class WorkerCommand(msgspec.Struct, array_like=True, gc=False):
@@ -24,3 +25,13 @@ class WorkerReply(msgspec.Struct, array_like=True, gc=False):
     kv_info: KVCacheInfo | None = None
     error: str | None = None
     floats: list[float] | None = None
+
+
+# The two routes of an executor's data plane (bound into every frame's MAC).
+TO_WORKERS = Route("executor->worker", "WorkerCommand")
+TO_EXECUTOR = Route("worker->executor", "WorkerReply")
+EXECUTOR_SENDER = "executor"
+
+
+def rank_sender(rank: int) -> str:
+    return f"rank{rank}"

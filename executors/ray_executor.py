@@ -1,13 +1,12 @@
 """RayExecutor: workers are Ray actors in one placement group per engine.
 
 Ray is used for placement and lifecycle only. The per-step SchedulerOutput
-goes over the signed ZMQ data plane of DistributedExecutor, never as a Ray
+goes over the CURVE-encrypted ZMQ data plane of DistributedExecutor, never as a Ray
 call per worker per step. Rank order: bundles on the driver's node first,
 then node by node, so each TP group (consecutive ranks) stays on one node.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -130,7 +129,7 @@ class RayExecutor(DistributedExecutor):
         specs = self._specs(f"tcp://{host}:{port}", self._local_ranks(gpus > 0))
         cfg = msgspec.msgpack.encode(self.config)
         self.worker_pids = [pid for _, _, pid in infos]
-        self._run_refs = [a.run.remote(cfg, dataclasses.asdict(s)) for a, s in zip(self._actors, specs)]
+        self._run_refs = [a.run.remote(cfg, msgspec.msgpack.encode(s)) for a, s in zip(self._actors, specs)]
 
     def _host_is_local(self) -> bool:
         return self._replies.address.startswith("tcp://127.0.0.1")

@@ -22,10 +22,8 @@ class RayWorkerActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def run(self, config_bytes: bytes, spec_fields: dict) -> None:
+    def run(self, config_bytes: bytes, spec_bytes: bytes) -> None:
         from executors.worker_proc import WorkerSpec, run_worker_loop
 
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        spec_fields = dict(spec_fields)
-        spec_fields["secret"] = bytes(spec_fields["secret"])
-        run_worker_loop(config, WorkerSpec(**spec_fields))
+        run_worker_loop(config, msgspec.msgpack.decode(spec_bytes, type=WorkerSpec))

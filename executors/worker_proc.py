@@ -16,11 +16,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import zmq
-
 from engine.config import EngineConfig
-from executors.channel import Channel
-from executors.messages import WorkerCommand, WorkerReply
+from executors.channel import DataPlane, PlaneKeys
+from executors.messages import TO_EXECUTOR, TO_WORKERS, WorkerCommand, WorkerReply, rank_sender
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +44,7 @@ class WorkerSpec:
     init_method: str
     command_address: str  # this worker's PULL end (executor binds PUSH)
     reply_address: str  # the executor's PULL
-    secret: bytes
+    keys: PlaneKeys  # the client half (PlaneKeys.for_clients)
     parent_pid: int | None = None  # exit when this process disappears
     # "module:Class" of the worker; benchmarks swap in a no-op model.
     worker_class: str = "workers.worker:Worker"
@@ -62,9 +60,9 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
 
     module, _, name = spec.worker_class.partition(":")
     worker_cls = getattr(importlib.import_module(module), name)
-    ctx = zmq.Context()
-    cmds = Channel(ctx, zmq.PULL, spec.secret, WorkerCommand, connect=spec.command_address)
-    replies = Channel(ctx, zmq.PUSH, spec.secret, None, connect=spec.reply_address)
+    plane = DataPlane(spec.keys, server=False)
+    cmds = plane.pull(TO_WORKERS, WorkerCommand, connect=spec.command_address)
+    replies = plane.push(plane.sealer(TO_EXECUTOR, rank_sender(spec.rank)), connect=spec.reply_address)
     worker = worker_cls(config, spec.rank, spec.local_rank, spec.init_method)
     output_rank = is_output_rank(config, spec.rank)
     fault_at = _fault_point(spec.rank)
@@ -103,9 +101,7 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
         try:
             worker.shutdown()
         finally:
-            cmds.close()
-            replies.close()
-            ctx.term()
+            plane.close()
 
 
 def _await_grammar(cmds: Channel, spec: WorkerSpec) -> WorkerCommand:
