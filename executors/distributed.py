@@ -45,6 +45,10 @@ class DistributedExecutor(Executor):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._step_futures: dict[int, Future] = {}
+        # step id -> time.monotonic() by which its reply must be back.
+        self._deadlines: dict[int, float] = {}
+        self._step_timeout_s = config.parallel.step_timeout_s
+        self._first_step_extra_s: float | None = config.parallel.first_step_extra_s
         self._rpc_replies: dict[int, list[WorkerReply]] = {}
         self._rpc_done = threading.Condition(self._lock)
         self._last_step: Future | None = None
@@ -119,15 +123,38 @@ class DistributedExecutor(Executor):
     def _broadcast(self, cmd: WorkerCommand) -> None:
         payload = self._cmds[0].encode(cmd)  # encode and sign once
         mac = sign(self.secret, payload)
-        for ch in self._cmds:
+        deadline = time.monotonic() + self._step_timeout_s
+        for rank, ch in enumerate(self._cmds):
             # A PUSH socket blocks while its worker is not connected (starting
-            # up, or dead): wait, but give up as soon as the engine is dead.
+            # up, or dead): wait, but give up as soon as the engine is dead
+            # or the rank has not taken a command for step_timeout_s.
             while not ch.try_send_bytes(payload, mac):
                 if self._closing:
                     return
                 if self._dead is not None:
                     raise EngineDeadError(self._dead)
+                if time.monotonic() > deadline:
+                    self._fail(f"rank {rank} took no command for {self._step_timeout_s:g}s "
+                               f"(parallel.step_timeout_s): it is wedged, treated as dead")
+                    raise EngineDeadError(self._dead)
                 time.sleep(0.0005)
+
+    def _step_deadline(self, forward: bool) -> float:
+        """The first forward step also gets first_step_extra_s (lazy compiles)."""
+        extra = 0.0
+        if forward and self._first_step_extra_s is not None:
+            extra, self._first_step_extra_s = self._first_step_extra_s, None
+        return time.monotonic() + self._step_timeout_s + extra
+
+    def _overdue_step(self) -> str | None:
+        """A message naming the oldest step past its deadline, or None."""
+        now = time.monotonic()
+        with self._lock:
+            late = [sid for sid, t in self._deadlines.items() if t < now]
+        if not late:
+            return None
+        return (f"step {min(late)} got no reply within its {self._step_timeout_s:g}s bound "
+                f"(parallel.step_timeout_s): a worker rank is wedged, treated as dead")
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
@@ -137,6 +164,7 @@ class DistributedExecutor(Executor):
         fut: Future = Future()
         with self._lock:
             self._step_futures[sid] = fut
+            self._deadlines[sid] = self._step_deadline(so.total_num_scheduled_tokens > 0)
         self._last_step = fut
         self._broadcast(WorkerCommand("step", sid, scheduler_output=so))
         if so.total_num_scheduled_tokens == 0:
@@ -157,7 +185,7 @@ class DistributedExecutor(Executor):
             while not self._closing:
                 reply = self._replies.recv(timeout_ms=200)
                 if reply is None:
-                    dead = self._dead_workers()
+                    dead = self._dead_workers() or self._overdue_step()
                     if dead is not None and not self._closing:
                         self._fail(dead)
                         return
@@ -173,6 +201,7 @@ class DistributedExecutor(Executor):
             return
         with self._lock:
             fut = self._step_futures.pop(reply.step_id, None)
+            self._deadlines.pop(reply.step_id, None)
             if fut is None and reply.step_id in self._rpc_replies:
                 self._rpc_replies[reply.step_id].append(reply)
                 self._rpc_done.notify_all()
@@ -188,6 +217,7 @@ class DistributedExecutor(Executor):
                     log.error("engine failed: %s", message)
             futs = list(self._step_futures.values())
             self._step_futures.clear()
+            self._deadlines.clear()
             self._rpc_done.notify_all()
         for f in futs:
             if not f.done():
@@ -196,7 +226,7 @@ class DistributedExecutor(Executor):
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        dead = self._dead_workers()
+        dead = self._dead_workers() or self._overdue_step()
         if dead is not None:
             self._fail(dead)
             raise EngineDeadError(dead)
