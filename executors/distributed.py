@@ -99,7 +99,8 @@ class DistributedExecutor(Executor):
         sid = next(self._ids)
         with self._lock:
             self._rpc_replies[sid] = []
-        self._broadcast(WorkerCommand("rpc", sid, method=method, args=list(args)))
+        self._broadcast(WorkerCommand("rpc", sid, method=method, args=list(args)),
+                        timeout_s=self.rpc_timeout_s)
         deadline = time.monotonic() + self.rpc_timeout_s
         with self._rpc_done:
             while len(self._rpc_replies[sid]) < self.world_size:
@@ -120,10 +121,13 @@ class DistributedExecutor(Executor):
 
     # ---- per step --------------------------------------------------------------------
 
-    def _broadcast(self, cmd: WorkerCommand) -> None:
+    def _broadcast(self, cmd: WorkerCommand, timeout_s: float | None = None) -> None:
+        """timeout_s: how long a rank may take to accept (default the step
+        bound; start-up RPCs wait for workers that are still starting)."""
         payload = self._cmds[0].encode(cmd)  # encode and sign once
         mac = sign(self.secret, payload)
-        deadline = time.monotonic() + self._step_timeout_s
+        timeout_s = self._step_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         for rank, ch in enumerate(self._cmds):
             # A PUSH socket blocks while its worker is not connected (starting
             # up, or dead): wait, but give up as soon as the engine is dead
@@ -134,8 +138,8 @@ class DistributedExecutor(Executor):
                 if self._dead is not None:
                     raise EngineDeadError(self._dead)
                 if time.monotonic() > deadline:
-                    self._fail(f"rank {rank} took no command for {self._step_timeout_s:g}s "
-                               f"(parallel.step_timeout_s): it is wedged, treated as dead")
+                    self._fail(f"rank {rank} took no command for {timeout_s:g}s: it is wedged, "
+                               f"treated as dead (parallel.step_timeout_s bounds a step)")
                     raise EngineDeadError(self._dead)
                 time.sleep(0.0005)
 
