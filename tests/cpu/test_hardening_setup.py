@@ -378,3 +378,20 @@ def test_collective_timeout_is_a_config_field(monkeypatch, tmp_path):
     cfg = build_config(model=str(tmp_path), **{"parallel.collective_timeout_s": 42.0})
     worker_mod.Worker(cfg).init_device()
     assert got == {"timeout_s": 42.0}
+
+
+# ---- item 13: the parity rule the TP/PP tests use can fail ---------------------------------
+
+def test_parity_rule_compares_lengths_and_both_top5s():
+    from llm_utils import close_or_why
+
+    top = [{1, 2, 3, 4, 5}] * 3
+    assert close_or_why([1, 2, 3], top, [1, 2, 3], top) is None
+    assert "lengths differ: 2 vs 3" in close_or_why([1, 2], top, [1, 2, 3], top)
+    # diverging at 1: 4 is in the reference's top-5 and 2 in ours -> close
+    assert close_or_why([1, 4, 9], top, [1, 2, 3], top) is None
+    # 9 is outside the reference's top-5
+    assert "first divergence at 1" in close_or_why([1, 9, 3], top, [1, 2, 3], top)
+    # the reference's token is outside our top-5
+    ours = [{1, 2, 3, 4, 5}, {4, 6, 7, 8, 0}, {3}]
+    assert "first divergence at 1" in close_or_why([1, 4, 3], ours, [1, 2, 3], top)
