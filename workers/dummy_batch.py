@@ -25,12 +25,17 @@ class DummyShape:
         return self.num_seqs * self.query_len
 
 
+def _longest(max_model_len: int) -> int:
+    # A sampled token is appended after the sequence: it must still fit.
+    return max(1, max_model_len - 1)
+
+
 def profile_shape(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> DummyShape:
     """The largest step the scheduler can build: the full token budget as
     prefills, spread over as many sequences as may run (each within
     max_model_len), so the sampler also sees its widest batch."""
     seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
-    per_seq = max(1, min(max_model_len, max_num_batched_tokens // seqs))
+    per_seq = max(1, min(_longest(max_model_len), max_num_batched_tokens // seqs))
     return DummyShape(seqs, per_seq, per_seq)
 
 
@@ -38,8 +43,8 @@ def warmup_shapes(block_size: int, max_model_len: int, max_num_seqs: int) -> lis
     """A mixed prefill and a decode-only batch long enough for the split-KV
     decode path (>= 16 blocks): the Triton kernel variants a real step uses."""
     seqs = min(2, max_num_seqs)
-    prefill = min(max_model_len, block_size + 1)
-    decode = min(max_model_len, 16 * block_size)
+    prefill = min(_longest(max_model_len), block_size + 1)
+    decode = min(_longest(max_model_len), 16 * block_size)
     return [DummyShape(seqs, prefill, prefill), DummyShape(seqs, decode, 1)]
 
 

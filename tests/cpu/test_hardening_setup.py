@@ -66,7 +66,7 @@ def test_wedged_rank_ends_requests_with_error_and_fails_health(wedging_mp, tmp_p
     outs = asyncio.run(scenario())
     for o in outs:
         assert o.outputs[0].finish_reason == "error"
-        assert len(o.outputs[0].token_ids) == 1  # the one step before the wedge
+        assert len(o.outputs[0].token_ids) <= 1  # at most the one step before the wedge
 
 
 def test_step_deadlines_cover_the_first_step_once(tmp_path):
@@ -283,6 +283,16 @@ def test_profile_runs_real_attention_logits_and_sampler_on_every_stage(ckpt, mon
     # Nothing of the profile stays behind.
     assert runner.kv_caches == [] and all(a.kv_cache is None for a in layers)
     assert runner.requests == {} and runner.input_batch.num_reqs == 0
+
+
+def test_dummy_shapes_fit_the_runner():
+    from workers.dummy_batch import DummyShape, profile_shape, warmup_shapes
+
+    assert profile_shape(2048, 256, 4096) == DummyShape(256, 8, 8)
+    # one sequence at the model's length leaves room for the token it samples
+    assert profile_shape(64, 1, 32) == DummyShape(1, 31, 31)
+    assert warmup_shapes(16, 256, 256) == [DummyShape(2, 17, 17), DummyShape(2, 255, 1)]
+    assert warmup_shapes(16, 8, 1) == [DummyShape(1, 7, 7), DummyShape(1, 7, 1)]
 
 
 def test_warm_up_compiles_the_triton_kernels_before_ready(ckpt, monkeypatch):
