@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 
 from engine.config import EngineConfig
+from executors.ray_placement import worker_bundle
 
 log = logging.getLogger("conveyor.batch")
 
@@ -177,7 +178,7 @@ def engine_bundles(config: EngineConfig, use_gpu: bool) -> tuple[list[dict[str, 
     process tree, so bundle 0 holds their GPUs."""
     world = config.world_size
     if config.parallel.executor == "ray":
-        worker = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        worker = worker_bundle(use_gpu, config.parallel.num_cpus_per_worker)
         return [{"CPU": 1.0}] + [dict(worker) for _ in range(world)], 0
     gpus = world if use_gpu else 0
     return [{"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}], gpus
