@@ -1,0 +1,140 @@
+"""What every tool-call parser shares: the parsed pieces, the parser contract
+and small helpers for JSON call objects and Lark grammars.
+
+Invariants:
+- One code path: `parse(text)` is a stream fed the whole text at once, so a
+  streamed response and a non-streamed one split the same text the same way.
+- A piece of text that looks like a call but is not one (bad JSON, unknown
+  tool name, arguments that are not an object) comes back as content,
+  verbatim; parsing never raises on model output.
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+Piece = ToolCall | Content
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as the grammar needs it: its name and its arguments' schema."""
+    name: str
+    parameters: dict[str, Any]
+
+
+@dataclass
+class ParsedMessage:
+    content: str = ""  # the text outside the calls, in order
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class ToolStream(ABC):
+    """Incremental parser state for one choice: feed text deltas, get pieces
+    whose meaning is settled. Text that might still become a call is held."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names  # calls to other names are content
+
+    @abstractmethod
+    def feed(self, text: str) -> list[Piece]: ...
+
+    @abstractmethod
+    def finish(self) -> list[Piece]:
+        """The generation ended: settle whatever is held."""
+
+
+class ToolParser(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def stream(self, names: frozenset[str]) -> ToolStream: ...
+
+    @abstractmethod
+    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
+        """A Lark grammar (llguidance dialect) whose sentences are one call
+        (parallel False) or one or more calls to `tools`, in this parser's
+        format, each call's arguments valid for its tool's parameters."""
+
+    def parse(self, text: str, names: frozenset[str]) -> ParsedMessage:
+        s = self.stream(names)
+        return fold(s.feed(text) + s.finish())
+
+
+def fold(pieces: Iterable[Piece]) -> ParsedMessage:
+    out = ParsedMessage()
+    for p in pieces:
+        if isinstance(p, ToolCall):
+            out.calls.append(p)
+        else:
+            out.content += p.text
+    return out
+
+
+def call_from_json(text: str, names: frozenset[str], args_keys: tuple[str, ...]) -> ToolCall | None:
+    """`{"name": N, <args key>: {...}}` -> a call, or None when `text` is not
+    exactly that (arguments may also come as the JSON text of an object)."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+        return None
+    key = next((k for k in args_keys if k in obj), None)
+    args: Any = {} if key is None else obj[key]
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def held_prefix_len(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`
+    (text that may still turn into the tag once more arrives)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def lark_literal(text: str) -> str:
+    # JSON string escaping is valid Lark string-literal escaping.
+    return json.dumps(text, ensure_ascii=False)
+
+
+def compact_schema(schema: dict[str, Any]) -> str:
+    """A schema for `%json`, with no whitespace allowed between JSON tokens
+    (a weak model would otherwise loop in whitespace until max_tokens)."""
+    guidance = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
+    return json.dumps({**schema, "x-guidance": guidance}, ensure_ascii=False)
+
+
+def call_rules(tools: list[ToolSpec], head: str, tail: str, args_key: str) -> list[str]:
+    """Lark rules `call: call_0 | call_1 ...`, one alternative per tool:
+    head + {"name": "N", "<args_key>": <args>} + tail."""
+    alts, rules = [], []
+    for i, t in enumerate(tools):
+        prefix = f'{head}{{"name": {json.dumps(t.name)}, "{args_key}": '
+        rules.append(f"call_{i}: {lark_literal(prefix)} args_{i} {lark_literal('}' + tail)}")
+        rules.append(f"args_{i}: %json {compact_schema(t.parameters)}")
+        alts.append(f"call_{i}")
+    return [f"call: {' | '.join(alts)}", *rules]
