@@ -30,6 +30,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function na
 # No parameters: the call takes none (and a weak model cannot invent keys forever).
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 MAX_TOOLS = 128
+# Calls per choice under "required": a weak model in a grammar that allows
+# unbounded calls can append calls until max_tokens cuts the last one off.
+MAX_PARALLEL_CALLS = 8
 
 
 class FunctionDef(BaseModel):
@@ -132,8 +135,8 @@ def tool_plan(req: P.ChatRequest, parser_name: str,
     if not specs:
         return None
     parser = get_tool_parser(parser_name)
-    parallel = req.parallel_tool_calls is not False
-    everything = StructuredOutputsParams(grammar=parser.grammar(specs, parallel))
+    max_calls = 1 if req.parallel_tool_calls is False else MAX_PARALLEL_CALLS
+    everything = StructuredOutputsParams(grammar=parser.grammar(specs, max_calls))
     try:
         check(everything)
     except ValueError as e:
@@ -147,7 +150,7 @@ def tool_plan(req: P.ChatRequest, parser_name: str,
                                 "or structured_outputs", "tool_choice")
         chosen = [s for s in specs if s.name == named] if mode == "named" else specs
         constraint = (everything if mode == "required"
-                      else StructuredOutputsParams(grammar=parser.grammar(chosen, False)))
+                      else StructuredOutputsParams(grammar=parser.grammar(chosen, 1)))
     return ToolPlan(mode, parser, frozenset(s.name for s in specs), constraint)
 
 

@@ -66,10 +66,10 @@ class ToolParser(ABC):
     def stream(self, names: frozenset[str]) -> ToolStream: ...
 
     @abstractmethod
-    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
-        """A Lark grammar (llguidance dialect) whose sentences are one call
-        (parallel False) or one or more calls to `tools`, in this parser's
-        format, each call's arguments valid for its tool's parameters."""
+    def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
+        """A Lark grammar (llguidance dialect) whose sentences are 1..max_calls
+        calls to `tools` in this parser's format, each call's arguments valid
+        for its tool's parameters."""
 
     def parse(self, text: str, names: frozenset[str]) -> ParsedMessage:
         s = self.stream(names)
@@ -126,6 +126,12 @@ def compact_schema(schema: dict[str, Any]) -> str:
     (a weak model would otherwise loop in whitespace until max_tokens)."""
     guidance = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
     return json.dumps({**schema, "x-guidance": guidance}, ensure_ascii=False)
+
+
+def repeat(sep: str, max_calls: int) -> str:
+    """The start rule: 1..max_calls calls separated by `sep`."""
+    more = f" ({lark_literal(sep)} call){{0,{max_calls - 1}}}" if max_calls > 1 else ""
+    return f"start: call{more}"
 
 
 def call_rules(tools: list[ToolSpec], head: str, tail: str, args_key: str) -> list[str]:

@@ -6,7 +6,7 @@ A call left open when generation ends still counts if its JSON is complete
 from __future__ import annotations
 
 from cluster.tool_parsers.base import (Content, Piece, ToolParser, ToolSpec, ToolStream,
-                                       call_from_json, call_rules, held_prefix_len)
+                                       call_from_json, call_rules, repeat, held_prefix_len)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ARGS_KEYS = ("arguments", "parameters")
@@ -63,6 +63,6 @@ class HermesParser(ToolParser):
     def stream(self, names: frozenset[str]) -> ToolStream:
         return HermesStream(names)
 
-    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
+        start = repeat("\n", max_calls)
         return "\n".join([start, *call_rules(tools, OPEN + "\n", "\n" + CLOSE, "arguments")]) + "\n"

@@ -5,7 +5,7 @@ content; once a call fails to parse, the rest of the text is content."""
 from __future__ import annotations
 
 from cluster.tool_parsers.base import (Content, Piece, ToolParser, ToolSpec, ToolStream,
-                                       call_from_json, call_rules)
+                                       call_from_json, call_rules, repeat)
 
 PYTHON_TAG = "<|python_tag|>"
 _ARGS_KEYS = ("parameters", "arguments")
@@ -101,6 +101,6 @@ class Llama3JsonParser(ToolParser):
     def stream(self, names: frozenset[str]) -> ToolStream:
         return Llama3JsonStream(names)
 
-    def grammar(self, tools: list[ToolSpec], parallel: bool) -> str:
-        start = 'start: call ("; " call)*' if parallel else "start: call"
+    def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
+        start = repeat("; ", max_calls)
         return "\n".join([start, *call_rules(tools, "", "", "parameters")]) + "\n"
