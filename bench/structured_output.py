@@ -13,8 +13,10 @@ request. Reported per fraction: output tok/s and its ratio to f=0; for ours
 also the bitmask time per structured row per step (µs) and grammar compile
 ms p50/p99. The peer runs in its own venv (../shared/peers/vllm_cpu), on both
 cores (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0), with
-its default structured-output backend and compact JSON
-(`disable_any_whitespace`, the language our JSON grammar uses).
+the structured-output backend its default ("auto") picks for these schemas,
+xgrammar, named explicitly because only then does vLLM accept
+`disable_any_whitespace`: compact JSON, the language our JSON grammar uses
+(with "auto" the random model loops in whitespace until max_tokens).
 
 Usage:
   .venv/bin/python bench/structured_output.py                    # ours + peer
@@ -129,13 +131,15 @@ def run_vllm(a: argparse.Namespace, work: list[dict]) -> dict:
 
     llm = LLM(model=a.model, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5,
               enable_prefix_caching=False,
-              structured_outputs_config={"disable_any_whitespace": True})
+              # What "auto" picks for these schemas, with compact JSON like ours
+              # ("auto" cannot disable whitespace, and then loops in it).
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     sps = [SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True) if w["schema"] is None
            else SamplingParams(max_tokens=512, temperature=0.0,
                                structured_outputs=StructuredOutputsParams(json=w["schema"]))
            for w in work]
     tps = [TokensPrompt(prompt_token_ids=w["prompt"]) for w in work]
-    llm.generate(tps[:1], sps[0].clone() if hasattr(sps[0], "clone") else sps[0], use_tqdm=False)
+    llm.generate(tps[:1], sps[0], use_tqdm=False)  # warm-up
     best = None
     for _ in range(a.repeats):
         t0 = time.perf_counter()

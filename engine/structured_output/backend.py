@@ -1,8 +1,8 @@
 """Grammar backends behind a small registry.
 
 A backend turns StructuredOutputsParams into a Grammar: a matcher that is fed
-the request's accepted tokens and fills one row of a packed int32 bitmask
-(bit j of word i allows token 32*i + j). Backends are built once per engine
+the request's accepted tokens; the backend fills the rows of a packed int32
+bitmask for a batch of grammars (bit j of word i allows token 32*i + j). Backends are built once per engine
 from the tokenizer directory and the model's vocab size; bits for ids the
 tokenizer does not know are always 0.
 """
@@ -20,9 +20,6 @@ class Grammar(Protocol):
     def accept_tokens(self, tokens: list[int]) -> bool:
         """Advance by tokens the engine accepted; False if one is not allowed."""
 
-    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row]."""
-
     def is_terminated(self) -> bool:
         """The output is complete: no further token is allowed."""
 
@@ -33,6 +30,9 @@ class StructuredOutputBackend(Protocol):
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError (naming the problem) if compile() would fail."""
+
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: np.ndarray) -> None:
+        """Fill bitmask[i] for grammars[i] (C-contiguous int32 [n, words])."""
 
 
 BackendFactory = Callable[[str, int, "int | None"], StructuredOutputBackend]

@@ -31,10 +31,6 @@ class LLGuidanceGrammar:
                 return False
         return True
 
-    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        v = bitmask[row]
-        self.matcher.unsafe_compute_mask_ptr(v.ctypes.data, v.size * v.itemsize)
-
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
@@ -47,6 +43,15 @@ class LLGuidanceBackend:
         with open(path) as f:
             text = f.read()
         self.tokenizer = llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id)
+        # One Rust thread: it runs beside the forward (which holds the cores'
+        # torch threads) and, unlike per-matcher calls, without the GIL.
+        self._executor = llg.LLExecutor(num_threads=1)
+
+    def fill_bitmasks(self, grammars: list[LLGuidanceGrammar], bitmask: np.ndarray) -> None:
+        """All rows at once: bitmask[i] for grammars[i]."""
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                               bitmask.ctypes.data, words * 4, rows)
 
     @staticmethod
     def grammar_text(params: StructuredOutputsParams) -> str:

@@ -100,8 +100,7 @@ class StructuredOutputManager:
         """One row per grammar, in order: [len(grammars), ceil(vocab/32)] int32."""
         t0 = time.perf_counter()
         mask = np.empty((len(grammars), self.num_words), dtype=np.int32)
-        for row, g in enumerate(grammars):
-            g.fill_bitmask(mask, row)
+        self.backend.fill_bitmasks(grammars, mask)
         st = self.stats
         st.bitmask_ms_total += (time.perf_counter() - t0) * 1e3
         st.bitmask_steps += 1
