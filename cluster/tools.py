@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from cluster import openai_protocol as P
 from cluster.structured_request import structured_outputs_of
@@ -85,9 +85,8 @@ class ToolPlan:
 def _validate(cls: type[BaseModel], obj: Any, param: str, where: str) -> Any:
     try:
         return cls.model_validate(obj)
-    except Exception as e:  # noqa: BLE001 - pydantic's ValidationError; message kept short
-        errs = getattr(e, "errors", None)
-        detail = errs()[0] if callable(errs) else {"msg": str(e), "loc": ()}
+    except ValidationError as e:
+        detail = e.errors()[0]
         loc = ".".join(str(p) for p in detail.get("loc", ()))
         raise P.bad_request(f"{where}{'.' + loc if loc else ''}: {detail.get('msg')}", param) from None
 
@@ -136,11 +135,11 @@ def tool_plan(req: P.ChatRequest, parser_name: str,
         return None
     parser = get_tool_parser(parser_name)
     max_calls = 1 if req.parallel_tool_calls is False else MAX_PARALLEL_CALLS
-    everything = StructuredOutputsParams(grammar=parser.grammar(specs, max_calls))
-    try:
+    try:  # ValueError: too long a grammar, or a schema llguidance refuses
+        everything = StructuredOutputsParams(grammar=parser.grammar(specs, max_calls))
         check(everything)
     except ValueError as e:
-        raise P.bad_request(f"a tool's parameters do not compile: {e}", "tools") from None
+        raise P.bad_request(f"the tools do not compile to a grammar: {e}", "tools") from None
     if mode == "none":
         return None
     constraint = None
@@ -175,7 +174,7 @@ def template_input(req: P.ChatRequest) -> tuple[list[dict[str, Any]], dict[str, 
                 raise P.bad_request(f"messages[{i}].tool_call_id {m.tool_call_id!r} matches no "
                                     "earlier tool call", "messages")
             d["tool_call_id"] = m.tool_call_id
-    extra = {"tools": [t if isinstance(t, dict) else dict(t) for t in req.tools]} if req.tools else {}
+    extra = {"tools": req.tools} if req.tools else {}  # HF's variable: the tools as sent
     return messages, extra
 
 

@@ -235,6 +235,9 @@ ERRORS = [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [TOOLS[1], TOOLS[1]]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {  # grammar > 64 KiB
+        "type": "object", "properties": {"x": {"enum": ["v" * 70_000]}}}}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": TOOLS, "messages": BAD_TURN}, "messages"),
     ({"messages": BAD_TURN}, "messages"),
