@@ -30,8 +30,8 @@ def _call_json(call: ToolCall) -> dict[str, Any]:
 class _ChoiceStream:
     """One streamed choice: the parser's state plus what was sent so far."""
 
-    def __init__(self, stream: ToolStream) -> None:
-        self.stream = stream
+    def __init__(self, stream: ToolStream, max_calls: int) -> None:
+        self.stream, self.max_calls = stream, max_calls
         self.calls = 0  # calls sent; the next call's index
         self.sent_content = False
         self.held_space = ""
@@ -44,6 +44,8 @@ class _ChoiceStream:
                 text += p.text
                 continue
             text = self._content(out, text)
+            if self.calls >= self.max_calls:
+                continue
             c = _call_json(p)
             out.append({"tool_calls": [{"index": self.calls, "id": c["id"], "type": "function",
                                         "function": {"name": p.name, "arguments": ""}}]})
@@ -76,9 +78,10 @@ class ToolSession:
         """A non-streamed chat choice: calls out of its content."""
         parsed = self.plan.parser.parse(text, self.plan.names)
         if parsed.calls:
+            calls = parsed.calls[:self.plan.max_calls]
             choice["message"] = {"role": "assistant",
                                  "content": parsed.content if parsed.content.strip() else None,
-                                 "tool_calls": [_call_json(c) for c in parsed.calls]}
+                                 "tool_calls": [_call_json(c) for c in calls]}
             if choice["finish_reason"] == "stop":
                 choice["finish_reason"] = "tool_calls"
         return choice
@@ -89,7 +92,8 @@ class ToolSession:
         the last. [] when nothing can be said yet."""
         st = self._streams.get(idx)
         if st is None:
-            st = self._streams[idx] = _ChoiceStream(self.plan.parser.stream(self.plan.names))
+            st = self._streams[idx] = _ChoiceStream(self.plan.parser.stream(self.plan.names),
+                                                    self.plan.max_calls)
         final = choice["finish_reason"] is not None
         pieces = st.stream.feed(text) + (st.stream.finish() if final else [])
         deltas = st.deltas(pieces, final)

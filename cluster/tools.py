@@ -80,6 +80,7 @@ class ToolPlan:
     parser: ToolParser
     names: frozenset[str]
     constraint: StructuredOutputsParams | None  # the grammar for required/named
+    max_calls: int = MAX_PARALLEL_CALLS  # 1 with parallel_tool_calls false; later calls are dropped
 
 
 def _validate(cls: type[BaseModel], obj: Any, param: str, where: str) -> Any:
@@ -150,7 +151,7 @@ def tool_plan(req: P.ChatRequest, parser_name: str,
         chosen = [s for s in specs if s.name == named] if mode == "named" else specs
         constraint = (everything if mode == "required"
                       else StructuredOutputsParams(grammar=parser.grammar(chosen, 1)))
-    return ToolPlan(mode, parser, frozenset(s.name for s in specs), constraint)
+    return ToolPlan(mode, parser, frozenset(s.name for s in specs), constraint, max_calls)
 
 
 # ---- the chat template's input ---------------------------------------------------------

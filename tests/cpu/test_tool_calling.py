@@ -185,6 +185,19 @@ def test_auto_parses_a_call_in_the_text(api, stream):
     assert len(calls) == 1 and ch.message.content == "Sure. "
 
 
+@pytest.mark.parametrize("parallel,expect", [(None, 2), (False, 1)])
+def test_auto_parallel_tool_calls(api, parallel, expect):
+    two = FORCED + r"\n" + FORCED[len(r"Sure\. "):]
+
+    async def go(c):
+        kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+        return await _openai(c).chat.completions.create(
+            model="tiny", messages=MSGS, tools=TOOLS, max_tokens=200, temperature=1.0, seed=4,
+            extra_body={"structured_outputs": {"regex": two}}, **kw)
+    ch = _run(api, go).choices[0]
+    assert len(_check_calls(ch, {"get_weather"})) == expect
+
+
 def test_tool_choice_none_returns_no_calls(api):
     async def go(c):
         client = _openai(c)

@@ -112,10 +112,10 @@ def test_registry_matches_config():
         get_tool_parser("mistral")
 
 
-def _plan(parser: str = "hermes"):
+def _plan(parser: str = "hermes", max_calls: int = 8):
     from cluster.tools import ToolPlan
 
-    return ToolPlan("auto", get_tool_parser(parser), NAMES, None)
+    return ToolPlan("auto", get_tool_parser(parser), NAMES, None, max_calls)
 
 
 def _accumulate(chunks: list[list[dict]]) -> dict:
@@ -142,13 +142,17 @@ def _accumulate(chunks: list[list[dict]]) -> dict:
             "finish": finish}
 
 
+@pytest.mark.parametrize("max_calls", [8, 1])
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
-def test_session_deltas_assemble_to_the_final_message(parser, text, content, calls):
+def test_session_deltas_assemble_to_the_final_message(parser, text, content, calls, max_calls):
+    """Streamed one character a time, the deltas add up to the non-streamed
+    message; parallel_tool_calls false (max_calls 1) keeps the first call only."""
     from cluster import openai_protocol as P
     from cluster.tool_response import ToolSession, rounds
 
-    final = ToolSession(_plan(parser)).finish_choice(P.chat_choice(0, text, None, "stop"), text)
-    s = ToolSession(_plan(parser))
+    calls = calls[:max_calls]
+    final = ToolSession(_plan(parser, max_calls)).finish_choice(P.chat_choice(0, text, None, "stop"), text)
+    s = ToolSession(_plan(parser, max_calls))
     chunks = []
     for i, ch in enumerate(text or " "):
         last = i == max(len(text), 1) - 1
