@@ -124,7 +124,8 @@ def lark_literal(text: str) -> str:
 def compact_schema(schema: dict[str, Any]) -> str:
     """A schema for `%json`, with no whitespace allowed between JSON tokens
     (a weak model would otherwise loop in whitespace until max_tokens)."""
-    guidance = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
+    given = schema.get("x-guidance")
+    guidance = {**(given if isinstance(given, dict) else {}), "whitespace_flexible": False}
     return json.dumps({**schema, "x-guidance": guidance}, ensure_ascii=False)
 
 

@@ -248,6 +248,9 @@ ERRORS = [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [TOOLS[1], TOOLS[1]]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"x-guidance": 3, "type": "objekt"}}}]},
+     "tools"),
+    ({"tools": {"type": "function"}}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {  # grammar > 64 KiB
         "type": "object", "properties": {"x": {"enum": ["v" * 70_000]}}}}}]}, "tools"),
