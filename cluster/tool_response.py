@@ -2,11 +2,14 @@
 (non-streaming) or OpenAI's tool-call deltas (streaming).
 
 Streaming shape (what the openai client's stream helpers assemble): a call's
-first delta carries index, id, type and function.name (arguments ""), the
-next carries function.arguments. A call is sent once the parser has settled
-it (its JSON complete and valid), so a stream never announces a call that
-the non-streamed response would not have. Content whitespace is held until
-more content follows, so streamed content adds up to the non-streamed one.
+first delta carries index, id, type and function.name (arguments ""), later
+ones carry function.arguments fragments. Under "auto" a call is sent once
+the parser has settled it (its JSON complete and valid), so a stream never
+announces a call the non-streamed response would not have; under
+required/named (the grammar guarantees the format) the name goes out as soon
+as it is complete and the arguments as they are generated. Content
+whitespace is held until more content follows, so streamed content adds up
+to the non-streamed one.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import secrets
 from itertools import zip_longest
 from typing import Any
 
-from cluster.tool_parsers import Content, Piece, ToolCall, ToolStream
+from cluster.tool_parsers import ArgsDelta, Content, Piece, ToolCall, ToolStream
 from cluster.tools import ToolPlan
 
 
@@ -33,6 +36,7 @@ class _ChoiceStream:
     def __init__(self, stream: ToolStream, max_calls: int) -> None:
         self.stream, self.max_calls = stream, max_calls
         self.calls = 0  # calls sent; the next call's index
+        self.open = False  # an eager call is being sent (its arguments go on index calls - 1)
         self.sent_content = False
         self.held_space = ""
 
@@ -44,12 +48,18 @@ class _ChoiceStream:
                 text += p.text
                 continue
             text = self._content(out, text)
-            if self.calls >= self.max_calls:
+            if isinstance(p, ArgsDelta):
+                if self.open:
+                    out.append(_args_delta(self.calls - 1, p.text))
                 continue
-            c = _call_json(p)
-            out.append({"tool_calls": [{"index": self.calls, "id": c["id"], "type": "function",
+            self.open = self.calls < self.max_calls  # later calls are dropped
+            if not self.open:
+                continue
+            out.append({"tool_calls": [{"index": self.calls, "id": call_id(), "type": "function",
                                         "function": {"name": p.name, "arguments": ""}}]})
-            out.append({"tool_calls": [{"index": self.calls, "function": {"arguments": p.arguments}}]})
+            if isinstance(p, ToolCall):
+                out.append(_args_delta(self.calls, p.arguments))
+                self.open = False
             self.calls += 1
         self._content(out, text)
         if final and self.sent_content and self.held_space:
@@ -67,16 +77,21 @@ class _ChoiceStream:
         return ""
 
 
+def _args_delta(index: int, text: str) -> dict[str, Any]:
+    return {"tool_calls": [{"index": index, "function": {"arguments": text}}]}
+
+
 class ToolSession:
     """A request's tool-call output handling (one per request)."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
+        self.eager = plan.constraint is not None  # the grammar fixed the format
         self._streams: dict[int, _ChoiceStream] = {}
 
     def finish_choice(self, choice: dict[str, Any], text: str) -> dict[str, Any]:
         """A non-streamed chat choice: calls out of its content."""
-        parsed = self.plan.parser.parse(text, self.plan.names)
+        parsed = self.plan.parser.parse(text, self.plan.names, self.eager)
         if parsed.calls:
             calls = parsed.calls[:self.plan.max_calls]
             choice["message"] = {"role": "assistant",
@@ -92,8 +107,8 @@ class ToolSession:
         the last. [] when nothing can be said yet."""
         st = self._streams.get(idx)
         if st is None:
-            st = self._streams[idx] = _ChoiceStream(self.plan.parser.stream(self.plan.names),
-                                                    self.plan.max_calls)
+            stream = self.plan.parser.stream(self.plan.names, self.eager)
+            st = self._streams[idx] = _ChoiceStream(stream, self.plan.max_calls)
         final = choice["finish_reason"] is not None
         pieces = st.stream.feed(text) + (st.stream.finish() if final else [])
         deltas = st.deltas(pieces, final)

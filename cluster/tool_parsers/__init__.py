@@ -5,8 +5,8 @@ for streaming) and writes the Lark grammar that makes "required" and named
 tool_choice produce calls in its own format, so one parser reads both."""
 from __future__ import annotations
 
-from cluster.tool_parsers.base import (Content, ParsedMessage, Piece, ToolCall, ToolParser,
-                                       ToolSpec, ToolStream)
+from cluster.tool_parsers.base import (ArgsDelta, CallStart, Content, ParsedMessage, Piece, ToolCall,
+                                       ToolParser, ToolSpec, ToolStream)
 from cluster.tool_parsers.hermes import HermesParser
 from cluster.tool_parsers.llama3_json import Llama3JsonParser
 
@@ -20,5 +20,5 @@ def get_tool_parser(name: str) -> ToolParser:
         raise ValueError(f"unknown tool call parser {name!r}; known: {sorted(TOOL_PARSERS)}") from None
 
 
-__all__ = ["TOOL_PARSERS", "Content", "ParsedMessage", "Piece", "ToolCall", "ToolParser",
+__all__ = ["TOOL_PARSERS", "ArgsDelta", "CallStart", "Content", "ParsedMessage", "Piece", "ToolCall", "ToolParser",
            "ToolSpec", "ToolStream", "get_tool_parser"]

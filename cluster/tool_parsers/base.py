@@ -1,16 +1,25 @@
 """What every tool-call parser shares: the parsed pieces, the parser contract
 and small helpers for JSON call objects and Lark grammars.
 
+Two ways to read calls:
+- settled (tool_choice "auto": the model is free): a call comes out whole
+  (`ToolCall`, arguments re-serialized) once its JSON is complete and valid;
+  until then its text is held, and text that looks like a call but is not one
+  (bad JSON, unknown tool name, arguments that are not an object) comes back
+  as content, verbatim.
+- eager (required/named: the grammar fixed the format, so nothing can turn
+  out invalid): `CallStart` once the name is complete, then `ArgsDelta`s with
+  the argument text as it arrives, verbatim.
+
 Invariants:
 - One code path: `parse(text)` is a stream fed the whole text at once, so a
   streamed response and a non-streamed one split the same text the same way.
-- A piece of text that looks like a call but is not one (bad JSON, unknown
-  tool name, arguments that are not an object) comes back as content,
-  verbatim; parsing never raises on model output.
+- Parsing never raises on model output.
 """
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,7 +37,17 @@ class Content:
     text: str
 
 
-Piece = ToolCall | Content
+@dataclass(frozen=True)
+class CallStart:
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgsDelta:
+    text: str
+
+
+Piece = ToolCall | Content | CallStart | ArgsDelta
 
 
 @dataclass(frozen=True)
@@ -48,8 +67,9 @@ class ToolStream(ABC):
     """Incremental parser state for one choice: feed text deltas, get pieces
     whose meaning is settled. Text that might still become a call is held."""
 
-    def __init__(self, names: frozenset[str]) -> None:
-        self.names = names  # calls to other names are content
+    def __init__(self, names: frozenset[str], eager: bool = False) -> None:
+        self.names = names  # settled mode: calls to other names are content
+        self.eager = eager
 
     @abstractmethod
     def feed(self, text: str) -> list[Piece]: ...
@@ -63,7 +83,7 @@ class ToolParser(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def stream(self, names: frozenset[str]) -> ToolStream: ...
+    def stream(self, names: frozenset[str], eager: bool = False) -> ToolStream: ...
 
     @abstractmethod
     def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
@@ -71,19 +91,96 @@ class ToolParser(ABC):
         calls to `tools` in this parser's format, each call's arguments valid
         for its tool's parameters."""
 
-    def parse(self, text: str, names: frozenset[str]) -> ParsedMessage:
-        s = self.stream(names)
+    def parse(self, text: str, names: frozenset[str], eager: bool = False) -> ParsedMessage:
+        s = self.stream(names, eager)
         return fold(s.feed(text) + s.finish())
 
 
 def fold(pieces: Iterable[Piece]) -> ParsedMessage:
+    """Pieces -> the message. An eager call cut off by max_tokens keeps the
+    arguments it got (what a streaming client assembled too)."""
     out = ParsedMessage()
     for p in pieces:
         if isinstance(p, ToolCall):
             out.calls.append(p)
+        elif isinstance(p, CallStart):
+            out.calls.append(ToolCall(p.name, ""))
+        elif isinstance(p, ArgsDelta):
+            out.calls[-1] = ToolCall(out.calls[-1].name, out.calls[-1].arguments + p.text)
         else:
             out.content += p.text
     return out
+
+
+class ObjectEnd:
+    """Finds where a JSON object or array starting at `start` ends,
+    incrementally (strings and escapes respected); says nothing about
+    whether the JSON is valid."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.depth, self.in_str, self.esc, self.pos = 0, False, False, start
+
+    def scan(self, text: str) -> int | None:
+        """Index just past the value in `text` (the same, growing text each
+        call), or None while it is still open."""
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == "\\":
+                    self.esc = True
+                elif c == '"':
+                    self.in_str = False
+            elif c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
+
+
+def call_header(args_key: str) -> re.Pattern[str]:
+    """`{"name": "N", "<args_key>": ` up to the arguments' opening brace."""
+    return re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"' + args_key
+                      + r'"\s*:\s*(?=\{)')
+
+
+class EagerCall:
+    """One call read eagerly, from the text just after its opening: the name
+    once the header is complete, then the argument text as it arrives."""
+
+    def __init__(self, header: re.Pattern[str]) -> None:
+        self.header = header
+        self.started = False
+        self.end: ObjectEnd | None = None
+        self.sent = 0  # argument text sent up to here
+        self.args_end: int | None = None
+
+    def feed(self, buf: str) -> tuple[list[Piece], int | None]:
+        """`buf`: the call's text so far (growing). Returns new pieces and,
+        once the arguments are complete, the index just past them."""
+        out: list[Piece] = []
+        if not self.started:
+            m = self.header.match(buf)
+            if m is None:
+                return out, None
+            self.started, self.sent, self.end = True, m.end(), ObjectEnd(m.end())
+            out.append(CallStart(m.group(1)))
+        if self.args_end is None:
+            assert self.end is not None
+            stop = self.end.scan(buf)
+            upto = stop if stop is not None else len(buf)
+            if upto > self.sent:
+                out.append(ArgsDelta(buf[self.sent:upto]))
+                self.sent = upto
+            self.args_end = stop
+        return out, self.args_end
 
 
 def call_from_json(text: str, names: frozenset[str], args_keys: tuple[str, ...]) -> ToolCall | None:

@@ -5,18 +5,21 @@ A call left open when generation ends still counts if its JSON is complete
 (some models stop right after the object)."""
 from __future__ import annotations
 
-from cluster.tool_parsers.base import (Content, Piece, ToolParser, ToolSpec, ToolStream,
-                                       call_from_json, call_rules, repeat, held_prefix_len)
+from cluster.tool_parsers.base import (Content, EagerCall, Piece, ToolParser, ToolSpec, ToolStream,
+                                       call_from_json, call_header, call_rules, held_prefix_len,
+                                       repeat)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ARGS_KEYS = ("arguments", "parameters")
+_HEADER = call_header("arguments")
 
 
 class HermesStream(ToolStream):
-    def __init__(self, names: frozenset[str]) -> None:
-        super().__init__(names)
+    def __init__(self, names: frozenset[str], eager: bool = False) -> None:
+        super().__init__(names, eager)
         self.buf = ""  # text not yet settled; inside a call it is the call's body so far
         self.in_call = False
+        self.call: EagerCall | None = None  # eager mode: the open call
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
@@ -31,20 +34,35 @@ class HermesStream(ToolStream):
                     return out
                 _content(out, self.buf[:i])
                 self.buf, self.in_call = self.buf[i + len(OPEN):], True
-            else:
-                j = self.buf.find(CLOSE)
-                if j < 0:
-                    return out
-                out.append(self._settle(self.buf[:j], CLOSE))
-                self.buf, self.in_call = self.buf[j + len(CLOSE):], False
+                self.call = EagerCall(_HEADER) if self.eager else None
+            elif not self._close(out):
+                return out
+
+    def _close(self, out: list[Piece]) -> bool:
+        """Settle the open call if its end is here; False while it is open."""
+        args_end = 0
+        if self.call is not None:
+            pieces, args_end = self.call.feed(self.buf)
+            out.extend(pieces)
+            if args_end is None:
+                return False
+        j = self.buf.find(CLOSE, args_end)
+        if j < 0:
+            return False
+        if self.call is None:
+            out.append(self._settle(self.buf[:j], CLOSE))
+        self.buf, self.in_call, self.call = self.buf[j + len(CLOSE):], False, None
+        return True
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
-        if self.in_call:
-            out.append(self._settle(self.buf, ""))
-        else:
+        if not self.in_call:
             _content(out, self.buf)
-        self.buf, self.in_call = "", False
+        elif self.call is None:
+            out.append(self._settle(self.buf, ""))
+        elif not self.call.started:
+            out.append(Content(OPEN + self.buf))
+        self.buf, self.in_call, self.call = "", False, None
         return out
 
     def _settle(self, body: str, close: str) -> Piece:
@@ -60,8 +78,8 @@ def _content(out: list[Piece], text: str) -> None:
 class HermesParser(ToolParser):
     name = "hermes"
 
-    def stream(self, names: frozenset[str]) -> ToolStream:
-        return HermesStream(names)
+    def stream(self, names: frozenset[str], eager: bool = False) -> ToolStream:
+        return HermesStream(names, eager)
 
     def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
         start = repeat("\n", max_calls)

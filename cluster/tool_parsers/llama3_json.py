@@ -4,72 +4,30 @@ several separated by `;`. Output that does not start with an object is plain
 content; once a call fails to parse, the rest of the text is content."""
 from __future__ import annotations
 
-from cluster.tool_parsers.base import (Content, Piece, ToolParser, ToolSpec, ToolStream,
-                                       call_from_json, call_rules, repeat)
+from cluster.tool_parsers.base import (Content, EagerCall, ObjectEnd, Piece, ToolParser, ToolSpec,
+                                       ToolStream, call_from_json, call_header, call_rules, repeat)
 
 PYTHON_TAG = "<|python_tag|>"
 _ARGS_KEYS = ("parameters", "arguments")
+_HEADER = call_header("parameters")
+_SEPARATORS = " \t\r\n;"
 _START, _CALLS, _CONTENT = "start", "calls", "content"
 
 
-class _ObjectEnd:
-    """Finds where a top-level JSON object ends, incrementally (strings and
-    escapes respected); says nothing about whether the JSON is valid."""
-
-    def __init__(self) -> None:
-        self.depth, self.in_str, self.esc, self.pos = 0, False, False, 0
-
-    def scan(self, text: str) -> int | None:
-        """Index just past the object in `text` (the same, growing text each
-        call), or None while it is still open."""
-        for i in range(self.pos, len(text)):
-            c = text[i]
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif c == "\\":
-                    self.esc = True
-                elif c == '"':
-                    self.in_str = False
-            elif c == '"':
-                self.in_str = True
-            elif c in "{[":
-                self.depth += 1
-            elif c in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-        self.pos = len(text)
-        return None
-
-
 class Llama3JsonStream(ToolStream):
-    def __init__(self, names: frozenset[str]) -> None:
-        super().__init__(names)
-        self.buf, self.state, self.end = "", _START, _ObjectEnd()
+    def __init__(self, names: frozenset[str], eager: bool = False) -> None:
+        super().__init__(names, eager)
+        self.buf, self.state = "", _START
+        self.end: ObjectEnd | None = None  # settled mode: the open object
+        self.call: EagerCall | None = None  # eager mode: the open call
 
     def feed(self, text: str) -> list[Piece]:
         self.buf += text
         out: list[Piece] = []
         if self.state == _START:
             self._decide()
-        while self.state == _CALLS:
-            body = self.buf.lstrip(" \t\r\n;")
-            if not body:
-                break
-            if not body.startswith("{"):
-                self.state = _CONTENT
-                break
-            self.buf, self.end = body, self.end if self.buf == body else _ObjectEnd()
-            stop = self.end.scan(self.buf)
-            if stop is None:
-                break
-            call = call_from_json(self.buf[:stop], self.names, _ARGS_KEYS)
-            if call is None:
-                self.state = _CONTENT
-                break
-            out.append(call)
-            self.buf, self.end = self.buf[stop:], _ObjectEnd()
+        while self.state == _CALLS and self._next_call(out):
+            pass
         if self.state == _CONTENT and self.buf:
             out.append(Content(self.buf))
             self.buf = ""
@@ -81,25 +39,68 @@ class Llama3JsonStream(ToolStream):
             return  # not known yet
         if head.startswith(PYTHON_TAG):
             head = head[len(PYTHON_TAG):]
-            self.state = _CALLS
-        else:
-            self.state = _CALLS if head.startswith("{") else _CONTENT
-            if self.state == _CONTENT:
-                return  # keep the text as written, leading whitespace included
-        self.buf = head
+        elif not head.startswith("{"):
+            self.state = _CONTENT  # kept as written, leading whitespace included
+            return
+        self.buf, self.state = head, _CALLS
+
+    def _next_call(self, out: list[Piece]) -> bool:
+        """Read one call off the front of buf; False while it is incomplete."""
+        if self.end is None and self.call is None:
+            body = self.buf.lstrip(_SEPARATORS)
+            if not body:
+                return False
+            if not body.startswith("{"):
+                self.state = _CONTENT
+                return False
+            self.buf = body
+            self.end, self.call = (None, EagerCall(_HEADER)) if self.eager else (ObjectEnd(), None)
+        if self.call is not None:
+            return self._eager(out)
+        assert self.end is not None
+        stop = self.end.scan(self.buf)
+        if stop is None:
+            return False
+        call = call_from_json(self.buf[:stop], self.names, _ARGS_KEYS)
+        if call is None:
+            self.state = _CONTENT
+            return False
+        out.append(call)
+        self.buf, self.end = self.buf[stop:], None
+        return True
+
+    def _eager(self, out: list[Piece]) -> bool:
+        assert self.call is not None
+        pieces, args_end = self.call.feed(self.buf)
+        out.extend(pieces)
+        if args_end is None:
+            return False
+        rest = self.buf[args_end:].lstrip()
+        if not rest:
+            return False
+        if rest[0] != "}":  # not the grammar's shape: what is left is content
+            self.buf, self.state = rest, _CONTENT
+            return False
+        self.buf, self.call = rest[1:], None
+        return True
 
     def finish(self) -> list[Piece]:
         # Held text: undecided start, an open object, or separators after the last call.
-        rest = self.buf if self.state != _CALLS or self.buf.strip(" \t\r\n;") else ""
-        self.buf, self.state = "", _CONTENT
+        if self.call is not None and self.call.started:
+            rest = ""  # an eager call cut off: its arguments so far were sent
+        elif self.state != _CALLS or self.buf.strip(_SEPARATORS):
+            rest = self.buf
+        else:
+            rest = ""
+        self.buf, self.state, self.end, self.call = "", _CONTENT, None, None
         return [Content(rest)] if rest else []
 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
 
-    def stream(self, names: frozenset[str]) -> ToolStream:
-        return Llama3JsonStream(names)
+    def stream(self, names: frozenset[str], eager: bool = False) -> ToolStream:
+        return Llama3JsonStream(names, eager)
 
     def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
         start = repeat("; ", max_calls)

@@ -143,6 +143,9 @@ def test_streamed_calls_assemble_with_the_stream_helper(api, parser, choice, all
         firsts = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])
                   if tc.id is not None]
         assert len(firsts) == len(calls) and all(tc.function.name and tc.type == "function" for tc in firsts)
+        fragments = [tc for ch in chunks for c in ch.choices for tc in (c.delta.tool_calls or [])
+                     if tc.id is None]
+        assert len(fragments) > len(calls)  # under the grammar, arguments stream as generated
     greedy = [(tc.function.name, tc.function.arguments) for tc in out[0][0].choices[0].message.tool_calls]
     assert greedy == [(tc.function.name, tc.function.arguments) for tc in plain.choices[0].message.tool_calls]
 

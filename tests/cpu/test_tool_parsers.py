@@ -168,3 +168,55 @@ def test_session_deltas_assemble_to_the_final_message(parser, text, content, cal
     assert (got["content"] or None) == (expect or None)
     for c in msg.get("tool_calls", []):
         assert c["id"].startswith("call_") and len(c["id"]) > 10 and c["type"] == "function"
+
+
+# ---- eager reading (required/named: the grammar fixed the format) ---------------------
+
+GRAMMAR_TEXT = {
+    "hermes": '<tool_call>\n{"name": "add", "arguments": {"a":1,"b":[2,"}\\""]}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>',
+    "llama3_json": '{"name": "add", "parameters": {"a":1,"b":[2,"}\\""]}}; '
+                   '{"name": "get_weather", "parameters": {}}',
+}
+EAGER_CALLS = [ToolCall("add", '{"a":1,"b":[2,"}\\""]}'), ToolCall("get_weather", "{}")]
+
+
+@pytest.mark.parametrize("parser", sorted(GRAMMAR_TEXT))
+def test_eager_reading_at_every_split(parser):
+    text = GRAMMAR_TEXT[parser]
+    p = get_tool_parser(parser)
+    whole = p.parse(text, NAMES, eager=True)
+    assert whole.calls == EAGER_CALLS and not whole.content.strip()  # arguments verbatim
+    for i in range(len(text) + 1):
+        s = p.stream(NAMES, eager=True)
+        out = fold(s.feed(text[:i]) + s.feed(text[i:]) + s.finish())
+        assert out.calls == EAGER_CALLS and not out.content.strip(), i
+    # Cut off by max_tokens inside the arguments: the call keeps what it got.
+    cut = text.index('"b"')
+    assert p.parse(text[:cut], NAMES, eager=True).calls == [ToolCall("add", '{"a":1,')]
+
+
+@pytest.mark.parametrize("parser", sorted(GRAMMAR_TEXT))
+def test_eager_deltas_name_first_then_argument_fragments(parser):
+    from cluster import openai_protocol as P
+    from cluster.tool_response import ToolSession, rounds
+    from cluster.tools import ToolPlan
+    from engine.structured_output.params import StructuredOutputsParams
+
+    plan = ToolPlan("required", get_tool_parser(parser), NAMES, StructuredOutputsParams(grammar='start: "x"'))
+    text = GRAMMAR_TEXT[parser]
+    s, chunks = ToolSession(plan), []
+    for i, ch in enumerate(text):
+        reason = "stop" if i == len(text) - 1 else None
+        chunks += rounds([s.delta_choices(0, P.chat_delta(0, {"content": ch}, None, reason), ch)])
+        if i == text.index('"a"') + 1:  # inside the first call's arguments: its name is out
+            assert _accumulate(chunks)["calls"][0]["name"] == "add"
+    got = _accumulate(chunks)
+    assert [(c["name"], c["arguments"]) for c in got["calls"]] == [(c.name, c.arguments) for c in EAGER_CALLS]
+    assert got["finish"] == "tool_calls" and got["content"] is None
+    fragments = [tc for ch in chunks for c in ch for tc in c["delta"].get("tool_calls", [])
+                 if "id" not in tc]
+    assert len(fragments) > len(EAGER_CALLS)  # the arguments arrive piece by piece
+    final = ToolSession(plan).finish_choice(P.chat_choice(0, text, None, "stop"), text)
+    assert [c["function"]["arguments"] for c in final["message"]["tool_calls"]] == \
+        [c.arguments for c in EAGER_CALLS]
