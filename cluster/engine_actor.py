@@ -32,6 +32,9 @@ from executors.ray_executor import cluster_host, ensure_ray
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = float(os.environ.get("CONVEYOR_STARTUP_TIMEOUT_S", "600"))
+# A health check the actor does not answer in time fails: a wedged actor is
+# not a healthy one (its executor bounds each step by parallel.step_timeout_s).
+HEALTH_TIMEOUT_S = 10.0
 
 
 class CoreInput(msgspec.Struct, array_like=True, gc=False):
@@ -129,7 +132,7 @@ class RayCoreClient:
     """CoreClient over an EngineCoreActor (the process boundary of DESIGN §3)."""
 
     def __init__(self, config: EngineConfig, placement: CoreActorPlacement | None = None) -> None:
-        self.started_ray = ensure_ray()
+        self.started_ray = ensure_ray(config)
         self.config = config
         keys = PlaneKeys.generate()
         place = placement or CoreActorPlacement()
@@ -166,18 +169,18 @@ class RayCoreClient:
                 continue
             if time.monotonic() - last_ping > 2.0:
                 last_ping = time.monotonic()
-                err = self._actor_error()
+                err = self._actor_error(self.config.parallel.step_timeout_s)
                 if err is not None and not self._closing:
                     self.dead = err
                     on_outputs(EngineCoreOutputs(engine_error=err))
                     return
 
-    def _actor_error(self) -> str | None:
+    def _actor_error(self, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
         try:
-            ray.get(self.actor.check_health.remote(), timeout=10)
+            ray.get(self.actor.check_health.remote(), timeout=timeout_s)
             return None
         except ray.exceptions.GetTimeoutError:
-            return None  # busy, not dead
+            return f"engine actor did not answer a health check within {timeout_s:g}s (wedged)"
         except Exception as e:  # noqa: BLE001
             return f"engine actor failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_model_dir
 from engine.contracts import EngineCoreOutputs, SchedulerStats
 from engine.core_client import CoreClient
 from engine.frontend import Frontend, PreparedRequest
@@ -128,6 +128,8 @@ def make_core_client(config: EngineConfig) -> CoreClient:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, client: CoreClient | None = None) -> None:
         self.config = config
+        if client is None:
+            check_model_dir(config)
         self.client = client if client is not None else make_core_client(config)
         self.max_model_len = config.max_model_len
         self.frontend = Frontend(config, self.client.kv_info.vocab_size)

@@ -46,6 +46,10 @@ class DistributedExecutor(Executor):
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._step_futures: dict[int, Future] = {}
+        # step id -> time.monotonic() by which its reply must be back.
+        self._deadlines: dict[int, float] = {}
+        self._step_timeout_s = config.parallel.step_timeout_s
+        self._first_step_extra_s: float | None = config.parallel.first_step_extra_s
         self._rpc_replies: dict[int, list[WorkerReply]] = {}
         self._rpc_done = threading.Condition(self._lock)
         self._last_step: Future | None = None
@@ -97,7 +101,8 @@ class DistributedExecutor(Executor):
         sid = next(self._ids)
         with self._lock:
             self._rpc_replies[sid] = []
-        self._broadcast(WorkerCommand("rpc", sid, method=method, args=list(args)))
+        self._broadcast(WorkerCommand("rpc", sid, method=method, args=list(args)),
+                        timeout_s=self.rpc_timeout_s)
         deadline = time.monotonic() + self.rpc_timeout_s
         with self._rpc_done:
             while len(self._rpc_replies[sid]) < self.world_size:
@@ -118,19 +123,45 @@ class DistributedExecutor(Executor):
 
     # ---- per step --------------------------------------------------------------------
 
-    def _broadcast(self, cmd: WorkerCommand) -> None:
+    def _broadcast(self, cmd: WorkerCommand, timeout_s: float | None = None) -> None:
+        """timeout_s: how long a rank may take to accept (default the step
+        bound; start-up RPCs wait for workers that are still starting)."""
         payload = self._cmds[0].encode(cmd)
+        timeout_s = self._step_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         with self._cmd_sealer.lock:  # seal once; every rank gets it in seq order
             frames = self._cmd_sealer.seal(payload)
-            for ch in self._cmds:
+            for rank, ch in enumerate(self._cmds):
                 # A PUSH socket blocks while its worker is not connected (starting
-                # up, or dead): wait, but give up as soon as the engine is dead.
+                # up, or dead): wait, but give up as soon as the engine is dead
+                # or the rank has not taken a command for step_timeout_s.
                 while not ch.try_send_frames(frames):
                     if self._closing:
                         return
                     if self._dead is not None:
                         raise EngineDeadError(self._dead)
+                    if time.monotonic() > deadline:
+                        self._fail(f"rank {rank} took no command for {timeout_s:g}s: it is wedged, "
+                                   f"treated as dead (parallel.step_timeout_s bounds a step)")
+                        raise EngineDeadError(self._dead)
                     time.sleep(0.0005)
+
+    def _step_deadline(self, forward: bool) -> float:
+        """The first forward step also gets first_step_extra_s (lazy compiles)."""
+        extra = 0.0
+        if forward and self._first_step_extra_s is not None:
+            extra, self._first_step_extra_s = self._first_step_extra_s, None
+        return time.monotonic() + self._step_timeout_s + extra
+
+    def _overdue_step(self) -> str | None:
+        """A message naming the oldest step past its deadline, or None."""
+        now = time.monotonic()
+        with self._lock:
+            late = [sid for sid, t in self._deadlines.items() if t < now]
+        if not late:
+            return None
+        return (f"step {min(late)} got no reply within its {self._step_timeout_s:g}s bound "
+                f"(parallel.step_timeout_s): a worker rank is wedged, treated as dead")
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
@@ -140,6 +171,7 @@ class DistributedExecutor(Executor):
         fut: Future = Future()
         with self._lock:
             self._step_futures[sid] = fut
+            self._deadlines[sid] = self._step_deadline(so.total_num_scheduled_tokens > 0)
         self._last_step = fut
         self._last_step_id = sid
         self._broadcast(WorkerCommand("step", sid, scheduler_output=so))
@@ -163,7 +195,7 @@ class DistributedExecutor(Executor):
             while not self._closing:
                 reply = self._replies.recv(timeout_ms=200)
                 if reply is None:
-                    dead = self._dead_workers()
+                    dead = self._dead_workers() or self._overdue_step()
                     if dead is not None and not self._closing:
                         self._fail(dead)
                         return
@@ -179,6 +211,7 @@ class DistributedExecutor(Executor):
             return
         with self._lock:
             fut = self._step_futures.pop(reply.step_id, None)
+            self._deadlines.pop(reply.step_id, None)
             if fut is None and reply.step_id in self._rpc_replies:
                 self._rpc_replies[reply.step_id].append(reply)
                 self._rpc_done.notify_all()
@@ -194,6 +227,7 @@ class DistributedExecutor(Executor):
                     log.error("engine failed: %s", message)
             futs = list(self._step_futures.values())
             self._step_futures.clear()
+            self._deadlines.clear()
             self._rpc_done.notify_all()
         for f in futs:
             if not f.done():
@@ -202,7 +236,7 @@ class DistributedExecutor(Executor):
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        dead = self._dead_workers()
+        dead = self._dead_workers() or self._overdue_step()
         if dead is not None:
             self._fail(dead)
             raise EngineDeadError(dead)
