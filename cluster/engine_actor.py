@@ -101,10 +101,10 @@ class EngineCoreActor:
     def check_health(self) -> None:
         if self._loop.error is not None:
             raise EngineDeadError(self._loop.error)
-        self.core.executor.check_health()
+        self.core.check_health()
 
     def worker_pids(self) -> list[int]:
-        return list(getattr(self.core.executor, "worker_pids", []))
+        return self.core.worker_pids()
 
     def shutdown(self) -> None:
         self._closing = True
@@ -258,6 +258,9 @@ class SyncRayEngine:
 
     def has_work(self) -> bool:
         return bool(self._live)
+
+    def worker_pids(self) -> list[int]:
+        return self.client.worker_pids()
 
     def step_fn(self) -> tuple[EngineCoreOutputs, bool]:
         outs = self._outputs.get()

@@ -161,6 +161,10 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_error)
         self.client.check_health()
 
+    def worker_pids(self) -> list[int]:
+        """Live worker process ids in rank order."""
+        return self.client.worker_pids()
+
     @property
     def num_unfinished(self) -> int:
         return len(self.streams)

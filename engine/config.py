@@ -53,6 +53,13 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # Logical CPUs a worker's bundle reserves on a CPU-only cluster: below 1,
     # several ranks share a core (tests, laptops).
     num_cpus_per_worker: float = 1.0
+    # Recovery from a lost rank (executors mp and ray): the engine rebuilds
+    # its worker group and recomputes every in-flight request, at most
+    # max_restarts times per restart_window_s; a rebuild that finds no
+    # capacity within recovery_timeout_s fails the engine as before.
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
+    recovery_timeout_s: float = 120.0
 
 
 class SchedulerConfig(msgspec.Struct, **_FROZEN):
@@ -359,6 +366,9 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "parallel.collective_timeout_s": _finite_in(1.0, 86400.0),
     "parallel.placement_timeout_s": _finite_in(0.1, 86400.0),
     "parallel.num_cpus_per_worker": ("float in (0, 64]", lambda v: 0.0 < v <= 64.0),
+    "parallel.max_restarts": ("int in 0..100", lambda v: 0 <= v <= 100),
+    "parallel.restart_window_s": _finite_in(1.0, 86400.0),
+    "parallel.recovery_timeout_s": _finite_in(1.0, 86400.0),
     "scheduler.max_num_seqs": _at_least(1),
     "scheduler.max_num_batched_tokens": _at_least(1),
     "scheduler.enable_chunked_prefill": ("bool", lambda v: True),

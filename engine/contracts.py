@@ -71,6 +71,9 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     num_computed_tokens: int
     # The sampler masks it (with stop_token_ids) until min_tokens are out.
     eos_token_id: int | None = None
+    # Tokens already generated: non-empty only when a rebuilt worker group
+    # relearns a request that was in flight when a rank died.
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):

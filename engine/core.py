@@ -7,6 +7,8 @@ full or nothing more can be scheduled.
 """
 from __future__ import annotations
 
+import logging
+import os
 import queue
 from collections import deque
 from concurrent.futures import Future
@@ -18,7 +20,10 @@ from engine.frontend import validate_core_request
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
-from executors.base import Executor
+from engine.recovery import RestartBudget, rebuild_executor, recovery_enabled
+from executors.base import EngineDeadError, Executor
+
+log = logging.getLogger(__name__)
 
 _Entry = tuple["Future[ModelRunnerOutput]", SchedulerOutput]
 
@@ -34,6 +39,10 @@ class EngineCore:
         self.batch_queue_size = executor.max_concurrent_batches
         self.batch_queue: deque[_Entry] | None = deque() if self.batch_queue_size > 1 else None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        p = config.parallel
+        self._restarts = RestartBudget(p.max_restarts, p.restart_window_s) if recovery_enabled(config) else None
+        self.num_restarts = 0
+        self.recovering = False
         # Aborts may arrive from other threads while a step is in flight.
         self._aborts: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
 
@@ -65,6 +74,55 @@ class EngineCore:
     # ---- steps ---------------------------------------------------------------
 
     def step(self) -> tuple[EngineCoreOutputs, bool]:
+        try:
+            return self._step()
+        except EngineDeadError as e:
+            self._recover(e)
+            return EngineCoreOutputs(), False
+
+    def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
+        try:
+            return self._step_with_batch_queue()
+        except EngineDeadError as e:
+            self._recover(e)
+            return None, False
+
+    def _recover(self, error: EngineDeadError) -> None:
+        """A rank is gone: rebuild the worker group and recompute every
+        unfinished request (prompt + the tokens it already has), within the
+        restart budget; past it, or without capacity, re-raise (fail fast)."""
+        if self._restarts is None or not self._restarts.take():
+            raise error
+        log.warning("worker group failed (%s); rebuilding it (restart %d)", error, self.num_restarts + 1)
+        from executors import make_executor
+
+        self.recovering = True
+        try:
+            self.executor, self.kv_info = rebuild_executor(self.config, self.executor, make_executor)
+        finally:
+            self.recovering = False
+        if self.batch_queue is not None:
+            self.batch_queue.clear()  # those steps' outputs died with the group
+        self.scheduler.reset_for_new_workers(self.kv_info.num_blocks)
+        self.num_restarts += 1
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError if the engine cannot go on. A dead worker
+        group that the restart budget still covers is not: the step loop
+        rebuilds it (and, meanwhile, health stays up rather than flapping)."""
+        if self.recovering:
+            return
+        try:
+            self.executor.check_health()
+        except EngineDeadError:
+            if self._restarts is None or not self._restarts.available():
+                raise
+
+    def worker_pids(self) -> list[int]:
+        """Live worker process ids in rank order."""
+        return self.executor.worker_process_ids()
+
+    def _step(self) -> tuple[EngineCoreOutputs, bool]:
         self._process_aborts()
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(), False
@@ -86,7 +144,7 @@ class EngineCore:
         # The forward's own errors surface through the sample future.
         return self.executor.sample_tokens(grammar_output, non_block=True).result()
 
-    def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
+    def _step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
         bq = self.batch_queue
         assert bq is not None
         self._process_aborts()

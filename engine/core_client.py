@@ -29,6 +29,7 @@ class CoreClient(Protocol):
     def add_request(self, request: EngineCoreRequest) -> None: ...
     def abort_requests(self, request_ids: list[str]) -> None: ...
     def check_health(self) -> None: ...
+    def worker_pids(self) -> list[int]: ...
     def shutdown(self) -> None: ...
 
 
@@ -123,7 +124,10 @@ class InProcCoreClient:
         loop = self._require()
         if loop.error is not None or not (self._thread and self._thread.is_alive()):
             raise RuntimeError(f"engine is dead: {loop.error or 'core thread exited'}")
-        self.core.executor.check_health()
+        self.core.check_health()
+
+    def worker_pids(self) -> list[int]:
+        return self.core.worker_pids()
 
     def _require(self) -> EngineBusyLoop:
         if self._loop is None:

@@ -111,6 +111,10 @@ class LLM:
             if bar is not None:
                 bar.close()
 
+    def worker_pids(self) -> list[int]:
+        """Live worker process ids in rank order (this process with executor uniproc)."""
+        return self.engine.worker_pids()
+
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 

@@ -154,6 +154,24 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def reset_for_new_workers(self, num_blocks: int) -> None:
+        """The worker group was rebuilt: its KV cache and request mirrors are
+        gone. Every unfinished request goes back to waiting, in its order
+        (running first), to be sent as new and recomputed from its prompt plus
+        the tokens it already generated; KV manager and prefix cache start empty."""
+        requests = [*self.running, *self.waiting]
+        self.running = []
+        self.waiting = make_queue(self.policy)
+        cc = self.config.cache
+        self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, self.max_model_len,
+                                               cc.enable_prefix_caching)
+        self.finished_req_ids = set()
+        for r in requests:
+            r.num_computed_tokens = 0
+            if r.status != _WAITING_FOR_GRAMMAR:
+                r.status = _WAITING  # NEW for the new workers, outputs included
+            self.waiting.add(r)
+
     # ---- schedule --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -288,7 +306,7 @@ class Scheduler:
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs = [NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
                                    plan.new_block_ids[r.request_id], r.num_computed_tokens,
-                                   r.eos_token_id) for r in plan.new]
+                                   r.eos_token_id, list(r.output_token_ids)) for r in plan.new]
         cached = CachedRequestData()
         send_tokens = self.send_new_token_ids
         for r in (*plan.running, *plan.resumed):

@@ -7,6 +7,7 @@ can keep `max_concurrent_batches` steps in flight.
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import Any
@@ -40,6 +41,10 @@ class Executor(ABC):
 
     def check_health(self) -> None:
         return None
+
+    def worker_process_ids(self) -> list[int]:
+        """Live worker process ids in rank order (this process for in-process workers)."""
+        return [os.getpid()]
 
     def shutdown(self) -> None:
         return None

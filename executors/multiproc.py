@@ -39,6 +39,9 @@ class MultiprocExecutor(DistributedExecutor):
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
 
+    def worker_process_ids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None and p.is_alive()]
+
     def _stop_workers(self) -> None:
         for p in self._procs:
             p.join(timeout=5)

@@ -131,6 +131,9 @@ class RayExecutor(DistributedExecutor):
         self._run_refs = [a.run.remote(cfg, msgspec.msgpack.encode(s), env)
                           for a, s, env in zip(self._actors, specs, envs)]
 
+    def worker_process_ids(self) -> list[int]:
+        return list(self.worker_pids)
+
     def _host_is_local(self) -> bool:
         return self._replies.address.startswith("tcp://127.0.0.1")
 

@@ -44,8 +44,10 @@ def wedging_mp(monkeypatch):
 
 
 def test_wedged_rank_ends_requests_with_error_and_fails_health(wedging_mp, tmp_path):
+    # No restarts: the fail-fast path (a rebuilt group would wedge again).
     cfg = build_config(model=str(tmp_path), executor="mp", tensor_parallel_size=2,
-                       num_gpu_blocks=64, max_model_len=256, **SLOW_STEP)
+                       num_gpu_blocks=64, max_model_len=256, **SLOW_STEP,
+                       **{"parallel.max_restarts": 0})
 
     async def scenario():
         llm = AsyncLLM(cfg)

@@ -94,7 +94,9 @@ def test_uneven_splits_fail_at_startup(ckpts):
 
 def test_failing_rank_fails_the_step(ckpts, prompts, monkeypatch):
     monkeypatch.setenv("CONVEYOR_INJECT_FAULT", "1:3")
-    llm = LLM(model=ckpts["llama"], executor="mp", tensor_parallel_size=2)
+    # No restarts: this is the fail-fast path (test_recovery.py covers recovery).
+    llm = LLM(model=ckpts["llama"], executor="mp", tensor_parallel_size=2,
+              **{"parallel.max_restarts": 0})
     pids = llm.engine.executor.pids
     try:
         # Raising at all is the point: a failing rank must not leave the step

@@ -1,0 +1,113 @@
+"""A lost worker rank costs no request (issue 13, item 1): the engine rebuilds
+its worker group and recomputes every unfinished request; greedy and seeded
+outputs equal an undisturbed run. Past the restart budget it fails fast."""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.recovery import RestartBudget
+from executors.base import EngineDeadError
+from llm_utils import make_checkpoint, pid_alive, random_prompts
+
+PROMPTS = random_prompts(6, 5, 70, seed=31)
+PARAMS = ([SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
+          + [SamplingParams(max_tokens=24, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(3)])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint("llama", str(tmp_path_factory.mktemp("rec") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    llm = LLM(model=ckpt, max_num_batched_tokens=64)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+def _kill_rank_at_steps(llm: LLM, rank: int, at: set[int]) -> list[int]:
+    """SIGKILL `rank`'s process before the engine's step number in `at`; returns the killed pids."""
+    core, orig, calls, killed = llm.engine, llm.engine.step_fn, itertools.count(), []
+
+    def step():
+        if next(calls) in at:
+            pid = llm.worker_pids()[rank]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        return orig()
+    core.step_fn = step
+    return killed
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_killed_rank_costs_no_request(ckpt, reference, tp, pp):
+    llm = LLM(model=ckpt, executor="mp", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              max_num_batched_tokens=64)
+    try:
+        before = llm.worker_pids()
+        killed = _kill_rank_at_steps(llm, 1, {6})
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        after = llm.worker_pids()
+        assert llm.engine.num_restarts == 1 and killed == [before[1]]
+        assert len(after) == tp * pp and not set(after) & set(before)
+        assert not pid_alive(killed[0])
+    finally:
+        llm.shutdown()
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_past_the_restart_budget_the_engine_fails_fast(ckpt):
+    llm = LLM(model=ckpt, executor="mp", tensor_parallel_size=2, max_num_batched_tokens=64,
+              **{"parallel.max_restarts": 1})
+    try:
+        _kill_rank_at_steps(llm, 0, {3, 9})
+        with pytest.raises(EngineDeadError):
+            llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        assert llm.engine.num_restarts == 1
+    finally:
+        llm.shutdown()
+
+
+def test_restart_budget_window():
+    now = [0.0]
+    b = RestartBudget(2, 600.0, clock=lambda: now[0])
+    assert b.take()
+    now[0] = 300.0
+    assert b.take() and not b.take()
+    now[0] = 601.0  # the first restart left the window, the second has not
+    assert b.take() and not b.take()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def test_ray_executor_rebuilds_its_group_in_a_new_placement_group(ray_local, ckpt, reference):
+    from ray.util import placement_group_table
+
+    llm = LLM(model=ckpt, executor="ray", tensor_parallel_size=2, max_num_batched_tokens=64)
+    try:
+        before = llm.worker_pids()
+        _kill_rank_at_steps(llm, 1, {4})
+        outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        after = llm.worker_pids()
+        assert len(after) == 2 and not set(after) & set(before)
+        live = [pg for pg in placement_group_table().values() if pg["state"] == "CREATED"]
+        assert len(live) == 1  # the failed group's placement group was removed
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == reference
