@@ -90,6 +90,10 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # proxy hop. Every Ray process needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1:
     # `conveyor serve` sets it when it starts Ray itself.
     direct_ingress: bool = False
+    # Whether the `priority` request field (policy "priority") is honoured:
+    # off by default, so one client cannot jump every other client's queue.
+    # Off, a request that sends a non-default priority gets 400.
+    allow_client_priority: bool = False
 
 
 class EngineConfig(msgspec.Struct, **_FROZEN):
@@ -342,6 +346,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.stream_batching_interval_ms": ("float in [0, 10000]", lambda v: 0.0 <= v <= 10000.0),
     "serve.engine_actor": ("bool", lambda v: True),
     "serve.direct_ingress": ("bool", lambda v: True),
+    "serve.allow_client_priority": ("bool", lambda v: True),
 }
 
 
