@@ -188,12 +188,14 @@ class AsyncLLM:
         for r, c in zip(reqs, children):
             self._child_to_stream[r.request_id] = (stream, c)
         self.counters.prompt_tokens += len(ids) * len(reqs)
-        try:
-            for r in reqs:
+        for i, r in enumerate(reqs):
+            try:
                 self.client.add_request(r)
-        except BaseException:
-            self._abort_stream(stream, "error")
-            raise
+            except BaseException:
+                for c in children[i:]:
+                    c.fail("error")  # never reached the engine: nothing to abort there
+                self._abort_stream(stream, "error")  # aborts the siblings already added
+                raise
         try:
             next_at = 0.0
             while True:
