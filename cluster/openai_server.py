@@ -242,11 +242,12 @@ class OpenAIServer:
             raise P.bad_request("the rendered chat prompt is empty", "messages")
         return ids
 
-    def _params(self, req: Any, prompts: list[list[int]], requested: int | None) -> list[SamplingParams]:
-        """The request's SamplingParams (built, so checked, once), one entry
-        per prompt; max_tokens None fills the context (resolved per prompt by
-        the engine's frontend, which also checks the context length)."""
-        return [P.to_sampling_params(req, requested)] * len(prompts)
+    def _params(self, req: Any, requested: int | None) -> SamplingParams:
+        """The request's SamplingParams, built (so checked) once, before any
+        prompt is tokenized; max_tokens None fills the context (resolved per
+        prompt by the engine's frontend, which also checks the context length)."""
+        self._check_priority(req)
+        return P.to_sampling_params(req, requested)
 
     def _prepare(self, job: _Job, prompt_param: str) -> None:
         """The engine's own checks, once per prompt (context length, vocab
@@ -280,10 +281,9 @@ class OpenAIServer:
         return rid
 
     def _job(self, kind: str, request: Request, req: Any, prompts: list[list[int]],
-             requested: int | None, prompt_param: str) -> _Job:
-        self._check_priority(req)
-        self._check_cost(len(prompts) * req.n)
-        params = self._params(req, prompts, requested)
+             sp: SamplingParams, prompt_param: str) -> _Job:
+        self._check_cost(len(prompts) * sp.n)
+        params = [sp] * len(prompts)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{self._request_id(request)}"
         eids = [rid] if len(prompts) == 1 else [f"{rid}-p{i}" for i in range(len(prompts))]
         # A request id in flight twice would let one request's clean-up abort the other.
@@ -299,16 +299,17 @@ class OpenAIServer:
         req = P.validate_model(P.CompletionRequest, P.parse_json(await request.body()))
         P.check_unsupported(req)
         self._check_model(req.model)
-        prompts = self._completion_prompts(req.prompt, req.n)
-        job = self._job("completion", request, req, prompts, req.max_tokens, "prompt")
+        sp = self._params(req, req.max_tokens)
+        prompts = self._completion_prompts(req.prompt, sp.n)
+        job = self._job("completion", request, req, prompts, sp, "prompt")
         return await self._respond(job)
 
     async def chat(self, request: Request) -> Response:
         req = P.validate_model(P.ChatRequest, P.parse_json(await request.body()))
         P.check_unsupported(req)
         self._check_model(req.model)
-        requested, _ = P.chat_max_tokens(req)
-        job = self._job("chat", request, req, [self._chat_prompt(req)], requested, "messages")
+        sp = self._params(req, P.chat_max_tokens(req)[0])
+        job = self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages")
         return await self._respond(job)
 
     def models(self) -> dict[str, Any]:
