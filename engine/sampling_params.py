@@ -64,8 +64,12 @@ class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
         return eq if eq is NotImplemented else not eq
 
     def clone(self, **changes: Any) -> SamplingFields:
-        """A trusted copy with `changes` (the caller keeps them valid); never
-        re-validates, whatever the type of self."""
+        """A copy of the same type with `changes`: a SamplingParams checks them."""
+        return msgspec.structs.replace(self, **changes)
+
+    def trusted_copy(self, **changes: Any) -> SamplingFields:
+        """A SamplingFields copy with `changes` the engine itself made (n
+        children, resolved EOS ids): never re-validated."""
         values = msgspec.structs.asdict(self)
         values.update(changes)
         return SamplingFields(**values)
