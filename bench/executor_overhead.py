@@ -299,7 +299,7 @@ def main() -> None:
               f"(worker pids {getattr(executor, 'worker_pids', '?')})")
         plain = [PlainRayWorker.remote(i == 0) for i in range(args.tp)]
         ray.get([w.ping.remote() for w in plain])
-        costs = component_costs(trace[0], executor.secret)
+        costs = component_costs(trace[0], executor.keys.mac)
         results["components"] = costs
         print("per-step serialization (driver, µs): " + ", ".join(
             f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in costs.items()))

@@ -81,10 +81,11 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def build_model(path: str) -> str:
+def build_model(path: str, model_spec: dict | None = None) -> str:
     """Random-weight fp32 Llama checkpoint at `path` (reused if its spec matches)."""
+    model_spec = model_spec or MODEL_SPEC
     marker = os.path.join(path, "bench_spec.json")
-    spec = {**MODEL_SPEC, "seed": MODEL_SEED}
+    spec = {**model_spec, "seed": MODEL_SEED}
     if os.path.isfile(marker) and os.path.isfile(os.path.join(path, "config.json")):
         with open(marker) as f:
             if json.load(f) == spec:
@@ -93,7 +94,7 @@ def build_model(path: str) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(MODEL_SEED)
-    config = LlamaConfig(**MODEL_SPEC)
+    config = LlamaConfig(**model_spec)
     model = LlamaForCausalLM(config).to(torch.float32)
     # HF initialises norms to 1: randomise a little so the norms matter.
     with torch.no_grad():

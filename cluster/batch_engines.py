@@ -20,6 +20,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from executors.ray_placement import worker_bundle
 
 log = logging.getLogger("conveyor.batch")
 
@@ -43,19 +44,13 @@ def make_record(custom_id: str, request_id: str, status: int, body: dict[str, An
 
 # ---- one engine: lines -> records ------------------------------------------------------
 
-def _fake_request(url: str, body: bytes, request_id: str) -> Any:
-    """A starlette Request carrying one batch line, so the line goes through
-    exactly the HTTP handler's validation and response building."""
+def _fake_request(url: str, request_id: str) -> Any:
+    """A starlette Request carrying one batch line's request id, so the line
+    goes through exactly the HTTP handler (the body comes validated)."""
     from starlette.requests import Request
 
-    sent = False
-
     async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.disconnect"}
 
     scope = {"type": "http", "method": "POST", "path": url, "query_string": b"",
              "headers": [(b"content-type", b"application/json"),
@@ -91,14 +86,18 @@ class LineRunner:
 
     async def run(self, obj: dict[str, Any]) -> dict[str, Any]:
         """The output record of one input line; raises EngineFailure if the engine died."""
-        from cluster.openai_protocol import APIError
+        from cluster.openai_protocol import APIError, ChatRequest, CompletionRequest, validate_model
 
         await self.server.start()
         rid = f"batch-{uuid.uuid4().hex}"
         try:
             kind = self._check_line(obj)
-            handler = self.server.completions if kind == "completion" else self.server.chat
-            response = await handler(_fake_request(obj["url"], json.dumps(obj["body"]).encode(), rid))
+            request = _fake_request(obj["url"], rid)
+            if kind == "completion":
+                req = validate_model(CompletionRequest, obj["body"])
+                response = await self.server.completions(req, request)
+            else:
+                response = await self.server.chat(validate_model(ChatRequest, obj["body"]), request)
             status, body = response.status_code, json.loads(response.body)
         except APIError as e:
             status, body = e.status, e.body()
@@ -181,7 +180,7 @@ def engine_bundles(config: EngineConfig, use_gpu: bool) -> tuple[list[dict[str, 
     process tree, so bundle 0 holds their GPUs."""
     world = config.world_size
     if config.parallel.executor == "ray":
-        worker = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        worker = worker_bundle(use_gpu, config.parallel.num_cpus_per_worker)
         return [{"CPU": 1.0}] + [dict(worker) for _ in range(world)], 0
     gpus = world if use_gpu else 0
     return [{"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}], gpus

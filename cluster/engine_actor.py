@@ -1,10 +1,13 @@
-"""EngineCoreActor: EngineCore in a Ray actor, spoken to over signed ZMQ.
+"""EngineCoreActor: EngineCore in a Ray actor, spoken to over CURVE-encrypted ZMQ.
 
 Input channel (frontend PUSH -> actor PULL): ADD / ABORT / UTILITY messages.
 Output channel (actor PUSH -> frontend PULL): one EngineCoreOutputs per step.
-Both carry msgspec payloads with an HMAC under a per-engine secret that the
-frontend hands to the actor through Ray. The actor's workers are Ray actors of
-their own (RayExecutor), in the caller's placement group when there is one.
+The actor binds both (it is the CURVE server and admits only the frontend's
+key); the frontend generates the plane's keys and hands them to the actor
+through Ray (executors/channel.py). Frames carry route, sender and sequence
+number under a MAC; a bad frame is dropped and counted, never fatal. The
+actor's workers are Ray actors of their own (RayExecutor, with a data plane of
+its own), in the caller's placement group when there is one.
 """
 from __future__ import annotations
 
@@ -18,17 +21,20 @@ from typing import Any, Callable
 
 import msgspec
 import ray
-import zmq
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from engine.core_client import EngineBusyLoop, OutputHandler
 from engine.errors import EngineDeadError
-from executors.channel import Channel
+from executors.channel import Channel, DataPlane, PlaneKeys
+from executors.frames import Route
 from executors.ray_executor import cluster_host, ensure_ray
 
 log = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = float(os.environ.get("CONVEYOR_STARTUP_TIMEOUT_S", "600"))
+# A health check the actor does not answer in time fails: a wedged actor is
+# not a healthy one (its executor bounds each step by parallel.step_timeout_s).
+HEALTH_TIMEOUT_S = 10.0
 
 
 class CoreInput(msgspec.Struct, array_like=True, gc=False):
@@ -38,18 +44,22 @@ class CoreInput(msgspec.Struct, array_like=True, gc=False):
     method: str | None = None
 
 
+TO_CORE = Route("frontend->core", "CoreInput")
+TO_FRONTEND = Route("core->frontend", "EngineCoreOutputs")
+
+
 @ray.remote(num_cpus=0, max_concurrency=4)
 class EngineCoreActor:
-    def __init__(self, config_bytes: bytes, secret: bytes) -> None:
+    def __init__(self, config_bytes: bytes, keys_bytes: bytes) -> None:
         from engine.core import EngineCore
         from executors import make_executor
 
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         self.core = EngineCore(config, make_executor(config))
         host = cluster_host()
-        self._ctx = zmq.Context()
-        self._in = Channel(self._ctx, zmq.PULL, secret, CoreInput, bind_host=host)
-        self._out = Channel(self._ctx, zmq.PUSH, secret, None, bind_host=host)
+        self._plane = DataPlane(msgspec.msgpack.decode(keys_bytes, type=PlaneKeys), server=True)
+        self._in = self._plane.pull(TO_CORE, CoreInput, bind_host=host)
+        self._out = self._plane.push(self._plane.sealer(TO_FRONTEND, "core"), bind_host=host)
         self._loop = EngineBusyLoop(self.core, self._out.send)
         self._closing = False
         self._reader = threading.Thread(target=self._read_inputs, daemon=True, name="core-inputs")
@@ -61,14 +71,32 @@ class EngineCoreActor:
         return self._in.address, self._out.address, msgspec.msgpack.encode(self.core.kv_info)
 
     def _read_inputs(self) -> None:
+        # recv() drops bad frames itself; this thread must outlive any input.
         while not self._closing:
             msg = self._in.recv(timeout_ms=200)
             if msg is None:
                 continue
-            if msg.kind == "add":
+            if msg.kind == "add" and msg.request is not None:
                 self._loop.submit("add", msg.request)
             elif msg.kind == "abort":
                 self._loop.submit("abort", msg.request_ids)
+            else:
+                log.warning("ignored a core input of kind %r", msg.kind)
+
+    def listen_addresses(self) -> list[str]:
+        """Every ZMQ endpoint this actor's process binds: its input and output
+        sockets, then its executor's (when it has a data plane)."""
+        own = [self._in.address, self._out.address]
+        return own + list(getattr(self.core.executor, "listen_addresses", list)())
+
+    def data_plane_stats(self) -> dict[str, int]:
+        """Dropped frames and refused handshakes, this actor's and its executor's."""
+        stats = {f"in_{k}": v for k, v in self._in.dropped.items()}
+        stats["denied_handshakes"] = self._plane.denied
+        executor = self.core.executor
+        if hasattr(executor, "data_plane_stats"):
+            stats.update({f"executor_{k}": v for k, v in executor.data_plane_stats().items()})
+        return stats
 
     def check_health(self) -> None:
         if self._loop.error is not None:
@@ -84,8 +112,7 @@ class EngineCoreActor:
         self._runner.join(timeout=30)
         self._reader.join(timeout=5)  # it polls self._in: close only after it stopped
         self.core.shutdown()
-        self._in.close()
-        self._out.close()
+        self._plane.close()
 
 
 @dataclass(frozen=True)
@@ -127,7 +154,7 @@ class InputSender:
                 return
             payload = self._ch.encode(msg)
             # False: no peer can take it yet (connecting) or its queue is full.
-            while not self._ch.try_send_bytes(payload):
+            while not self._ch.try_send_payload(payload):
                 if self._stop.is_set() or self._dead() is not None:
                     break
                 self._stop.wait(self.RETRY_S)
@@ -143,9 +170,9 @@ class RayCoreClient:
     """CoreClient over an EngineCoreActor (the process boundary of DESIGN §3)."""
 
     def __init__(self, config: EngineConfig, placement: CoreActorPlacement | None = None) -> None:
-        self.started_ray = ensure_ray()
+        self.started_ray = ensure_ray(config)
         self.config = config
-        self._secret = os.urandom(32)
+        keys = PlaneKeys.generate()
         place = placement or CoreActorPlacement()
         opts: dict[str, Any] = {"num_cpus": place.num_cpus, "num_gpus": place.num_gpus}
         pg = ray.util.get_current_placement_group()
@@ -153,12 +180,14 @@ class RayCoreClient:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=place.bundle_index)
-        self.actor = EngineCoreActor.options(**opts).remote(msgspec.msgpack.encode(config), self._secret)
+        self.actor = EngineCoreActor.options(**opts).remote(msgspec.msgpack.encode(config),
+                                                            msgspec.msgpack.encode(keys))
         in_addr, out_addr, kv = ray.get(self.actor.addresses.remote(), timeout=STARTUP_TIMEOUT_S)
         self.kv_info = msgspec.msgpack.decode(kv, type=KVCacheInfo)
-        self._ctx = zmq.Context()
-        self._open_io(Channel(self._ctx, zmq.PUSH, self._secret, None, connect=in_addr),
-                      Channel(self._ctx, zmq.PULL, self._secret, EngineCoreOutputs, connect=out_addr))
+        self.keys = keys.for_clients()  # the actor alone keeps the server secret
+        self._plane = DataPlane(self.keys, server=False)
+        self._open_io(self._plane.push(self._plane.sealer(TO_CORE, "frontend"), connect=in_addr),
+                      self._plane.pull(TO_FRONTEND, EngineCoreOutputs, connect=out_addr))
 
     def _open_io(self, in_channel: Channel, out_channel: Channel) -> None:
         self._in, self._out = in_channel, out_channel
@@ -181,18 +210,18 @@ class RayCoreClient:
                 continue
             if time.monotonic() - last_ping > 2.0:
                 last_ping = time.monotonic()
-                err = self._actor_error()
+                err = self._actor_error(self.config.parallel.step_timeout_s)
                 if err is not None and not self._closing:
                     self.dead = err
                     on_outputs(EngineCoreOutputs(engine_error=err))
                     return
 
-    def _actor_error(self) -> str | None:
+    def _actor_error(self, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
         try:
-            ray.get(self.actor.check_health.remote(), timeout=10)
+            ray.get(self.actor.check_health.remote(), timeout=timeout_s)
             return None
         except ray.exceptions.GetTimeoutError:
-            return None  # busy, not dead
+            return f"engine actor did not answer a health check within {timeout_s:g}s (wedged)"
         except Exception as e:  # noqa: BLE001
             return f"engine actor failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
@@ -230,10 +259,8 @@ class RayCoreClient:
         ray.kill(self.actor, no_restart=True)
         if self._reader is not None:
             self._reader.join(timeout=5)
-        self._sender.close()
-        self._in.close()
-        self._out.close()
-        self._ctx.term()
+        self._sender.close()  # before the plane closes its sockets
+        self._plane.close()
         if self.started_ray:
             ray.shutdown()
 

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "conveyor:"
@@ -70,6 +70,23 @@ class _EngineCollector:
         for reason, n in sorted(c.finished.items()):
             ok.add_metric([self.model_name, reason], n)
         yield ok
+        yield counter("structured_output_requests", "Requests with a structured-output constraint.",
+                      c.structured_requests)
+        yield _histogram("structured_output_grammar_compile_seconds",
+                         "Grammar compile time per structured request.", c.grammar_compile, lab)
+        yield _histogram("structured_output_bitmask_seconds",
+                         "Grammar bitmask time per step with structured rows.", c.bitmask_step, lab)
+
+
+def _histogram(name: str, doc: str, h: Any, lab: list[str]) -> HistogramMetricFamily:
+    m = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    counts = h.counts or [0] * (len(h.buckets) + 1)
+    cum, acc = [], 0
+    for bound, n in zip((*map(str, h.buckets), "+Inf"), counts):
+        acc += n
+        cum.append((bound, acc))
+    m.add_metric(lab, cum, sum_value=h.total)
+    return m
 
 
 class ServeMetrics:

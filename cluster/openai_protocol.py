@@ -12,9 +12,9 @@ Invariants:
 """
 from __future__ import annotations
 
-import json
 import math
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -47,26 +47,45 @@ def bad_request(message: str, param: str | None = None, code: str = "invalid_val
     return APIError(400, message, param=param, code=code)
 
 
-def parse_json(body: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    return obj
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx (the OpenAI error shape), for the schema."""
+    error: ErrorDetail
+
+
+def invalid_request(errors: Sequence[Any]) -> APIError:
+    """A pydantic/FastAPI validation failure as the 400 a client sees: the first
+    error's field is `param`. FastAPI prefixes locations with "body"; an error
+    on the body as a whole (not JSON, not an object, missing) is invalid_json."""
+    err = errors[0] if errors else {}
+    loc = [str(p) for p in err.get("loc", ())]
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    kind = err.get("type")
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "JSON decode error")
+        return bad_request(f"request body is not valid JSON: {detail}", code="invalid_json")
+    if not loc:
+        if isinstance(err.get("input"), bytes):  # FastAPI: a non-JSON Content-Type
+            return APIError(415, "Content-Type must be application/json",
+                            code="unsupported_media_type")
+        return bad_request("request body must be a JSON object", code="invalid_json")
+    code = "missing_required_parameter" if kind == "missing" else "invalid_value"
+    return bad_request(f"{'.'.join(loc)}: {err.get('msg', 'invalid value')}", loc[0], code)
 
 
 def validate_model(cls: type[BaseModel], obj: dict[str, Any]) -> Any:
+    """For callers outside FastAPI (batch lines); routes get the model from FastAPI."""
     try:
         return cls.model_validate(obj)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = [str(p) for p in err.get("loc", ())]
-        param = loc[0] if loc else None
-        code = "missing_required_parameter" if err.get("type") == "missing" else "invalid_value"
-        where = ".".join(loc) or "body"
-        raise bad_request(f"{where}: {err.get('msg', 'invalid value')}", param, code) from None
+        raise invalid_request(e.errors()) from None
 
 
 # ---- requests -----------------------------------------------------------------------
@@ -104,6 +123,9 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # Structured outputs: OpenAI's response_format, or vLLM's structured_outputs.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -141,7 +163,6 @@ class ChatRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
@@ -160,9 +181,6 @@ def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
         return
     if req.tools or req.tool_choice not in (None, "none"):
         raise bad_request("tools are not supported", "tools", "unsupported_parameter")
-    if req.response_format and req.response_format.get("type") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported",
-                          "response_format", "unsupported_parameter")
 
 
 def chat_max_tokens(req: ChatRequest) -> tuple[int | None, str]:
@@ -182,6 +200,8 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int | N
         renames = {"logprobs": "top_logprobs", "max_tokens": chat_max_tokens(req)[1]}
     else:
         logprobs, renames = req.logprobs, {}
+    from cluster.structured_request import structured_outputs_of
+
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     kwargs: dict[str, Any] = dict(
         n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -190,7 +210,8 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int | N
         stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens)
+        repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
+        structured_outputs=structured_outputs_of(req.response_format, req.structured_outputs)[0])
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

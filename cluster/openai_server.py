@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import WebSocketRoute
@@ -247,7 +248,21 @@ class OpenAIServer:
         prompt is tokenized; max_tokens None fills the context (resolved per
         prompt by the engine's frontend, which also checks the context length)."""
         self._check_priority(req)
-        return P.to_sampling_params(req, requested)
+        sp = P.to_sampling_params(req, requested)
+        if sp.structured_outputs is not None:
+            self._check_structured(req, sp)
+        return sp
+
+    def _check_structured(self, req: Any, sp: SamplingParams) -> None:
+        """Compile-check the constraint once, here, so a bad one is a 400 naming
+        the field the client used (the engine's own check then hits a cache)."""
+        from cluster.structured_request import structured_outputs_of
+
+        param = structured_outputs_of(req.response_format, req.structured_outputs)[1]
+        try:
+            self.llm.frontend.validate_structured_outputs(sp.structured_outputs)
+        except ValueError as e:
+            raise P.bad_request(str(e), param) from None
 
     def _prepare(self, job: _Job, prompt_param: str) -> None:
         """The engine's own checks, once per prompt (context length, vocab
@@ -295,8 +310,8 @@ class OpenAIServer:
 
     # ---- endpoints ---------------------------------------------------------------
 
-    async def completions(self, request: Request) -> Response:
-        req = P.validate_model(P.CompletionRequest, P.parse_json(await request.body()))
+    async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
+        """req: validated by FastAPI (the route's body model) or validate_model."""
         P.check_unsupported(req)
         self._check_model(req.model)
         sp = self._params(req, req.max_tokens)
@@ -304,8 +319,7 @@ class OpenAIServer:
         job = self._job("completion", request, req, prompts, sp, "prompt")
         return await self._respond(job)
 
-    async def chat(self, request: Request) -> Response:
-        req = P.validate_model(P.ChatRequest, P.parse_json(await request.body()))
+    async def chat(self, req: P.ChatRequest, request: Request) -> Response:
         P.check_unsupported(req)
         self._check_model(req.model)
         sp = self._params(req, P.chat_max_tokens(req)[0])
@@ -493,6 +507,12 @@ class _ReleasingStream(StreamingResponse):
             self._release_slot()
 
 
+# Documented instead of FastAPI's 422: every client error has the OpenAI shape.
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": P.ErrorResponse, "description": "OpenAI-shaped client error"},
+    "5XX": {"model": P.ErrorResponse, "description": "OpenAI-shaped server error"}}
+
+
 def error_response(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -507,8 +527,11 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
         await server.start()
         yield
 
-    app = FastAPI(title="Conveyor", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    # /openapi.json is not a public path: behind the API key when one is set.
+    # strict_content_type=False: a body sent without Content-Type is read as
+    # JSON (raw clients); another Content-Type is a 415.
+    app = FastAPI(title="Conveyor", version="v1", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan, strict_content_type=False)
 
     async def guarded(call: Any) -> Response:
         try:
@@ -521,13 +544,13 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
             log.exception("request failed")
             return error_response(internal_error())
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await guarded(server.completions(request))
+    @app.post("/v1/completions", responses=_ERROR_RESPONSES)
+    async def completions(body: P.CompletionRequest, request: Request) -> Response:
+        return await guarded(server.completions(body, request))
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await guarded(server.chat(request))
+    @app.post("/v1/chat/completions", responses=_ERROR_RESPONSES)
+    async def chat(body: P.ChatRequest, request: Request) -> Response:
+        return await guarded(server.chat(body, request))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -547,8 +570,15 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+        # 400: FastAPI could not read the body (e.g. not UTF-8).
+        code = {400: "invalid_json", 404: "not_found",
+                405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
         return error_response(P.APIError(exc.status_code, str(exc.detail), code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's 422 becomes OpenAI's 400 naming the field (`param`).
+        return error_response(P.invalid_request(exc.errors()))
 
     public = {"/health", "/live"} | ({"/metrics"} if cfg.metrics_public else set())
     # add_middleware: the last added runs first. Order seen by a request:

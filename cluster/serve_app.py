@@ -35,7 +35,8 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.engine_actor import CoreActorPlacement, RayCoreClient
-from engine.config import EngineConfig, load_config
+from engine.config import EngineConfig, check_model_dir, load_config
+from executors.ray_placement import worker_bundle
 
 log = logging.getLogger("conveyor.serve")
 
@@ -77,7 +78,7 @@ def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
     world = config.world_size
     strategy = config.parallel.placement_strategy
     if config.parallel.executor == "ray":
-        worker = {"GPU": 1.0} if use_gpu else {"CPU": 1.0}
+        worker = worker_bundle(use_gpu, config.parallel.num_cpus_per_worker)
         return {"ray_actor_options": {"num_cpus": 1},
                 "placement_group_bundles": [{"CPU": 1.0}] + [dict(worker) for _ in range(world)],
                 "placement_group_strategy": strategy}
@@ -137,10 +138,16 @@ class OpenAIDeployment:
         from engine.async_client import AsyncLLM
 
         self.config = load_config(config_path, **overrides)
+        check_model_dir(self.config, source=config_path)
         t0 = time.monotonic()
         place = core_actor_placement(self.config, use_gpu)
         client = RayCoreClient(self.config, place) if place is not None else None
-        self.llm = AsyncLLM(self.config, client)
+        try:
+            self.llm = AsyncLLM(self.config, client)
+        except BaseException:
+            if client is not None:  # do not leave its EngineCoreActor behind
+                client.shutdown()
+            raise
         log.info("engine for %s ready in %.1fs", model_name_of(self.config), time.monotonic() - t0)
         name = model_name_of(self.config)
         self.server = OpenAIServer(self.llm, self.config, ServeMetrics(self.llm, name),
@@ -161,8 +168,13 @@ class OpenAIDeployment:
             await self.server.check_engine()
 
     async def __del__(self) -> None:
-        self.server.draining = True
-        await self.llm.shutdown()
+        # Serve calls this even when __init__ failed half-way: shut down only
+        # what was built.
+        server, llm = getattr(self, "server", None), getattr(self, "llm", None)
+        if server is not None:
+            server.draining = True
+        if llm is not None:
+            await llm.shutdown()
 
 
 # ---- application builders -----------------------------------------------------------
@@ -200,6 +212,7 @@ def build_app(args: dict[str, Any]) -> Application:
     path = os.path.abspath(str(args["config"]))
     overrides = dict(args.get("overrides") or {})
     config = load_config(path, **overrides)  # fail at deploy time, not in a replica
+    check_model_dir(config, source=path)
     use_gpu = _use_gpu(str(args.get("device", "auto")))
     opts = deployment_options(config, use_gpu)
     dep = serve.deployment(OpenAIDeployment, name=str(args.get("name", "OpenAIDeployment")))

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:

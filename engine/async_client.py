@@ -9,6 +9,7 @@ before it finished (client disconnect) aborts its requests exactly once.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import secrets
 import time
@@ -16,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_model_dir
 from engine.contracts import EngineCoreOutputs, SchedulerStats
 from engine.core_client import CoreClient
 from engine.errors import EngineDeadError
@@ -80,6 +81,24 @@ class _Stream:
 
 
 @dataclass
+class CumulativeHistogram:
+    """Prometheus-style histogram kept by the frontend (bucket upper bounds in seconds)."""
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, not cumulative; +1 for +Inf
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+
+_GRAMMAR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_BITMASK_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+
+
+@dataclass
 class EngineCounters:
     """Cumulative numbers for /metrics (the frontend's own view)."""
     prompt_tokens: int = 0
@@ -88,6 +107,12 @@ class EngineCounters:
     preemptions: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    structured_requests: int = 0
+    grammar_compile: CumulativeHistogram = field(
+        default_factory=lambda: CumulativeHistogram(_GRAMMAR_BUCKETS))
+    # Per step that had structured rows: the bitmask's wall time.
+    bitmask_step: CumulativeHistogram = field(
+        default_factory=lambda: CumulativeHistogram(_BITMASK_BUCKETS))
 
 
 def make_core_client(config: EngineConfig) -> CoreClient:
@@ -103,6 +128,8 @@ def make_core_client(config: EngineConfig) -> CoreClient:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, client: CoreClient | None = None) -> None:
         self.config = config
+        if client is None:
+            check_model_dir(config)
         self.client = client if client is not None else make_core_client(config)
         self.max_model_len = config.max_model_len
         self.frontend = Frontend(config, self.client.kv_info.vocab_size)
@@ -285,6 +312,11 @@ class AsyncLLM:
         c.preemptions = st.num_preemptions
         c.prefix_queries += st.prefix_cache_stats.queries
         c.prefix_hits += st.prefix_cache_stats.hits
+        c.structured_requests = max(c.structured_requests, st.num_structured_requests)
+        for ms in st.grammar_compile_ms:
+            c.grammar_compile.observe(ms / 1e3)
+        if st.bitmask_rows:
+            c.bitmask_step.observe(st.bitmask_ms / 1e3)
 
     def _fail_all(self, message: str) -> None:
         self.dead_error = message

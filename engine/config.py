@@ -40,6 +40,19 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     executor: str = "uniproc"
     placement_strategy: str = "PACK"
     pp_layer_partition: list[int] | None = None
+    # Every wait on a worker is bounded: a step with no reply after this long
+    # means a wedged rank, and the engine fails as if that rank had died.
+    step_timeout_s: float = 120.0
+    # Added to the first step's bound (lazy compiles, first CUDA allocations).
+    first_step_extra_s: float = 300.0
+    # torch.distributed timeout of every collective and PP send/recv.
+    collective_timeout_s: float = 300.0
+    # How long the Ray executor waits for its placement group; raise it on an
+    # autoscaling cluster, where new nodes take minutes to join.
+    placement_timeout_s: float = 10.0
+    # Logical CPUs a worker's bundle reserves on a CPU-only cluster: below 1,
+    # several ranks share a core (tests, laptops).
+    num_cpus_per_worker: float = 1.0
 
 
 class SchedulerConfig(msgspec.Struct, **_FROZEN):
@@ -96,12 +109,18 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     allow_client_priority: bool = False
 
 
+class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
+    backend: str = "llguidance"
+    compile_threads: int = 1  # grammar compiles run here, never on the step loop
+
+
 class EngineConfig(msgspec.Struct, **_FROZEN):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
+    structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
 
     @property
     def max_model_len(self) -> int:
@@ -302,6 +321,9 @@ _BACKENDS = ("auto", "torch", "triton")
 _EXECUTORS = ("uniproc", "ray", "mp")
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
+# The Triton kernels' tile shapes (kernels/paged_attention.py asserts the same
+# set; a test keeps the two in step).
+TRITON_BLOCK_SIZES = (16, 32, 64)
 
 
 def _one_of(choices: tuple[Any, ...]) -> tuple[str, Callable[[Any], bool]]:
@@ -311,6 +333,11 @@ def _one_of(choices: tuple[Any, ...]) -> tuple[str, Callable[[Any], bool]]:
 def _at_least(lo: int, typ: str = "int", nullable: bool = False) -> tuple[str, Callable[[Any], bool]]:
     text = f"{typ} >= {lo}" + (" or null" if nullable else "")
     return text, lambda v: (v is None and nullable) or (v is not None and v >= lo)
+
+
+def _finite_in(lo: float, hi: float) -> tuple[str, Callable[[Any], bool]]:
+    # NaN fails both comparisons, so it is rejected with everything else.
+    return f"float in [{lo:g}, {hi:g}]", lambda v: lo <= v <= hi
 
 
 _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
@@ -326,6 +353,11 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "parallel.placement_strategy": _one_of(_STRATEGIES),
     "parallel.pp_layer_partition": ("null or a list of ints >= 1, one per pipeline stage",
                                     lambda v: v is None or all(x >= 1 for x in v)),
+    "parallel.step_timeout_s": _finite_in(1.0, 86400.0),
+    "parallel.first_step_extra_s": _finite_in(0.0, 86400.0),
+    "parallel.collective_timeout_s": _finite_in(1.0, 86400.0),
+    "parallel.placement_timeout_s": _finite_in(0.1, 86400.0),
+    "parallel.num_cpus_per_worker": ("float in (0, 64]", lambda v: 0.0 < v <= 64.0),
     "scheduler.max_num_seqs": _at_least(1),
     "scheduler.max_num_batched_tokens": _at_least(1),
     "scheduler.enable_chunked_prefill": ("bool", lambda v: True),
@@ -347,6 +379,8 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.engine_actor": ("bool", lambda v: True),
     "serve.direct_ingress": ("bool", lambda v: True),
     "serve.allow_client_priority": ("bool", lambda v: True),
+    "structured_outputs.backend": _one_of(("llguidance",)),
+    "structured_outputs.compile_threads": ("int in 1..64", lambda v: 1 <= v <= 64),
 }
 
 
@@ -365,6 +399,11 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
         raise _fail(source, "parallel.pp_layer_partition",
                     f"a list of parallel.pipeline_parallel_size ({p.pipeline_parallel_size}) layer counts",
                     p.pp_layer_partition, over)
+    if cfg.model.attention_backend != "torch" and cfg.cache.block_size not in TRITON_BLOCK_SIZES:
+        raise _fail(source, "cache.block_size",
+                    f"one of {'/'.join(map(str, TRITON_BLOCK_SIZES))} with model.attention_backend "
+                    f"{cfg.model.attention_backend!r} (the Triton kernels' tiles; 'auto' is Triton on "
+                    f"CUDA); other block sizes need attention_backend 'torch'", cfg.cache.block_size, over)
 
 
 def _resolve(cfg: EngineConfig, source: str, over: dict[str, Any]) -> EngineConfig:
@@ -419,3 +458,15 @@ def check_cluster_fits(cfg: EngineConfig, num_gpus: float, *, copies: int = 1,
     raise ConfigError(f"{source}: parallel: expected at most the cluster's {num_gpus:g} GPUs, got "
                       f"tensor_parallel_size × pipeline_parallel_size = {p.tensor_parallel_size} × "
                       f"{p.pipeline_parallel_size}{dp} = {need}")
+
+
+def check_model_dir(cfg: EngineConfig, source: str = "<config>") -> None:
+    """Fail when the checkpoint (or tokenizer) directory is not there. Call it
+    where an engine is about to load the model: loading a config alone never
+    needs the checkpoint (shipped configs name placeholder paths)."""
+    m = cfg.model
+    for key, path in (("model.path", m.path), ("model.tokenizer", m.tokenizer)):
+        if path and not os.path.isdir(path):
+            raise ConfigError(
+                f"{source}: {key}: directory {path} not found (run `make run` to build demo_model, "
+                f"or point {key} at a Hugging Face checkpoint directory)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 
 import msgspec
+import numpy as np
 
 # SamplingFields, not SamplingParams: decoding a message trusts the checks
 # that ran once at the edge (see engine/sampling_params.py).
@@ -26,6 +27,8 @@ class FinishReason(enum.IntEnum):
 
 
 class RequestStatus(enum.IntEnum):
+    # Waiting for its grammar to compile: the scheduler skips it until then.
+    WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = -1
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -99,6 +102,21 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     step_id: int = 0
+    # Some request that samples this step is structured: sample_tokens gets a
+    # GrammarOutput, and the ranks that sample wait for it.
+    has_structured_output: bool = False
+
+
+class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
+    """The step's grammar bitmask: row i belongs to structured_output_request_ids[i].
+    Bit j of word w allows token 32*w + j; the mask covers the model's whole vocab."""
+    structured_output_request_ids: list[str]
+    grammar_bitmask: bytes  # int32 [len(ids), num_words], C order
+    num_words: int
+
+    def bitmask(self) -> np.ndarray:
+        return np.frombuffer(self.grammar_bitmask, dtype=np.int32).reshape(
+            len(self.structured_output_request_ids), self.num_words)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
@@ -129,6 +147,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=
     new_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # finish_reason STOP because the grammar completed: the last token is output
+    # text, not an EOS / stop_token_ids hit whose text is dropped.
+    stopped_by_grammar: bool = False
 
     @property
     def finished(self) -> bool:
@@ -149,6 +170,12 @@ class SchedulerStats(msgspec.Struct, gc=False):
     num_preemptions: int = 0  # cumulative
     num_prompt_tokens: int = 0  # scheduled this step
     num_generation_tokens: int = 0  # sampled this step
+    # Structured outputs: requests admitted (cumulative), grammar compile times
+    # since the last stats (ms), bitmask time and rows this step.
+    num_structured_requests: int = 0
+    grammar_compile_ms: list[float] = msgspec.field(default_factory=list)
+    bitmask_ms: float = 0.0
+    bitmask_rows: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):

@@ -17,6 +17,7 @@ from engine.contracts import (EngineCoreOutputs, EngineCoreRequest, KVCacheInfo,
 from engine.frontend import resolved_max_tokens
 from engine.request import Request
 from engine.scheduler import Scheduler
+from engine.structured_output.manager import StructuredOutputManager
 from executors.base import Executor
 
 _Entry = tuple["Future[ModelRunnerOutput]", SchedulerOutput]
@@ -54,7 +55,9 @@ class EngineCore:
         except ConfigError:
             executor.shutdown()
             raise
-        self.scheduler = Scheduler(config, self.kv_info.num_blocks, log_stats)
+        self.structured_output_manager = make_structured_output_manager(config, self.kv_info.vocab_size)
+        self.scheduler = Scheduler(config, self.kv_info.num_blocks, log_stats,
+                                   self.structured_output_manager)
         self.batch_queue_size = executor.max_concurrent_batches
         self.batch_queue: deque[_Entry] | None = deque() if self.batch_queue_size > 1 else None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
@@ -107,11 +110,22 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(), False
         so = self.scheduler.schedule()
-        out = self.executor.execute_model(so)
-        if out is None:
-            out = self.executor.sample_tokens(None)
+        if so.has_structured_output:
+            out = self._execute_with_grammar(so)
+        else:
+            out = self.executor.execute_model(so)
+            if out is None:
+                out = self.executor.sample_tokens(None)
         self._process_aborts()
         return self.scheduler.update_from_output(so, out), so.total_num_scheduled_tokens > 0
+
+    def _execute_with_grammar(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The seed's order: launch the forward, compute the bitmask while it
+        runs, then sample with it."""
+        self.executor.execute_model(so, non_block=True)
+        grammar_output = self.scheduler.get_grammar_bitmask(so)
+        # The forward's own errors surface through the sample future.
+        return self.executor.sample_tokens(grammar_output, non_block=True).result()
 
     def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
         bq = self.batch_queue
@@ -123,7 +137,8 @@ class EngineCore:
             executed = so.total_num_scheduled_tokens > 0
             if executed:
                 self.executor.execute_model(so, non_block=True)
-                fut = self.executor.sample_tokens(None, non_block=True)
+                grammar_output = self.scheduler.get_grammar_bitmask(so)
+                fut = self.executor.sample_tokens(grammar_output, non_block=True)
             else:
                 fut = self.executor.execute_model(so, non_block=True)
             bq.appendleft((fut, so))
@@ -137,4 +152,13 @@ class EngineCore:
         return self.scheduler.update_from_output(so, out), executed
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def make_structured_output_manager(config: EngineConfig, vocab_size: int) -> StructuredOutputManager:
+    from engine.frontend import eos_token_id_of
+
+    so = config.structured_outputs
+    return StructuredOutputManager(so.backend, config.model.tokenizer or config.model.path,
+                                   vocab_size, lambda: eos_token_id_of(config), so.compile_threads)

@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
 from engine.sampling_params import SamplingFields, child_seed
+from engine.structured_output.backend import StructuredOutputBackend, make_backend
+from engine.structured_output.params import StructuredOutputsParams
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 Prompt = str | list[int]
+_VALID_SPECS_CACHED = 256
 
 
 @dataclass
@@ -65,6 +69,8 @@ class Frontend:
         self.vocab_size = vocab_size
         self.tokenizer = _maybe_tokenizer(config)
         self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
+        self._grammar_backend: StructuredOutputBackend | None = None
+        self._valid_specs: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def prepare(self, prompt: Prompt, sp: SamplingFields, request_id: str,
                 priority: int = 0, id_suffix: str = "") -> PreparedRequest:
@@ -78,6 +84,8 @@ class Frontend:
         else:
             text, ids = None, list(prompt)
         check_engine_limits(ids, sp, self.config, self.vocab_size)
+        if sp.structured_outputs is not None:
+            self.validate_structured_outputs(sp.structured_outputs)
         extra: dict[str, object] = {}
         # Extra EOS ids of generation_config.json stop like stop_token_ids (vLLM).
         if self.extra_eos and not sp.ignore_eos:
@@ -89,12 +97,35 @@ class Frontend:
                     for k in range(sp.n)]
         return PreparedRequest(request_id, text, ids, children)
 
+    def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
+        """Compile-check the constraint before anything is queued (ValueError).
+        Specs that passed are remembered (LRU), so each is checked once."""
+        key = (params.kind, params.spec_text())
+        if key in self._valid_specs:
+            self._valid_specs.move_to_end(key)
+            return
+        if self._grammar_backend is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer.json")
+            vocab = self.vocab_size or len(self.tokenizer)
+            self._grammar_backend = make_backend(self.config.structured_outputs.backend,
+                                                 self.config.model.tokenizer or self.config.model.path,
+                                                 vocab, self.eos_token_id)
+        self._grammar_backend.validate(params)
+        self._valid_specs[key] = None
+        if len(self._valid_specs) > _VALID_SPECS_CACHED:
+            self._valid_specs.popitem(last=False)
+
 
 def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:
     path = config.model.tokenizer or config.model.path
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
         return None
     return load_tokenizer(path)
+
+
+def eos_token_id_of(config: EngineConfig) -> int | None:
+    return _eos_ids(config, _maybe_tokenizer(config))[0]
 
 
 def _eos_ids(config: EngineConfig, tok: Tokenizer | None) -> tuple[int | None, set[int]]:

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from engine.config import EngineConfig, build_config, load_config
+from engine.config import EngineConfig, build_config, check_model_dir, load_config
 from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
@@ -28,6 +28,7 @@ class LLM:
             raise ValueError("pass either config= or model/keyword arguments, not both")
         if not config.model.path:
             raise ValueError("model is required: a local Hugging Face checkpoint directory")
+        check_model_dir(config)
         self.config = config
         self.engine = self._make_engine(config)
         self.frontend = Frontend(config, self.engine.kv_info.vocab_size)
@@ -46,7 +47,9 @@ class LLM:
 
     @classmethod
     def from_config(cls, path: str, **overrides: Any) -> LLM:
-        return cls(config=load_config(path, **overrides))
+        config = load_config(path, **overrides)
+        check_model_dir(config, source=path)
+        return cls(config=config)
 
     # ---- generation ------------------------------------------------------------
 

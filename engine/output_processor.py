@@ -82,7 +82,8 @@ class RequestState:
         stop_str = None
         if self.detokenizer is not None:
             stop_str = self.detokenizer.update(
-                o.new_token_ids, stop_terminated=o.finish_reason == FinishReason.STOP)
+                o.new_token_ids,
+                stop_terminated=o.finish_reason == FinishReason.STOP and not o.stopped_by_grammar)
         if stop_str is not None:
             self.finish_reason, self.stop_reason = "stop", stop_str
             return not o.finished

@@ -1,6 +1,8 @@
 """Request: the engine core's state for one sequence (never leaves the core)."""
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from engine.contracts import EngineCoreRequest, FinishReason, RequestStatus
@@ -28,6 +30,10 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     num_cached_tokens: int = -1  # prefix-cache hit of the first scheduling
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # StructuredOutputRequest when the output is grammar-constrained.
+    structured_output: Any = None
+    # Finished because its grammar completed: the last token is text, not a stop token.
+    stopped_by_grammar: bool = False
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -50,6 +56,10 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    @property
+    def use_structured_output(self) -> bool:
+        return self.structured_output is not None
 
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED

@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from engine.structured_output.params import StructuredOutputsParams
+
 # Upper bounds that are policy, not physics; the engine config may lower them.
 DEFAULT_MAX_N = 128
 MAX_LOGPROBS = 20
@@ -47,6 +49,7 @@ class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +95,8 @@ class SamplingParams(SamplingFields):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
     def validate(self, max_n: int = DEFAULT_MAX_N) -> None:
@@ -118,6 +123,9 @@ class SamplingParams(SamplingFields):
         _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=1e4, lo_open=True)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
 
 
 def _int(name: str, v: object, lo: int | None = None, hi: int | None = None) -> None:

@@ -15,14 +15,16 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.contracts import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
-                              ModelRunnerOutput, NewRequestData, RequestStatus, SchedulerOutput,
-                              SchedulerStats)
+                              FinishReason, GrammarOutput, ModelRunnerOutput, NewRequestData,
+                              RequestStatus, SchedulerOutput, SchedulerStats)
 from engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
 from engine.request import Request
 from engine.request_queue import make_queue
+from engine.structured_output.manager import StructuredOutputManager
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
+_WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -46,6 +48,21 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     return False
 
 
+def _grammar_done(request: Request, grammar, token: int) -> bool:
+    """Advance the matcher by an accepted token; a complete output stops the request."""
+    if not grammar.accept_tokens([token]):
+        # The mask allowed only grammar tokens, so this is an engine defect:
+        # end the request rather than emit output that does not parse.
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = "grammar rejected a sampled token"
+        return True
+    if grammar.is_terminated():
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stopped_by_grammar = True
+        return True
+    return False
+
+
 @dataclass
 class _StepPlan:
     """What one schedule() call decided, before it becomes a SchedulerOutput."""
@@ -59,7 +76,8 @@ class _StepPlan:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, log_stats: bool = True) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, log_stats: bool = True,
+                 structured_output_manager: StructuredOutputManager | None = None) -> None:
         sc, cc = config.scheduler, config.cache
         self.config = config
         self.max_num_seqs = sc.max_num_seqs
@@ -83,6 +101,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_totals = SchedulerStats().prefix_cache_stats
         self._step_id = 0
+        self.structured_output_manager = structured_output_manager
+        # Requests that ended outside a step (their grammar failed to compile):
+        # reported with the next step's outputs.
+        self._error_outputs: list[EngineCoreOutput] = []
+        self._last_bitmask_ms = 0.0
+        self._last_bitmask_rows = 0
 
     # ---- requests in and out -------------------------------------------------
 
@@ -91,6 +115,12 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         if self.hasher is not None and not request.block_hashes:
             self.hasher.extend(request)
+        so = request.sampling_params.structured_outputs
+        if so is not None and request.structured_output is None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured outputs are not enabled in this engine")
+            request.structured_output = self.structured_output_manager.submit(so)
+            request.status = _WAITING_FOR_GRAMMAR
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -205,9 +235,36 @@ class Scheduler:
         return idx
 
     def _schedule_waiting(self, plan: _StepPlan, alone: bool) -> None:
+        skipped: list[Request] = []
+        try:
+            self._admit_waiting(plan, alone, skipped)
+        finally:
+            for r in reversed(skipped):  # back in front, in their order
+                self.waiting.prepend(r)
+
+    def _grammar_pending(self, request: Request) -> bool:
+        """True while the request's grammar compiles; ends it if compiling failed."""
+        sor = request.structured_output
+        if not sor.ready():
+            return True
+        if sor.error is not None:
+            self.waiting.pop()
+            request.status = RequestStatus.FINISHED_ERROR
+            self._error_outputs.append(EngineCoreOutput(
+                request.request_id, [], FinishReason.ERROR, error=sor.error))
+            self._free_request(request)
+            return True
+        request.status = _WAITING
+        return False
+
+    def _admit_waiting(self, plan: _StepPlan, alone: bool, skipped: list[Request]) -> None:
         kv = self.kv_cache_manager
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.status == _WAITING_FOR_GRAMMAR and self._grammar_pending(request):
+                if not request.is_finished():
+                    skipped.append(self.waiting.pop())
+                continue
             hit_blocks: list[KVCacheBlock] = []
             num_computed = request.num_computed_tokens
             if num_computed == 0:
@@ -252,7 +309,38 @@ class Scheduler:
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in plan.preempted}, step_id=self._step_id)
+            preempted_req_ids={r.request_id for r in plan.preempted}, step_id=self._step_id,
+            has_structured_output=self._any_structured_sample(plan))
+
+    @staticmethod
+    def _any_structured_sample(plan: _StepPlan) -> bool:
+        """Before num_computed_tokens advances: does a structured request sample?"""
+        n = plan.num_scheduled
+        return any(r.structured_output is not None
+                   and r.num_computed_tokens + n[r.request_id] >= len(r.all_token_ids)
+                   for r in (*plan.running, *plan.new, *plan.resumed))
+
+    def get_grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
+        """The bitmask of the structured requests that sample in `so` (after
+        schedule, their computed prefix has caught up with their tokens);
+        None when there are none, so unstructured steps pay nothing."""
+        if not so.has_structured_output:
+            return None
+        ids: list[str] = []
+        grammars = []
+        requests = self.requests
+        for rid in so.num_scheduled_tokens:
+            r = requests.get(rid)
+            if r is None or r.structured_output is None or r.num_computed_tokens < len(r.all_token_ids):
+                continue
+            ids.append(rid)
+            grammars.append(r.structured_output.grammar)
+        mgr = self.structured_output_manager
+        ms0 = mgr.stats.bitmask_ms_total
+        mask = mgr.bitmask(grammars)
+        self._last_bitmask_ms += mgr.stats.bitmask_ms_total - ms0
+        self._last_bitmask_rows += len(ids)
+        return GrammarOutput(ids, mask.tobytes(), mgr.num_words)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         requests = self.requests
@@ -284,19 +372,26 @@ class Scheduler:
             if done:
                 out.finish_reason = request.get_finished_reason()
                 out.stop_reason = request.stop_reason
+                out.stopped_by_grammar = request.stopped_by_grammar
                 stopped.append(request)
             outputs.append(out)
         if stopped:
             self._remove_stopped(stopped)
+        if self._error_outputs:
+            outputs.extend(self._error_outputs)
+            self._error_outputs = []
         stats = self.make_stats(so, num_generated) if self.log_stats else None
         return EngineCoreOutputs(outputs, stats, time.monotonic())
 
     def _append_tokens(self, request: Request, new_tokens: list[int]) -> tuple[list[int], bool]:
         max_len = self.max_model_len
+        grammar = request.structured_output.grammar if request.structured_output is not None else None
         for n, tok in enumerate(new_tokens, 1):
             request.output_token_ids.append(tok)
             request.all_token_ids.append(tok)
             if check_stop(request, max_len):
+                return new_tokens[:n], True
+            if grammar is not None and _grammar_done(request, grammar, tok):
                 return new_tokens[:n], True
         hasher = self.hasher
         if hasher is not None and len(request.all_token_ids) >= (len(request.block_hashes) + 1) * self.block_size:
@@ -332,4 +427,15 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
-            num_preemptions=self.num_preemptions, num_generation_tokens=num_generated)
+            num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
+            **self._structured_stats())
+
+    def _structured_stats(self) -> dict:
+        mgr = self.structured_output_manager
+        if mgr is None:
+            return {}
+        out = dict(num_structured_requests=mgr.stats.num_requests,
+                   grammar_compile_ms=mgr.take_compile_ms(), bitmask_ms=self._last_bitmask_ms,
+                   bitmask_rows=self._last_bitmask_rows)
+        self._last_bitmask_ms, self._last_bitmask_rows = 0.0, 0
+        return out

@@ -1,5 +1,5 @@
-"""Driver side of a multi-rank executor: one signed ZMQ command socket per
-worker, one reply socket, a receiver thread that resolves step futures in
+"""Driver side of a multi-rank executor: one CURVE-encrypted ZMQ command
+socket per worker, one reply socket (executors/channel.py), a receiver thread that resolves step futures in
 order and turns any worker error or death into EngineDeadError.
 
 Subclasses start the workers (processes or Ray actors) and say whether they
@@ -16,13 +16,11 @@ from abc import abstractmethod
 from concurrent.futures import Future
 from typing import Any
 
-import zmq
-
 from engine.config import EngineConfig
 from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
 from executors.base import EngineDeadError, Executor
-from executors.channel import Channel, sign
-from executors.messages import WorkerCommand, WorkerReply
+from executors.channel import DataPlane, PlaneKeys
+from executors.messages import EXECUTOR_SENDER, TO_EXECUTOR, TO_WORKERS, WorkerCommand, WorkerReply
 from executors.worker_proc import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -37,17 +35,25 @@ class DistributedExecutor(Executor):
         self.worker_class = worker_class
         self.world_size = config.world_size
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
-        self.secret = os.urandom(32)
-        self._ctx = zmq.Context()
-        self._replies = Channel(self._ctx, zmq.PULL, self.secret, WorkerReply, bind_host=host)
-        self._cmds = [Channel(self._ctx, zmq.PUSH, self.secret, None, bind_host=host)
-                      for _ in range(self.world_size)]
+        # This engine's data-plane keys; workers get the client half.
+        self.keys = PlaneKeys.generate()
+        self._plane = DataPlane(self.keys, server=True)
+        self._replies = self._plane.pull(TO_EXECUTOR, WorkerReply, bind_host=host)
+        # One sealer for all ranks: a command is sealed once, and each rank
+        # sees the same strictly increasing sequence numbers.
+        self._cmd_sealer = self._plane.sealer(TO_WORKERS, EXECUTOR_SENDER)
+        self._cmds = [self._plane.push(self._cmd_sealer, bind_host=host) for _ in range(self.world_size)]
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._step_futures: dict[int, Future] = {}
+        # step id -> time.monotonic() by which its reply must be back.
+        self._deadlines: dict[int, float] = {}
+        self._step_timeout_s = config.parallel.step_timeout_s
+        self._first_step_extra_s: float | None = config.parallel.first_step_extra_s
         self._rpc_replies: dict[int, list[WorkerReply]] = {}
         self._rpc_done = threading.Condition(self._lock)
         self._last_step: Future | None = None
+        self._last_step_id = 0
         self._dead: str | None = None
         self._closing = False
         self._receiver: threading.Thread | None = None
@@ -74,7 +80,7 @@ class DistributedExecutor(Executor):
         init = init_method or self._init_method()
         local = local_ranks or list(range(self.world_size))
         return [WorkerSpec(rank, local[rank], init, self._cmds[rank].address, self._replies.address,
-                           self.secret, parent_pid, self.worker_class) for rank in range(self.world_size)]
+                           self.keys.for_clients(), parent_pid, self.worker_class) for rank in range(self.world_size)]
 
     # ---- start-up ------------------------------------------------------------------
 
@@ -95,7 +101,8 @@ class DistributedExecutor(Executor):
         sid = next(self._ids)
         with self._lock:
             self._rpc_replies[sid] = []
-        self._broadcast(WorkerCommand("rpc", sid, method=method, args=list(args)))
+        self._broadcast(WorkerCommand("rpc", sid, method=method, args=list(args)),
+                        timeout_s=self.rpc_timeout_s)
         deadline = time.monotonic() + self.rpc_timeout_s
         with self._rpc_done:
             while len(self._rpc_replies[sid]) < self.world_size:
@@ -116,18 +123,45 @@ class DistributedExecutor(Executor):
 
     # ---- per step --------------------------------------------------------------------
 
-    def _broadcast(self, cmd: WorkerCommand) -> None:
-        payload = self._cmds[0].encode(cmd)  # encode and sign once
-        mac = sign(self.secret, payload)
-        for ch in self._cmds:
-            # A PUSH socket blocks while its worker is not connected (starting
-            # up, or dead): wait, but give up as soon as the engine is dead.
-            while not ch.try_send_bytes(payload, mac):
-                if self._closing:
-                    return
-                if self._dead is not None:
-                    raise EngineDeadError(self._dead)
-                time.sleep(0.0005)
+    def _broadcast(self, cmd: WorkerCommand, timeout_s: float | None = None) -> None:
+        """timeout_s: how long a rank may take to accept (default the step
+        bound; start-up RPCs wait for workers that are still starting)."""
+        payload = self._cmds[0].encode(cmd)
+        timeout_s = self._step_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        with self._cmd_sealer.lock:  # seal once; every rank gets it in seq order
+            frames = self._cmd_sealer.seal(payload)
+            for rank, ch in enumerate(self._cmds):
+                # A PUSH socket blocks while its worker is not connected (starting
+                # up, or dead): wait, but give up as soon as the engine is dead
+                # or the rank has not taken a command for step_timeout_s.
+                while not ch.try_send_frames(frames):
+                    if self._closing:
+                        return
+                    if self._dead is not None:
+                        raise EngineDeadError(self._dead)
+                    if time.monotonic() > deadline:
+                        self._fail(f"rank {rank} took no command for {timeout_s:g}s: it is wedged, "
+                                   f"treated as dead (parallel.step_timeout_s bounds a step)")
+                        raise EngineDeadError(self._dead)
+                    time.sleep(0.0005)
+
+    def _step_deadline(self, forward: bool) -> float:
+        """The first forward step also gets first_step_extra_s (lazy compiles)."""
+        extra = 0.0
+        if forward and self._first_step_extra_s is not None:
+            extra, self._first_step_extra_s = self._first_step_extra_s, None
+        return time.monotonic() + self._step_timeout_s + extra
+
+    def _overdue_step(self) -> str | None:
+        """A message naming the oldest step past its deadline, or None."""
+        now = time.monotonic()
+        with self._lock:
+            late = [sid for sid, t in self._deadlines.items() if t < now]
+        if not late:
+            return None
+        return (f"step {min(late)} got no reply within its {self._step_timeout_s:g}s bound "
+                f"(parallel.step_timeout_s): a worker rank is wedged, treated as dead")
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
@@ -137,7 +171,9 @@ class DistributedExecutor(Executor):
         fut: Future = Future()
         with self._lock:
             self._step_futures[sid] = fut
+            self._deadlines[sid] = self._step_deadline(so.total_num_scheduled_tokens > 0)
         self._last_step = fut
+        self._last_step_id = sid
         self._broadcast(WorkerCommand("step", sid, scheduler_output=so))
         if so.total_num_scheduled_tokens == 0:
             return fut if non_block else fut.result()
@@ -148,6 +184,8 @@ class DistributedExecutor(Executor):
         fut = self._last_step
         if fut is None:
             raise RuntimeError("sample_tokens() without execute_model()")
+        if grammar_output is not None:  # the ranks of a structured step wait for it
+            self._broadcast(WorkerCommand("grammar", self._last_step_id, grammar_output=grammar_output))
         return fut if non_block else fut.result()
 
     # ---- replies and failures ------------------------------------------------------------
@@ -157,7 +195,7 @@ class DistributedExecutor(Executor):
             while not self._closing:
                 reply = self._replies.recv(timeout_ms=200)
                 if reply is None:
-                    dead = self._dead_workers()
+                    dead = self._dead_workers() or self._overdue_step()
                     if dead is not None and not self._closing:
                         self._fail(dead)
                         return
@@ -173,6 +211,7 @@ class DistributedExecutor(Executor):
             return
         with self._lock:
             fut = self._step_futures.pop(reply.step_id, None)
+            self._deadlines.pop(reply.step_id, None)
             if fut is None and reply.step_id in self._rpc_replies:
                 self._rpc_replies[reply.step_id].append(reply)
                 self._rpc_done.notify_all()
@@ -188,6 +227,7 @@ class DistributedExecutor(Executor):
                     log.error("engine failed: %s", message)
             futs = list(self._step_futures.values())
             self._step_futures.clear()
+            self._deadlines.clear()
             self._rpc_done.notify_all()
         for f in futs:
             if not f.done():
@@ -196,25 +236,33 @@ class DistributedExecutor(Executor):
     def check_health(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        dead = self._dead_workers()
+        dead = self._dead_workers() or self._overdue_step()
         if dead is not None:
             self._fail(dead)
             raise EngineDeadError(dead)
+
+    def listen_addresses(self) -> list[str]:
+        """Every ZMQ endpoint this executor binds (the reply socket first)."""
+        return [self._replies.address, *(ch.address for ch in self._cmds)]
+
+    def data_plane_stats(self) -> dict[str, int]:
+        """Frames dropped on the reply socket (by reason) and refused handshakes."""
+        return {**self._replies.dropped, "denied_handshakes": self._plane.denied}
 
     def shutdown(self) -> None:
         if self._closing:
             return
         payload = self._cmds[0].encode(WorkerCommand("shutdown"))
-        self._closing = True
-        for ch in self._cmds:
-            ch.try_send_bytes(payload)
+        self._closing = True  # a broadcast waiting for a peer gives up now
+        with self._cmd_sealer.lock:
+            frames = self._cmd_sealer.seal(payload)
+            for ch in self._cmds:
+                ch.try_send_frames(frames)
         self._stop_workers()
         self._fail(self._dead or "engine shut down")
         if self._receiver is not None:
             self._receiver.join(timeout=5)
-        for ch in (*self._cmds, self._replies):
-            ch.close()
-        self._ctx.term()
+        self._plane.close()
 
 
 def check_parallel_sizes(config: EngineConfig) -> None:

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+from engine.contracts import GrammarOutput, KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+from executors.frames import Route
 
 
 class WorkerCommand(msgspec.Struct, array_like=True, gc=False):
-    kind: str  # "step" | "rpc" | "shutdown"
+    kind: str  # "step" | "grammar" | "rpc" | "shutdown"
     step_id: int = 0
     scheduler_output: SchedulerOutput | None = None
+    # "grammar": the bitmask of step `step_id`, sent while its forward runs.
+    grammar_output: GrammarOutput | None = None
     method: str | None = None  # rpc: a Worker method taking ints
     args: list[int] = msgspec.field(default_factory=list)
 
@@ -22,3 +25,13 @@ class WorkerReply(msgspec.Struct, array_like=True, gc=False):
     kv_info: KVCacheInfo | None = None
     error: str | None = None
     floats: list[float] | None = None
+
+
+# The two routes of an executor's data plane (bound into every frame's MAC).
+TO_WORKERS = Route("executor->worker", "WorkerCommand")
+TO_EXECUTOR = Route("worker->executor", "WorkerReply")
+EXECUTOR_SENDER = "executor"
+
+
+def rank_sender(rank: int) -> str:
+    return f"rank{rank}"

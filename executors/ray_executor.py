@@ -1,13 +1,12 @@
 """RayExecutor: workers are Ray actors in one placement group per engine.
 
 Ray is used for placement and lifecycle only. The per-step SchedulerOutput
-goes over the signed ZMQ data plane of DistributedExecutor, never as a Ray
+goes over the CURVE-encrypted ZMQ data plane of DistributedExecutor, never as a Ray
 call per worker per step. Rank order: bundles on the driver's node first,
 then node by node, so each TP group (consecutive ranks) stays on one node.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any
@@ -19,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
 from executors.distributed import DistributedExecutor
+from executors.ray_placement import local_ray_num_cpus, placement_error, visible_devices, worker_bundle
 from executors.ray_worker import RayWorkerActor
 
 log = logging.getLogger(__name__)
@@ -26,14 +26,16 @@ PG_TIMEOUT_S = float(os.environ.get("CONVEYOR_PG_TIMEOUT_S", "120"))
 _ENV_PREFIXES = ("CONVEYOR_", "NCCL_", "GLOO_", "TRITON_", "OMP_", "HF_", "TRANSFORMERS_")
 
 
-def ensure_ray() -> bool:
-    """Connect to (or start) Ray; True if this call started a local instance."""
+def ensure_ray(config: EngineConfig | None = None) -> bool:
+    """Connect to (or start) Ray; True if this call started a local instance,
+    sized so that the engine of `config` fits on it."""
     if ray.is_initialized():
         return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(include_dashboard=False)
         return False
-    ray.init(address="local", include_dashboard=False)
+    ray.init(address="local", num_cpus=local_ray_num_cpus(config, os.cpu_count() or 1),
+             include_dashboard=False)
     return True
 
 
@@ -46,10 +48,6 @@ def cluster_host() -> str:
 
 def _use_gpus() -> bool:
     return ray.cluster_resources().get("GPU", 0) > 0
-
-
-def worker_bundle() -> dict[str, float]:
-    return {"GPU": 1.0} if _use_gpus() else {"CPU": 1.0}
 
 
 def order_bundles(bundle_nodes: list[str], driver_node: str) -> list[int]:
@@ -88,7 +86,7 @@ def place_workers(pg: PlacementGroup, first: int, world: int, tp: int
 class RayExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig, pg: PlacementGroup | None = None,
                  worker_class: str = "workers.worker:Worker") -> None:
-        ensure_ray()
+        ensure_ray(config)
         super().__init__(config, host=cluster_host(), worker_class=worker_class)
         self._pg = pg
         self._own_pg = False
@@ -106,17 +104,16 @@ class RayExecutor(DistributedExecutor):
         current = ray.util.get_current_placement_group()
         if current is not None and len(current.bundle_specs) >= self.world_size + 1:
             return current, 1  # a Serve replica: bundle 0 is the replica's own
-        bundle = worker_bundle()
-        pg = placement_group([dict(bundle) for _ in range(self.world_size)],
-                             strategy=self.config.parallel.placement_strategy)
+        p = self.config.parallel
+        bundles = [worker_bundle(_use_gpus(), p.num_cpus_per_worker) for _ in range(self.world_size)]
+        pg = placement_group(bundles, strategy=p.placement_strategy)
         self._own_pg = True
         try:
-            ray.get(pg.ready(), timeout=PG_TIMEOUT_S)
+            ray.get(pg.ready(), timeout=p.placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(pg)
-            raise RuntimeError(
-                f"placement group of {self.world_size} x {bundle} ({self.config.parallel.placement_strategy}) "
-                f"not ready after {PG_TIMEOUT_S:.0f}s; available: {ray.available_resources()}") from None
+            raise RuntimeError(placement_error(bundles, p.placement_strategy, p.placement_timeout_s,
+                                               ray.available_resources())) from None
         return pg, 0
 
     def _start_workers(self) -> None:
@@ -127,20 +124,25 @@ class RayExecutor(DistributedExecutor):
         self._actors, self.bundle_nodes, self.rank_order, infos = placed
         port = ray.get(self._actors[0].free_port.remote())
         host = "127.0.0.1" if self._host_is_local() else infos[0][1]
-        specs = self._specs(f"tcp://{host}:{port}", self._local_ranks(gpus > 0))
+        local_ranks, envs = self._devices(gpus > 0)
+        specs = self._specs(f"tcp://{host}:{port}", local_ranks)
         cfg = msgspec.msgpack.encode(self.config)
         self.worker_pids = [pid for _, _, pid in infos]
-        self._run_refs = [a.run.remote(cfg, dataclasses.asdict(s)) for a, s in zip(self._actors, specs)]
+        self._run_refs = [a.run.remote(cfg, msgspec.msgpack.encode(s), env)
+                          for a, s, env in zip(self._actors, specs, envs)]
 
     def _host_is_local(self) -> bool:
         return self._replies.address.startswith("tcp://127.0.0.1")
 
-    def _local_ranks(self, gpus: bool) -> list[int]:
-        # Ray sets CUDA_VISIBLE_DEVICES to the actor's own GPU: it is device 0.
-        if gpus:
-            return [0] * self.world_size
+    def _devices(self, gpus: bool) -> tuple[list[int], list[dict[str, str]]]:
+        """(local rank, extra env) per rank. On GPU every rank sees all GPUs
+        of its node's ranks (Ray alone shows each actor only its own)."""
         nodes = [self.bundle_nodes[i] for i in self.rank_order]
-        return [nodes[:r].count(n) for r, n in enumerate(nodes)]
+        if not gpus:
+            return [nodes[:r].count(n) for r, n in enumerate(nodes)], [{} for _ in nodes]
+        ids = ray.get([a.gpu_ids.remote() for a in self._actors], timeout=PG_TIMEOUT_S)
+        devices = visible_devices(nodes, ids)
+        return [lr for _, lr in devices], [{"CUDA_VISIBLE_DEVICES": v} for v, _ in devices]
 
     # ---- supervision -----------------------------------------------------------------
 

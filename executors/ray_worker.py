@@ -17,15 +17,18 @@ class RayWorkerActor:
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
+    def gpu_ids(self) -> list[str]:
+        return [str(i) for i in ray.get_gpu_ids()]
+
     def free_port(self) -> int:
         with socket.socket() as s:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def run(self, config_bytes: bytes, spec_fields: dict) -> None:
+    def run(self, config_bytes: bytes, spec_bytes: bytes, env: dict[str, str] | None = None) -> None:
+        # Before anything touches CUDA: CUDA_VISIBLE_DEVICES is read once.
+        os.environ.update(env or {})
         from executors.worker_proc import WorkerSpec, run_worker_loop
 
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        spec_fields = dict(spec_fields)
-        spec_fields["secret"] = bytes(spec_fields["secret"])
-        run_worker_loop(config, WorkerSpec(**spec_fields))
+        run_worker_loop(config, msgspec.msgpack.decode(spec_bytes, type=WorkerSpec))

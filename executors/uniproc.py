@@ -4,6 +4,7 @@ Non-blocking calls run on one background thread, so execute_model and
 sample_tokens of consecutive steps stay in order."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -23,6 +24,10 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-worker")
         self._failed: BaseException | None = None
+        # The worker runs in this process, so nothing can interrupt a wedged
+        # step; the health check still reports one that overran its bound.
+        self._busy_since: float | None = None
+        self._bound_s = config.parallel.step_timeout_s + config.parallel.first_step_extra_s
 
     def initialize(self) -> KVCacheInfo:
         w = self.worker
@@ -33,11 +38,15 @@ class UniProcExecutor(Executor):
         return w.kv_info(num_blocks)
 
     def _call(self, fn: Any, *args: Any) -> Any:
+        self._busy_since = time.monotonic()
         try:
             return fn(*args)
         except BaseException as e:
             self._failed = e
             raise
+        finally:
+            self._busy_since = None
+            self._bound_s = self.config.parallel.step_timeout_s  # the first step is done
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
@@ -62,6 +71,10 @@ class UniProcExecutor(Executor):
     def check_health(self) -> None:
         if self._failed is not None:
             raise EngineDeadError(f"engine failed: {self._failed!r}")
+        since = self._busy_since
+        if since is not None and time.monotonic() - since > self._bound_s:
+            raise EngineDeadError(f"a step has run for over {self._bound_s:g}s "
+                                  f"(parallel.step_timeout_s): the worker is wedged")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)

@@ -13,13 +13,12 @@ import os
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import zmq
-
 from engine.config import EngineConfig
-from executors.channel import Channel
-from executors.messages import WorkerCommand, WorkerReply
+from executors.channel import DataPlane, PlaneKeys
+from executors.messages import TO_EXECUTOR, TO_WORKERS, WorkerCommand, WorkerReply, rank_sender
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class WorkerSpec:
     init_method: str
     command_address: str  # this worker's PULL end (executor binds PUSH)
     reply_address: str  # the executor's PULL
-    secret: bytes
+    keys: PlaneKeys  # the client half (PlaneKeys.for_clients)
     parent_pid: int | None = None  # exit when this process disappears
     # "module:Class" of the worker; benchmarks swap in a no-op model.
     worker_class: str = "workers.worker:Worker"
@@ -61,9 +60,9 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
 
     module, _, name = spec.worker_class.partition(":")
     worker_cls = getattr(importlib.import_module(module), name)
-    ctx = zmq.Context()
-    cmds = Channel(ctx, zmq.PULL, spec.secret, WorkerCommand, connect=spec.command_address)
-    replies = Channel(ctx, zmq.PUSH, spec.secret, None, connect=spec.reply_address)
+    plane = DataPlane(spec.keys, server=False)
+    cmds = plane.pull(TO_WORKERS, WorkerCommand, connect=spec.command_address)
+    replies = plane.push(plane.sealer(TO_EXECUTOR, rank_sender(spec.rank)), connect=spec.reply_address)
     worker = worker_cls(config, spec.rank, spec.local_rank, spec.init_method)
     output_rank = is_output_rank(config, spec.rank)
     fault_at = _fault_point(spec.rank)
@@ -88,7 +87,7 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
                     reply = WorkerReply(spec.rank, cmd.step_id, floats=[x for t in timeline for x in t])
                 else:
                     t0 = time.time()
-                    reply = _handle(worker, cmd, spec.rank, output_rank)
+                    reply = _handle(worker, cmd, spec.rank, output_rank, lambda: _await_grammar(cmds, spec))
                     if cmd.kind == "step":
                         timeline.append((cmd.step_id, t0, time.time()))
             except Exception as e:  # noqa: BLE001 - reported to the driver
@@ -102,17 +101,32 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
         try:
             worker.shutdown()
         finally:
-            cmds.close()
-            replies.close()
-            ctx.term()
+            plane.close()
 
 
-def _handle(worker, cmd: WorkerCommand, rank: int, output_rank: bool) -> WorkerReply | None:
+def _await_grammar(cmds: Channel, spec: WorkerSpec) -> WorkerCommand:
+    """The command after a structured step is its grammar (commands are FIFO)."""
+    while True:
+        cmd = cmds.recv(timeout_ms=1000)
+        if cmd is not None:
+            return cmd
+        if spec.parent_pid is not None and os.getppid() != spec.parent_pid:
+            raise RuntimeError("the driver died while a step waited for its grammar")
+
+
+def _handle(worker, cmd: WorkerCommand, rank: int, output_rank: bool,
+            next_command: Callable[[], WorkerCommand]) -> WorkerReply | None:
     if cmd.kind == "step":
         so = cmd.scheduler_output
         out = worker.execute_model(so)
+        grammar = None
+        if so.has_structured_output:
+            g = next_command()
+            if g.kind != "grammar" or g.step_id != cmd.step_id:
+                raise RuntimeError(f"step {cmd.step_id} expected its grammar, got {g.kind!r} {g.step_id}")
+            grammar = g.grammar_output
         if out is None:
-            out = worker.sample_tokens(None)
+            out = worker.sample_tokens(grammar)
         return WorkerReply(rank, cmd.step_id, output=out) if output_rank else None
     if cmd.kind == "rpc" and cmd.method in RPC_METHODS:
         value = getattr(worker, cmd.method)(*cmd.args)

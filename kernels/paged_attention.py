@@ -31,6 +31,9 @@ from .torch_attention import paged_attention_torch
 _LOG2E = 1.4426950408889634
 # Split-KV heuristic knobs (see choose_num_segments).
 _MIN_BLOCKS_PER_SEGMENT = 8
+# KV block sizes the kernels' tiles support (engine.config.TRITON_BLOCK_SIZES
+# rejects the others at load time; a test keeps the two equal).
+SUPPORTED_BLOCK_SIZES = (16, 32, 64)
 _MAX_SEGMENTS = 64
 
 
@@ -406,7 +409,7 @@ def _check_inputs(
         query.shape, kv_cache.shape)
     assert kv_cache.shape[4] == query.shape[2], "head size mismatch"
     assert query.shape[1] % kv_cache.shape[3] == 0, "Hq must be a multiple of Hkv"
-    assert kv_cache.shape[2] in (16, 32, 64), "block size must be 16, 32 or 64"
+    assert kv_cache.shape[2] in SUPPORTED_BLOCK_SIZES, "block size must be 16, 32 or 64"
     assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()
     assert query_start_loc.shape[0] == seq_lens.shape[0] + 1
     assert block_table.shape[0] >= seq_lens.shape[0]

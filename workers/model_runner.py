@@ -7,17 +7,19 @@ requests travel in full once and running ones only as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, NewRequestData,
-                              SchedulerOutput)
+from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, GrammarOutput, ModelRunnerOutput,
+                              NewRequestData, SchedulerOutput)
 from kernels.backends import AttentionMetadata, get_attention_backend
 from parallel.communication import IntermediateTensors
+from workers.dummy_batch import (DummyShape, blocks_needed, dummy_step, profile_sampling_params,
+                                 profile_shape, warmup_shapes)
 from workers.forward_context import set_forward_context
+from workers.grammar_mask import apply_grammar_bitmask
 from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
 from workers.layers.attention import find_attention_layers
 from workers.sampler import Sampler, SamplingMetadata
@@ -35,12 +37,13 @@ class _PendingSample:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device,
-                 vocab_size: int, is_last_stage: bool = True) -> None:
+                 vocab_size: int, is_last_stage: bool = True, is_first_stage: bool = True) -> None:
         self.config = config
         self.model = model
         self.device = device
         self.vocab_size = vocab_size
         self.is_last_stage = is_last_stage
+        self.is_first_stage = is_first_stage
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.max_model_len,
@@ -65,6 +68,62 @@ class ModelRunner:
                                 dtype=dtype, device=self.device)
             attn.kv_cache = cache
             self.kv_caches.append(cache)
+
+    # ---- profile and warm-up ------------------------------------------------------
+
+    def dummy_run(self, shape: DummyShape) -> None:
+        """One synthetic step through the real path (paged attention in a
+        forward context, logits and the sampler on the last stage; a non-first
+        stage gets zero IntermediateTensors instead of a PP receive), then its
+        requests are removed again. Needs a KV cache of enough blocks."""
+        if self.input_batch.num_reqs or self.requests:
+            raise RuntimeError("dummy_run() needs an idle runner")
+        step, cleanup = dummy_step(shape, self.block_size, profile_sampling_params(self.vocab_size))
+        inter = None if self.is_first_stage else self._zero_intermediates(shape.num_tokens)
+        try:
+            if self.execute_model(step, inter) is None:
+                self.sample_tokens()
+        finally:
+            self._pending = None
+            self.execute_model(cleanup)
+
+    def _zero_intermediates(self, num_tokens: int) -> IntermediateTensors:
+        hidden = self.model.config.hidden_size
+        dtype = next(self.model.parameters()).dtype
+        z = torch.zeros(num_tokens, hidden, dtype=dtype, device=self.device)
+        return IntermediateTensors({"hidden_states": z, "residual": z.clone()})
+
+    def profile_run(self, dtype: torch.dtype) -> int:
+        """Run the largest possible step on a temporary KV cache sized for it
+        (the real one is not allocated yet); returns that cache's bytes, which
+        the caller subtracts from the peak it measured."""
+        c = self.config
+        shape = profile_shape(c.scheduler.max_num_batched_tokens, c.scheduler.max_num_seqs,
+                              c.max_model_len)
+        num_blocks = blocks_needed(shape, self.block_size) + 1
+        self.allocate_kv_cache(num_blocks, dtype)
+        try:
+            self.dummy_run(shape)
+            return num_blocks * self.kv_bytes_per_block(dtype)
+        finally:
+            self.free_kv_cache()
+
+    def warm_up(self) -> None:
+        """Compile the attention kernels for the step shapes a real batch
+        uses, on the real cache; then zero it again (masked slots must stay
+        finite)."""
+        c = self.config
+        usable = (self.kv_caches[0].shape[0] - 1) if self.kv_caches else 0
+        for shape in warmup_shapes(self.block_size, c.max_model_len, c.scheduler.max_num_seqs):
+            if blocks_needed(shape, self.block_size) <= usable:
+                self.dummy_run(shape)
+        for cache in self.kv_caches:
+            cache.zero_()
+
+    def free_kv_cache(self) -> None:
+        for attn in find_attention_layers(self.model):
+            attn.kv_cache = None
+        self.kv_caches = []
 
     # ---- state updates -------------------------------------------------------
 
@@ -171,10 +230,12 @@ class ModelRunner:
         return None
 
     @torch.inference_mode()
-    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+    def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
+        if grammar_output is not None:
+            apply_grammar_bitmask(pending.logits, pending.req_ids, grammar_output)
         states = [self.requests[r] for r in pending.req_ids]
         meta = SamplingMetadata.build(states, self.vocab_size, self.device)
         out = self.sampler(pending.logits, meta)

@@ -62,7 +62,8 @@ class Worker:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.config.world_size))
         # Even at world size 1, so the TP/PP code paths are the ones that run.
         ps.init_distributed(self.config.world_size, self.rank, p.tensor_parallel_size,
-                            p.pipeline_parallel_size, self.init_method)
+                            p.pipeline_parallel_size, self.init_method,
+                            timeout_s=p.collective_timeout_s)
         torch.manual_seed(self.config.model.seed)
 
     def load_model(self) -> None:
@@ -71,7 +72,8 @@ class Worker:
         self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device)
         model = load_model(cfg.model.path, hf, self.dtype, self.device,
                            pp_layer_partition=cfg.parallel.pp_layer_partition)
-        self.model_runner = ModelRunner(cfg, model, self.device, hf.vocab_size, ps.is_last_pp_rank())
+        self.model_runner = ModelRunner(cfg, model, self.device, hf.vocab_size, ps.is_last_pp_rank(),
+                                        ps.is_first_pp_rank())
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit this rank's budget (the executor takes the min over ranks)."""
@@ -91,25 +93,25 @@ class Worker:
         return int(max(min(budget // per_block, need), 0))
 
     def _activation_reserve(self) -> int:
-        """Peak activation memory of a max-size forward (profiled on CUDA)."""
+        """Peak memory of the largest step (profiled on CUDA, on this rank's
+        stage: real attention, logits and sampler), less the profile's own
+        temporary KV cache."""
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        n = self.config.scheduler.max_num_batched_tokens
-        runner = self._runner()
-        with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            pos = torch.arange(n, device=self.device) % self.config.max_model_len
-            if ps.is_first_pp_rank():
-                runner.model(ids, pos, None)
+        cache_bytes = self._runner().profile_run(self.dtype)
         torch.cuda.synchronize(self.device)
-        return int((torch.cuda.max_memory_allocated(self.device) - before) * 1.2)
+        peak = torch.cuda.max_memory_allocated(self.device) - before - cache_bytes
+        torch.cuda.empty_cache()
+        return int(max(peak, 0) * 1.2)
 
     def initialize_cache(self, num_blocks: int) -> None:
         if num_blocks < 2:
             raise RuntimeError(
                 f"only {num_blocks} KV blocks fit this rank's budget; lower max_model_len or raise "
                 "cache.cpu_kv_cache_bytes / gpu_memory_utilization")
-        self._runner().allocate_kv_cache(num_blocks, self.dtype)
+        runner = self._runner()
+        runner.allocate_kv_cache(num_blocks, self.dtype)
+        runner.warm_up()  # compiles the kernels before the engine reports ready
 
     def kv_info(self, num_blocks: int) -> KVCacheInfo:
         r = self._runner()

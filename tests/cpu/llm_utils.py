@@ -55,15 +55,37 @@ def hf_logprobs(path: str, prompt: list[int], continuation: list[int]) -> torch.
     return torch.log_softmax(logits, dim=-1)
 
 
-def top5_agree(ours: list[int], ref: list[int], path: str, prompt: list[int]) -> bool:
-    """vLLM's rule where two fp32 paths may round differently: at the first
-    divergence each side's token must be in the other side's top-5."""
-    if ours == ref:
-        return True
-    i = next(k for k, (a, b) in enumerate(zip(ours, ref)) if a != b)
-    lp = hf_logprobs(path, prompt, ref[:i + 1])[i]
-    top5 = set(torch.topk(lp, 5).indices.tolist())
-    return ours[i] in top5 and ref[i] in top5
+def top_ids(lp: dict[int, float], k: int = 5) -> set[int]:
+    """The k most likely token ids of one position's {token_id: logprob}."""
+    return set(sorted(lp, key=lambda t: -lp[t])[:k])
+
+
+def hf_top5(path: str, prompt: list[int], continuation: list[int]) -> list[set[int]]:
+    """transformers' top-5 token ids at each position of `continuation`."""
+    lp = hf_logprobs(path, prompt, continuation)
+    return [set(row.topk(5).indices.tolist()) for row in lp]
+
+
+def engine_top5(output) -> list[set[int]]:
+    """Top-5 ids per generated token of a CompletionOutput made with logprobs>=5."""
+    assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids)
+    return [top_ids(d) for d in output.logprobs]
+
+
+def close_or_why(ours: list[int], our_top5: list[set[int]], ref: list[int],
+                 ref_top5: list[set[int]]) -> str | None:
+    """vLLM's rule where two fp32 paths may round differently: equal lengths,
+    and the sequences are equal, or at the first divergence each side's token
+    is in the other side's top-5 (after it they may differ freely). None when
+    the rule holds, else what broke it."""
+    if len(ours) != len(ref):
+        return f"lengths differ: {len(ours)} vs {len(ref)}"
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            if a in ref_top5[i] and b in our_top5[i]:
+                return None
+            return f"first divergence at {i}: {a} vs {b} is outside the other side's top-5"
+    return None
 
 
 def tmpdir(base: str, name: str) -> str:
@@ -83,3 +105,31 @@ def pid_alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def wait_pids_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait on pidfds (no sleep loop) until every pid has exited; returns the
+    ones still running after timeout_s (a zombie counts as exited)."""
+    import select
+    import time
+
+    fds: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            continue
+    try:
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        left = dict(fds)
+        deadline = time.monotonic() + timeout_s
+        while left and (remaining := deadline - time.monotonic()) > 0:
+            for fd, _ in poller.poll(remaining * 1000):
+                poller.unregister(fd)
+                left.pop(fd, None)
+        return sorted(left.values())
+    finally:
+        for fd in fds:
+            os.close(fd)

@@ -382,7 +382,7 @@ class GatedChannel:
     def encode(self, msg: Any) -> bytes:
         return msgspec.msgpack.encode(msg)
 
-    def try_send_bytes(self, payload: bytes, mac: bytes | None = None) -> bool:
+    def try_send_payload(self, payload: bytes) -> bool:
         self.threads.add(threading.get_ident())
         if not self.open.is_set():
             return False

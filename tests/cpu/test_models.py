@@ -265,3 +265,22 @@ def test_tp2_pp2_gloo_matches_hf(tmp_path: Path) -> None:
         logits = torch.load(f"{out}.{tp_rank}")
         assert logits.shape == (T, 511)
         assert (logits - ref).abs().max().item() < 1e-4
+
+
+def test_onednn_linear_buckets_rows_and_matches_f_linear():
+    """Row counts above 64 are padded to a bounded set of shapes (oneDNN keeps
+    memory per distinct shape), and the padded product equals F.linear's."""
+    import torch.nn.functional as F
+
+    from parallel.layers import linear, onednn_rows
+
+    assert [onednn_rows(m) for m in (1, 64, 65, 80, 81, 256, 257, 2048)] == [1, 64, 80, 80, 96, 256, 320, 2048]
+    assert len({onednn_rows(m) for m in range(1, 2049)}) == 64 + 12 + 28
+    assert all(m <= onednn_rows(m) <= 1.25 * m for m in range(1, 2049))
+    mod = torch.nn.Module()
+    w, b = torch.randn(96, 40), torch.randn(96)
+    for m in (3, 65, 300):
+        x = torch.randn(m, 40)
+        y = linear(mod, x, w, b)
+        assert y.shape == (m, 96)
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)

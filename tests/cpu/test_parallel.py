@@ -3,16 +3,24 @@
 weights, uneven splits, and a failing rank."""
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from engine import LLM, SamplingParams
 from executors.base import EngineDeadError
-from llm_utils import pid_alive, hf_greedy, make_checkpoint, random_prompts, top5_agree
+from llm_utils import (close_or_why, engine_top5, hf_greedy, hf_top5, make_checkpoint, random_prompts,
+                       wait_pids_gone)
 from tiny_models import make_tiny_model
 
-GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+# logprobs=5: vLLM's parity rule needs our top-5 at the first divergence.
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+def _assert_close_to_hf(path, prompts, got, ref, what: str) -> None:
+    """got: CompletionOutputs; ref: transformers' greedy token ids."""
+    assert len(got) == len(ref) == len(prompts)
+    for i, (p, g, r) in enumerate(zip(prompts, got, ref)):
+        why = close_or_why(g.token_ids, engine_top5(g), r, hf_top5(path, p, r))
+        assert why is None, f"{what}, prompt {i}: {why}"
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 
 
@@ -31,7 +39,7 @@ def _run(path, prompts, tp, pp, **kw):
     llm = LLM(model=path, executor="mp" if tp * pp > 1 else "uniproc", tensor_parallel_size=tp,
               pipeline_parallel_size=pp, max_num_batched_tokens=64, enable_prefix_caching=True, **kw)
     try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        return [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     finally:
         llm.shutdown()
 
@@ -41,12 +49,9 @@ def test_tp_pp_parity(family, ckpts, prompts):
     path = ckpts[family]
     ref = hf_greedy(path, prompts, 32)
     tp1 = _run(path, prompts, 1, 1)
-    assert tp1 == ref
+    assert [o.token_ids for o in tp1] == ref
     for tp, pp in LAYOUTS:
-        got = _run(path, prompts, tp, pp)
-        for p, g, r in zip(prompts, got, ref):
-            assert top5_agree(g, r, path, p), f"tp={tp} pp={pp} diverged beyond top-5"
-        assert sum(g == r for g, r in zip(got, ref)) >= 7, f"tp={tp} pp={pp}"
+        _assert_close_to_hf(path, prompts, _run(path, prompts, tp, pp), ref, f"tp={tp} pp={pp}")
 
 
 def test_replicated_kv_heads_and_odd_vocab(tmp_path):
@@ -55,12 +60,12 @@ def test_replicated_kv_heads_and_odd_vocab(tmp_path):
     ref = hf_greedy(path, prompts, 16)
     llm = LLM(model=path, executor="mp", tensor_parallel_size=4)
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(
-            prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)]
+        got = [o.outputs[0] for o in llm.generate(
+            prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=5),
+            use_tqdm=False)]
     finally:
         llm.shutdown()
-    for p, g, r in zip(prompts, got, ref):
-        assert top5_agree(g, r, path, p)
+    _assert_close_to_hf(path, prompts, got, ref, "tp=4, 2 kv heads")
 
 
 def test_tp_ranks_hold_half_the_weights(ckpts):
@@ -91,18 +96,16 @@ def test_failing_rank_fails_the_step(ckpts, prompts, monkeypatch):
     monkeypatch.setenv("CONVEYOR_INJECT_FAULT", "1:3")
     llm = LLM(model=ckpts["llama"], executor="mp", tensor_parallel_size=2)
     pids = llm.engine.executor.pids
-    t0 = time.monotonic()
     try:
+        # Raising at all is the point: a failing rank must not leave the step
+        # waiting (parallel.step_timeout_s would only catch that after 120 s).
         with pytest.raises(EngineDeadError, match="injected fault"):
             llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert time.monotonic() - t0 < 30
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError, match="injected fault"):
             llm.engine.executor.check_health()
     finally:
         llm.shutdown()
-    time.sleep(0.5)
-    for pid in pids:
-        assert not pid_alive(pid), f"worker {pid} outlived shutdown"
+    assert wait_pids_gone(pids, timeout_s=30) == [], "workers outlived shutdown"
 
 
 
@@ -111,12 +114,12 @@ def test_tp_rows_stay_aligned_across_turnover(ckpts):
     ranks must agree on them (spawned ranks get different hash seeds)."""
     path = ckpts["llama"]
     prompts = random_prompts(16, 3, 30, seed=31)
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
     ref = hf_greedy(path, prompts, 8)
     llm = LLM(model=path, executor="mp", tensor_parallel_size=2)
     try:
-        for _ in range(2):
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-            assert sum(g == r for g, r in zip(got, ref)) >= 15
+        for turn in range(2):
+            got = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+            _assert_close_to_hf(path, prompts, got, ref, f"turn {turn}")
     finally:
         llm.shutdown()

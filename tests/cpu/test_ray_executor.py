@@ -1,23 +1,35 @@
 """The Ray path: EngineCoreActor + RayExecutor on one module-scoped local Ray
-instance. Parity with uniproc, failure handling, HMAC, and PP overlap."""
+instance. Parity with uniproc, failure handling and PP overlap
+(data-plane security: test_data_plane_security.py)."""
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 import ray
-import zmq
 
 from engine import LLM, SamplingParams
-from engine.async_client import AsyncLLM, collect
+from engine.async_client import AsyncLLM
+from engine.async_client import EngineDeadError as FrontendDeadError
 from engine.config import build_config
-from executors.channel import Channel
-from llm_utils import pid_alive, make_checkpoint, random_prompts
+from llm_utils import close_or_why, engine_top5, make_checkpoint, random_prompts, wait_pids_gone
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# logprobs=5: parity is vLLM's rule, which needs both sides' top-5.
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+def _ids_and_top5(llm, prompts):
+    outs = [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    return [(o.token_ids, engine_top5(o)) for o in outs]
+
+
+def _assert_close(got, ref, what: str) -> None:
+    assert len(got) == len(ref)
+    for i, ((g, g5), (r, r5)) in enumerate(zip(got, ref)):
+        why = close_or_why(g, g5, r, r5)
+        assert why is None, f"{what}, prompt {i}: {why}"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +53,7 @@ def prompts():
 def reference(ckpt, prompts):
     llm = LLM(model=ckpt, max_num_batched_tokens=64)
     try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        return _ids_and_top5(llm, prompts)
     finally:
         llm.shutdown()
 
@@ -51,10 +63,10 @@ def test_ray_parity_with_uniproc(ray_local, ckpt, prompts, reference, tp, pp):
     llm = LLM(model=ckpt, executor="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp,
               max_num_batched_tokens=64)
     try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        got = _ids_and_top5(llm, prompts)
     finally:
         llm.shutdown()
-    assert sum(g == r for g, r in zip(got, reference)) >= len(prompts) - 1
+    _assert_close(got, reference, f"tp={tp} pp={pp}")
 
 
 def test_worker_death_fails_requests_and_engine(ray_local, ckpt, prompts):
@@ -63,28 +75,33 @@ def test_worker_death_fails_requests_and_engine(ray_local, ckpt, prompts):
     async def scenario():
         llm = AsyncLLM(cfg)
         sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
-        tasks = [asyncio.create_task(collect(llm.generate(p, sp))) for p in prompts[:4]]
-        await asyncio.sleep(1.0)  # generating
+        streams = [llm.generate(p, sp) for p in prompts[:4]]
+        firsts = [await s.__anext__() for s in streams]  # every request is generating
         pids = llm.client.worker_pids()
         os.kill(pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
-        elapsed = time.monotonic() - t0
-        with pytest.raises(Exception):
+
+        async def rest(first, stream):
+            tokens, last = list(first.outputs[0].token_ids), first
+            async for ro in stream:
+                tokens += ro.outputs[0].token_ids
+                last = ro
+            return tokens, last.outputs[0].finish_reason
+
+        # A bound, not a measurement: the death must end the streams, not hang them.
+        outs = await asyncio.wait_for(asyncio.gather(*(rest(f, s) for f, s in zip(firsts, streams))),
+                                      timeout=60)
+        with pytest.raises(FrontendDeadError):
             llm.check_health()
-        with pytest.raises(Exception):
+        with pytest.raises(FrontendDeadError):
             llm.prepare([1, 2, 3], SamplingParams(max_tokens=2))  # new requests refused
         await llm.shutdown()
-        return outs, elapsed, pids
+        return outs, pids
 
-    outs, elapsed, pids = asyncio.run(scenario())
-    assert elapsed < 30
-    for o in outs:
-        assert o.outputs[0].finish_reason == "error"
-        assert len(o.outputs[0].token_ids) < 400
-    time.sleep(1.0)
-    for pid in pids:
-        assert not pid_alive(pid), f"worker process {pid} left behind"
+    outs, pids = asyncio.run(scenario())
+    for tokens, reason in outs:
+        assert reason == "error"
+        assert len(tokens) < 400
+    assert wait_pids_gone(pids, timeout_s=30) == [], "worker processes left behind"
     # A new engine starts fine afterwards.
     llm = LLM(model=ckpt, executor="ray")
     try:
@@ -94,30 +111,6 @@ def test_worker_death_fails_requests_and_engine(ray_local, ckpt, prompts):
         llm.shutdown()
 
 
-def test_forged_message_rejected():
-    import msgspec
-
-    from executors.channel import sign
-    ctx = zmq.Context()
-    key = b"k" * 32
-    rx = Channel(ctx, zmq.PULL, key, dict, bind_host="127.0.0.1")
-    raw = ctx.socket(zmq.PUSH)
-    raw.connect(rx.address)
-    try:
-        evil = msgspec.msgpack.encode({"evil": 1})
-        raw.send_multipart([sign(b"x" * 32, evil), evil])  # wrong key
-        raw.send_multipart([b"short", b"\x80"])  # malformed
-        ok = msgspec.msgpack.encode({"ok": 1})
-        raw.send_multipart([sign(key, ok), ok])
-        assert rx.recv(timeout_ms=5000) == {"ok": 1}
-        assert rx.rejected == 2
-        assert rx.recv(timeout_ms=100) is None
-    finally:
-        raw.close(linger=0)
-        rx.close()
-        ctx.term()
-
-
 def test_pp_batch_queue_overlaps(ckpt, prompts):
     """Two batches in flight at once: stage 0 runs step k+1 while stage 1 still
     runs step k; outputs equal the PP=1 run."""
@@ -125,16 +118,16 @@ def test_pp_batch_queue_overlaps(ckpt, prompts):
               max_num_seqs=8)
     try:
         assert llm.engine.batch_queue_size == 2
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        got = _ids_and_top5(llm, prompts)
         flat = llm.engine.executor.collective_rpc("step_timeline")
     finally:
         llm.shutdown()
     ref_llm = LLM(model=ckpt, max_num_batched_tokens=64, max_num_seqs=8)
     try:
-        ref = [o.outputs[0].token_ids for o in ref_llm.generate(prompts, GREEDY, use_tqdm=False)]
+        ref = _ids_and_top5(ref_llm, prompts)
     finally:
         ref_llm.shutdown()
-    assert sum(g == r for g, r in zip(got, ref)) >= len(prompts) - 1
+    _assert_close(got, ref, "pp=2 batch queue")
     s0 = {int(flat[0][i]): (flat[0][i + 1], flat[0][i + 2]) for i in range(0, len(flat[0]), 3)}
     s1 = {int(flat[1][i]): (flat[1][i + 1], flat[1][i + 2]) for i in range(0, len(flat[1]), 3)}
     steps = sorted(s1)

@@ -45,11 +45,8 @@ def hf(tok_dir: str):
 
 
 # ---- tokenizer_utils ----------------------------------------------------
-def test_training_is_deterministic_and_fast(tmp_path) -> None:
-    import time
-    t0 = time.perf_counter()
+def test_training_is_deterministic(tmp_path) -> None:
     a, b = build_tiny_tokenizer().to_str(), build_tiny_tokenizer().to_str()
-    assert (time.perf_counter() - t0) / 2 < 2.0
     assert a == b
     train_tiny_tokenizer(str(tmp_path), vocab_size=300)
     assert load_tokenizer(str(tmp_path)).vocab_size == 300

@@ -1,0 +1,65 @@
+"""Grammar backends behind a small registry.
+
+A backend turns StructuredOutputsParams into a Grammar: a matcher that is fed
+the request's accepted tokens; the backend fills the rows of a packed int32
+bitmask for a batch of grammars (bit j of word i allows token 32*i + j). Backends are built once per engine
+from the tokenizer directory and the model's vocab size; bits for ids the
+tokenizer does not know are always 0.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from engine.structured_output.params import StructuredOutputsParams
+
+
+class Grammar(Protocol):
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        """Advance by tokens the engine accepted; False if one is not allowed."""
+
+    def is_terminated(self) -> bool:
+        """The output is complete: no further token is allowed."""
+
+
+class StructuredOutputBackend(Protocol):
+    def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """Build a matcher; raises ValueError for an invalid or unsupported spec."""
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Raise ValueError (naming the problem) if compile() would fail."""
+
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: np.ndarray) -> None:
+        """Fill bitmask[i] for grammars[i] (C-contiguous int32 [n, words])."""
+
+
+BackendFactory = Callable[[str, int, "int | None"], StructuredOutputBackend]
+_BACKENDS: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    def deco(factory: BackendFactory) -> BackendFactory:
+        _BACKENDS[name] = factory
+        return factory
+    return deco
+
+
+def backend_names() -> list[str]:
+    _load_builtin()
+    return sorted(_BACKENDS)
+
+
+def make_backend(name: str, tokenizer_dir: str, vocab_size: int,
+                 eos_token_id: int | None) -> StructuredOutputBackend:
+    """tokenizer_dir holds tokenizer.json; vocab_size is the model's (logits) width."""
+    _load_builtin()
+    factory = _BACKENDS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown structured-output backend {name!r}; known: {sorted(_BACKENDS)}")
+    return factory(tokenizer_dir, vocab_size, eos_token_id)
+
+
+def _load_builtin() -> None:
+    from engine.structured_output import llguidance_backend  # noqa: F401  (registers itself)

@@ -1,0 +1,93 @@
+"""The llguidance backend: JSON schema, regex, choice and Lark through one matcher.
+
+JSON grammars are compact (no whitespace between tokens): a grammar that allows
+unbounded whitespace lets a weak model loop inside a structure until max_tokens.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import llguidance as llg
+import numpy as np
+
+from engine.structured_output.backend import register_backend
+from engine.structured_output.params import StructuredOutputsParams
+
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_ANY_JSON_OBJECT = {"type": "object"}
+
+
+class LLGuidanceGrammar:
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llg.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        m = self.matcher
+        for t in tokens:
+            if m.is_stopped() or not m.consume_token(t):
+                return False
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+
+class LLGuidanceBackend:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_id: int | None) -> None:
+        path = os.path.join(tokenizer_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"structured outputs need a tokenizer: {path} not found")
+        with open(path) as f:
+            text = f.read()
+        self.tokenizer = llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id)
+        # One Rust thread: it runs beside the forward (which holds the cores'
+        # torch threads) and, unlike per-matcher calls, without the GIL.
+        self._executor = llg.LLExecutor(num_threads=1)
+
+    def fill_bitmasks(self, grammars: list[LLGuidanceGrammar], bitmask: np.ndarray) -> None:
+        """All rows at once: bitmask[i] for grammars[i]."""
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                               bitmask.ctypes.data, words * 4, rows)
+
+    @staticmethod
+    def grammar_text(params: StructuredOutputsParams) -> str:
+        kind = params.kind
+        if kind == "json":
+            schema = params.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("structured_outputs.json must be a JSON object (a schema)")
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_JSON_OPTIONS)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(params.regex)
+        if kind == "choice":
+            alts = " | ".join(json.dumps(c) for c in params.choice)
+            return llg.LLMatcher.grammar_from_lark(f"start: {alts}")
+        return llg.LLMatcher.grammar_from_lark(params.grammar)
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(
+            self.grammar_text(params), self.tokenizer)
+        if is_error:
+            raise ValueError(f"invalid structured_outputs.{params.kind}: {msgs[0].strip()}")
+
+    def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
+        m = llg.LLMatcher(self.tokenizer, self.grammar_text(params), log_level=0)
+        if m.is_error():
+            raise ValueError(f"invalid structured_outputs.{params.kind}: {m.get_error()}")
+        return LLGuidanceGrammar(m)
+
+
+@register_backend("llguidance")
+def _make(tokenizer_dir: str, vocab_size: int, eos_token_id: int | None) -> LLGuidanceBackend:
+    return LLGuidanceBackend(tokenizer_dir, vocab_size, eos_token_id)

@@ -1,0 +1,165 @@
+"""The published OpenAPI schema, fuzzed with schemathesis.
+
+One in-process server (uvicorn on 127.0.0.1, one event loop, a tiny
+checkpoint, no Ray). Every operation of /openapi.json gets a bounded number
+of schema-valid and schema-violating requests: none may answer 5xx, every 4xx
+has the OpenAI error shape, and the engine is healthy and idle afterwards."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from llm_utils import make_checkpoint
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - after the importorskip
+
+KEY = "fuzz-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# Per operation and generation mode: keeps the run to seconds. A longer hunt:
+# CONVEYOR_FUZZ_EXAMPLES=250 (random instead of derandomized examples).
+EXAMPLES_PER_MODE = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "25"))
+DERANDOMIZE = "CONVEYOR_FUZZ_EXAMPLES" not in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(base url, AsyncLLM) of a uvicorn server in a thread; the AsyncLLM lives
+    on uvicorn's loop (the app's lifespan starts it)."""
+    import uvicorn
+
+    from cluster.openai_server import OpenAIServer, build_api
+    from engine.async_client import AsyncLLM
+    from engine.config import build_config
+
+    ckpt = make_checkpoint("llama", str(tmp_path_factory.mktemp("fuzz") / "llama"))
+    # A short context keeps every generated request (max_tokens None fills it) quick.
+    cfg = build_config({"model": {"path": ckpt, "max_model_len": 96},
+                        "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
+                        "serve": {"served_model_name": "tiny"}})
+    llm = AsyncLLM(cfg)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(build_api(OpenAIServer(llm, cfg), api_key=KEY),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:  # uvicorn sets it once the socket listens
+            if not thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        yield url, llm
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        asyncio.run(llm.shutdown())
+
+
+def _assert_openai_error(status: int, body: object) -> None:
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and isinstance(err["type"], str), err
+    assert isinstance(err["code"], str) and (err["param"] is None or isinstance(err["param"], str)), err
+
+
+def _check(status: int, content: bytes) -> None:
+    assert status < 500, f"{status}: {content[:500]!r}"
+    if status >= 400:
+        _assert_openai_error(status, json.loads(content))
+    elif content.startswith(b"data: "):  # a stream: errors go in-band, then [DONE]
+        events = [ln[6:] for ln in content.decode().split("\n\n") if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        for ev in events[:-1]:
+            obj = json.loads(ev)
+            if "error" in obj:  # an in-band error is the stream's 5xx
+                raise AssertionError(f"in-band error: {obj}")
+
+
+# Fields whose valid values the schema cannot say (unsupported features, the
+# served model's name, a prompt the tokenizer/vocab accepts). Steered cases
+# drop or fix them so the remaining random fields reach the engine.
+_REFUSED = frozenset({"model", "echo", "suffix", "best_of", "logit_bias", "stream_options",
+                      "tools", "tool_choice", "response_format"})
+
+
+def _steer(path: str, body: dict) -> dict:
+    out = {k: v for k, v in body.items() if k not in _REFUSED}
+    if path == "/v1/completions":
+        out["prompt"] = "The cat"
+    else:
+        out["messages"] = [{"role": "user", "content": "hi"}]
+    return out
+
+
+def test_openapi_is_served_behind_the_key(served):
+    url, _ = served
+    assert httpx.get(f"{url}/openapi.json").status_code == 401
+    spec = httpx.get(f"{url}/openapi.json", headers=AUTH).json()
+    body = spec["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/CompletionRequest"}
+    # Client errors are documented in the OpenAI shape, never as FastAPI's 422.
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = spec["paths"][path]["post"]["responses"]
+        assert "422" not in responses and "4XX" in responses
+    # FastAPI's own validation answers 400 naming the field, not 422.
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "x", "n": "two"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    r = httpx.post(f"{url}/v1/completions", headers={**AUTH, "Content-Type": "text/plain"},
+                   content=b'{"prompt": "x"}')
+    assert r.status_code == 415, r.text
+    _assert_openai_error(415, r.json())
+
+
+def test_schemathesis_no_5xx_and_openai_errors(served):
+    from schemathesis import GenerationMode
+
+    url, llm = served
+    # Streams are read to the end (schemathesis stops at 64 events by default).
+    config = schemathesis.Config.from_dict({"max-stream-events": 100_000})
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json", headers=AUTH, config=config)
+    ops = [r.ok() for r in schema.get_all_operations()]
+    assert {op.path for op in ops} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
+    calls: dict[str, int] = {}
+    reached = 0  # steered requests the engine answered (so the steer is not dead)
+    for op in ops:
+        # A GET without parameters has no schema-violating request to make.
+        post = op.method == "post"
+        for mode, steer in [(GenerationMode.POSITIVE, False)] + (
+                [(GenerationMode.POSITIVE, True), (GenerationMode.NEGATIVE, False)] if post else []):
+            @settings(max_examples=EXAMPLES_PER_MODE, deadline=None, database=None,
+                      suppress_health_check=list(HealthCheck), derandomize=DERANDOMIZE)
+            @given(case=op.as_strategy(generation_mode=mode))
+            def fuzz(case) -> None:
+                nonlocal reached
+                if steer and isinstance(case.body, dict):
+                    case.body = _steer(op.path, case.body)
+                r = case.call(base_url=url, headers=AUTH, timeout=60)
+                assert not r.stream_cut_short
+                calls[op.path] = calls.get(op.path, 0) + 1
+                _check(r.status_code, r.content)
+                reached += steer and r.status_code == 200
+
+            fuzz()
+    assert calls.get("/v1/completions", 0) >= EXAMPLES_PER_MODE, calls
+    assert reached >= EXAMPLES_PER_MODE // 2, reached
+    # Healthy and idle afterwards: a normal request works, nothing is left in flight.
+    assert httpx.get(f"{url}/health").status_code == 200
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "The cat", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert llm.num_unfinished == 0 and llm.stats.num_running_reqs == 0
+    assert llm.stats.kv_cache_usage == 0.0, llm.stats

@@ -1,0 +1,228 @@
+"""Structured outputs over the OpenAI API (in process, no Ray): the official
+client's parse() with a pydantic model, response_format and vLLM's
+structured_outputs on both routes, streaming, every error case, batch lines."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+from llm_utils import make_checkpoint
+from structured_schemas import SCHEMAS
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=6)
+    age: int = Field(ge=0, le=30)
+    good: bool
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint("llama", str(tmp_path_factory.mktemp("soh") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def api(ckpt):
+    """(event loop, FastAPI app, AsyncLLM) on one loop for the whole module."""
+    from cluster.openai_server import OpenAIServer, build_api
+    from engine.async_client import AsyncLLM
+    from engine.config import build_config
+
+    cfg = build_config({"model": {"path": ckpt, "max_model_len": 512},
+                        "serve": {"served_model_name": "tiny"}})
+    loop = asyncio.new_event_loop()
+    llm = AsyncLLM(cfg)
+    srv = OpenAIServer(llm, cfg)
+    app = build_api(srv, api_key=None)
+    loop.run_until_complete(srv.start())
+    yield loop, app, llm
+    loop.run_until_complete(llm.shutdown())
+    loop.close()
+
+
+def _run(api, coro_fn):
+    loop, app, _ = api
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     timeout=60) as c:
+            return await coro_fn(c)
+    return loop.run_until_complete(go())
+
+
+def _openai(c: httpx.AsyncClient):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=c, max_retries=0)
+
+
+def _assert_error(r: httpx.Response, param: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    assert isinstance(err["type"], str) and isinstance(err["code"], str)
+
+
+def test_openai_parse_with_pydantic_model(api):
+    async def go(c):
+        client = _openai(c)
+        outs = []
+        for seed in range(4):
+            comp = await client.chat.completions.parse(
+                model="tiny", messages=[{"role": "user", "content": "a pet please"}],
+                response_format=Pet, temperature=1.0, seed=seed, max_tokens=100)
+            outs.append(comp.choices[0])
+        return outs
+    for choice in _run(api, go):
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Pet)
+
+
+def test_response_format_and_structured_outputs_both_routes(api):
+    schema = SCHEMAS[24]
+
+    async def go(c):
+        bodies = [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "response_format": {"type": "json_schema", "json_schema": {
+                                          "name": "p", "schema": schema, "strict": True}}}),
+            ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema",
+                                 "json_schema": {"name": "p", "schema": schema}}}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "structured_outputs": {"json": schema}}),
+            ("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": schema}}),
+            ("/v1/completions", {"prompt": "hi", "structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                      "structured_outputs": {"choice": ["left", "right"]}}),
+            ("/v1/completions", {"prompt": "hi", "structured_outputs": {"grammar": 'start: ("a" | "c"){1,3} "b"'}}),
+        ]
+        return await asyncio.gather(*(c.post(url, json={"model": "tiny", "max_tokens": 120,
+                                                        "temperature": 0.0, **b}) for url, b in bodies))
+    rs = _run(api, go)
+    texts = []
+    for r in rs:
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        assert ch["finish_reason"] == "stop"
+        texts.append(ch["message"]["content"] if "message" in ch else ch["text"])
+    for t in texts[:4]:
+        jsonschema.validate(json.loads(t), schema)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", texts[4]) and texts[5] in ("left", "right")
+    assert re.fullmatch(r"[ac]{1,3}b", texts[6])
+
+
+def test_json_object_and_text(api):
+    async def go(c):
+        a = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "json"}], "max_tokens": 400, "temperature": 0.0,
+            "response_format": {"type": "json_object"}})
+        b = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 3,
+                                                  "response_format": {"type": "text"}})
+        return a, b
+    a, b = _run(api, go)
+    assert a.status_code == 200 and b.status_code == 200
+    ch = a.json()["choices"][0]
+    text = ch["message"]["content"]
+    assert text.startswith("{")
+    if ch["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_streamed_structured_output_concatenates(api):
+    schema = SCHEMAS[25]
+
+    async def go(c):
+        client = _openai(c)
+        stream = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "stream"}], stream=True,
+            max_tokens=150, temperature=1.0, seed=5, stream_options={"include_usage": True},
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        parts, finish, usage = [], None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                parts.append(ch.delta.content or "")
+                finish = ch.finish_reason or finish
+        return "".join(parts), finish, usage
+    text, finish, usage = _run(api, go)
+    assert finish == "stop" and usage.completion_tokens > 0
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "uniqueItems": True}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {"type": "string", "pattern": "(("}}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+])
+def test_errors_are_400_naming_the_field(api, body, param):
+    _, _, llm = api
+
+    async def go(c):
+        chat = await c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], **body})
+        cmpl = await c.post("/v1/completions", json={"prompt": "x", **body})
+        ok = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        return chat, cmpl, ok
+    chat, cmpl, ok = _run(api, go)
+    _assert_error(chat, param)
+    _assert_error(cmpl, param)
+    assert ok.status_code == 200 and llm.num_unfinished == 0
+
+
+def test_structured_metrics(api):
+    from cluster.metrics import ServeMetrics
+
+    _, _, llm = api
+    text = ServeMetrics(llm, "tiny").render().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("conveyor:structured_output"):
+            name, v = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(v)
+    # The module's earlier tests sent structured requests (parse, both routes, streaming).
+    assert values["conveyor:structured_output_requests_total"] >= 10
+    assert values["conveyor:structured_output_grammar_compile_seconds_count"] >= 10
+    assert values["conveyor:structured_output_bitmask_seconds_count"] >= 10
+    assert 0 < values["conveyor:structured_output_bitmask_seconds_sum"] < 60
+
+
+def test_batch_lines_with_structured_bodies(tmp_path, ckpt):
+    from cluster.batch import main
+
+    schema = SCHEMAS[1]
+    cfg = tmp_path / "engine.yaml"
+    cfg.write_text(json.dumps({"model": {"path": ckpt, "max_model_len": 512},
+                               "parallel": {"executor": "mp"}, "serve": {"served_model_name": "tiny"}}))
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 80,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "hi", "max_tokens": 20, "structured_outputs": {"choice": ["up", "down"]}}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "hi", "structured_outputs": {"regex": "(("}}}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert main(["--config", str(cfg), "--input", str(inp), "--output", str(out), "--no-progress"]) == 0
+    recs = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    a = recs["a"]["response"]["body"]["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(a), schema)
+    assert recs["b"]["response"]["body"]["choices"][0]["text"] in ("up", "down")
+    assert recs["c"]["response"]["status_code"] == 400
+    assert recs["c"]["response"]["body"]["error"]["param"] == "structured_outputs"
