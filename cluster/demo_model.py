@@ -25,13 +25,28 @@ BOS, EOS, UNK, PAD = "<s>", "</s>", "<unk>", "<pad>"
 SPECIAL_TOKENS = [BOS, EOS, UNK, PAD]
 
 # Role markers are plain text (not added tokens) so they tokenize like prose.
+# Tools (HF's `tools` variable) go first as a system turn, one JSON schema a
+# line; assistant tool calls render in the hermes format the default
+# tool-call parser reads back; tool results are `tool` turns.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n# Tools\\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ eos_token + '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('Unknown role: ' + message['role']) }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% if message['tool_calls'] is defined %}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ call['function']['arguments'] | tojson }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ eos_token + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )

@@ -152,6 +152,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # assistant turns; checked in cluster/tools.py
+    tool_call_id: str | None = None  # tool turns
 
 
 class ChatRequest(_SamplingFields):
@@ -161,8 +163,9 @@ class ChatRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # checked in cluster/tools.py, like tool_choice
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
@@ -179,8 +182,6 @@ def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of must equal n", "best_of", "unsupported_parameter")
         return
-    if req.tools or req.tool_choice not in (None, "none"):
-        raise bad_request("tools are not supported", "tools", "unsupported_parameter")
 
 
 def chat_max_tokens(req: ChatRequest) -> tuple[int | None, str]:

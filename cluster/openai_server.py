@@ -33,8 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import WebSocketRoute
 
 from cluster import openai_protocol as P
-from cluster.metrics import CONTENT_TYPE, RequestTimer, ServeMetrics
+from cluster.metrics import CONTENT_TYPE, ServeMetrics
 from cluster.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from cluster.openai_responses import ResponseBuilding
+from cluster.tool_response import ToolSession
+from cluster.tools import ToolPlan, template_input, tool_plan
 from engine.async_client import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -74,66 +77,6 @@ def internal_error() -> P.APIError:
     return P.APIError(500, "internal server error", type="internal_error", code="internal_error")
 
 
-async def merge_streams(gens: list[AsyncIterator[RequestOutput]]
-                        ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
-    """Interleave engine streams. Yields every delta that is ready as one
-    batch of (prompt index, delta), in arrival order: a consumer that falls
-    behind the engine takes several steps at once (fewer, larger SSE events
-    under load) instead of falling further behind. Closing this generator (or
-    cancelling its consumer) closes every engine stream, which aborts them."""
-    if len(gens) == 1:  # the common case: no pump task, no second queue
-        try:
-            async for ro in gens[0]:
-                yield [(0, ro)]
-        finally:
-            await gens[0].aclose()
-        return
-    q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for ro in g:
-                q.put_nowait((i, ro))
-            q.put_nowait((i, done))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            q.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        remaining = len(gens)
-        while remaining:
-            items = [await q.get()]
-            while not q.empty():
-                items.append(q.get_nowait())
-            batch = []
-            for i, item in items:
-                if item is done:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    batch.append((i, item))
-            if batch:
-                yield batch
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for g in gens:
-            await g.aclose()
-
-
-@dataclass
-class _Acc:
-    """One choice accumulated over deltas (non-streaming responses)."""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    reason: str | None = None
-    stop_reason: int | str | None = None
-
-
 @dataclass
 class _Job:
     """A validated request, ready to run: one engine request per prompt."""
@@ -144,6 +87,7 @@ class _Job:
     params: list[SamplingParams]
     req: Any
     created: int = field(default_factory=lambda: int(time.time()))
+    tools: ToolSession | None = None  # chat with tools whose calls may come back
     prepared: list[PreparedRequest] = field(default_factory=list)  # one per prompt
 
     @property
@@ -160,7 +104,7 @@ class _Job:
         return self.params[0].logprobs
 
 
-class OpenAIServer:
+class OpenAIServer(ResponseBuilding):
     def __init__(self, llm: AsyncLLM, config: EngineConfig, metrics: ServeMetrics | None = None,
                  max_admitted: int | None = None) -> None:
         """max_admitted: engine requests (prompts x n) in flight at once (None:
@@ -233,8 +177,9 @@ class OpenAIServer:
         if tok is None:
             raise P.bad_request("this model has no tokenizer: chat is unavailable", "messages")
         try:
-            text = tok.apply_chat_template(P.render_messages(req),
-                                           add_generation_prompt=req.add_generation_prompt)
+            messages, extra = template_input(req)
+            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                           **extra)
         except ValueError as e:
             raise P.bad_request(str(e), "messages") from None
         # The template already holds the special tokens it wants (vLLM's default).
@@ -243,12 +188,14 @@ class OpenAIServer:
             raise P.bad_request("the rendered chat prompt is empty", "messages")
         return ids
 
-    def _params(self, req: Any, requested: int | None) -> SamplingParams:
+    def _params(self, req: Any, requested: int | None, plan: ToolPlan | None = None) -> SamplingParams:
         """The request's SamplingParams, built (so checked) once, before any
         prompt is tokenized; max_tokens None fills the context (resolved per
         prompt by the engine's frontend, which also checks the context length)."""
         self._check_priority(req)
         sp = P.to_sampling_params(req, requested)
+        if plan is not None and plan.constraint is not None:  # "required"/named tool_choice
+            sp = sp.clone(structured_outputs=plan.constraint)
         if sp.structured_outputs is not None:
             self._check_structured(req, sp)
         return sp
@@ -296,7 +243,7 @@ class OpenAIServer:
         return rid
 
     def _job(self, kind: str, request: Request, req: Any, prompts: list[list[int]],
-             sp: SamplingParams, prompt_param: str) -> _Job:
+             sp: SamplingParams, prompt_param: str, plan: ToolPlan | None = None) -> _Job:
         self._check_cost(len(prompts) * sp.n)
         params = [sp] * len(prompts)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{self._request_id(request)}"
@@ -304,7 +251,7 @@ class OpenAIServer:
         # A request id in flight twice would let one request's clean-up abort the other.
         if not self._active_ids.isdisjoint(eids):
             raise P.bad_request(f"request id {rid!r} is already in use", "X-Request-Id")
-        job = _Job(kind, rid, eids, prompts, params, req)
+        job = _Job(kind, rid, eids, prompts, params, req, tools=plan and ToolSession(plan))
         self._prepare(job, prompt_param)
         return job
 
@@ -322,8 +269,10 @@ class OpenAIServer:
     async def chat(self, req: P.ChatRequest, request: Request) -> Response:
         P.check_unsupported(req)
         self._check_model(req.model)
-        sp = self._params(req, P.chat_max_tokens(req)[0])
-        job = self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages")
+        plan = tool_plan(req, self.config.serve.tool_call_parser,
+                         self.llm.frontend.validate_structured_outputs)
+        sp = self._params(req, P.chat_max_tokens(req)[0], plan)
+        job = self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan)
         return await self._respond(job)
 
     def models(self) -> dict[str, Any]:
@@ -399,43 +348,6 @@ class OpenAIServer:
                 raise engine_unavailable()
             raise internal_error()
 
-    def _absorb(self, job: _Job, batch: list[tuple[int, RequestOutput]], timers: list[RequestTimer],
-                into: dict[int, _Acc]) -> int:
-        """Fold a batch of deltas into per-choice accumulators; returns new tokens."""
-        n_tokens = 0
-        for i, ro in batch:
-            timers[i].on_tokens(sum(len(d.token_ids) for d in ro.outputs))
-            for d in ro.outputs:
-                self._check_delta(d.finish_reason)
-                a = into.setdefault(i * job.n + d.index, _Acc())
-                a.text += d.text
-                a.token_ids += d.token_ids
-                a.logprobs += d.logprobs or []
-                a.reason, a.stop_reason = d.finish_reason, d.stop_reason
-                n_tokens += len(d.token_ids)
-            if ro.finished:
-                timers[i].finish()
-        return n_tokens
-
-    async def _collect(self, job: _Job) -> dict[str, Any]:
-        timers = [self.metrics.timer() for _ in job.prompts]
-        accs: dict[int, _Acc] = {}
-        async for batch in merge_streams(self._streams(job)):
-            self._absorb(job, batch, timers, accs)
-        choices = [self._final_choice(job, idx, accs[idx]) for idx in sorted(accs)]
-        completion_tokens = sum(len(a.token_ids) for a in accs.values())
-        kind = "text_completion" if job.kind == "completion" else "chat.completion"
-        return P.envelope(kind, job.rid, self.model_name, choices,
-                          P.usage(sum(map(len, job.prompts)), completion_tokens), job.created)
-
-    def _final_choice(self, job: _Job, idx: int, a: _Acc) -> dict[str, Any]:
-        k = job.k
-        if job.kind == "completion":
-            lp = self.fmt.completion(a.token_ids, a.logprobs, k, 0)[0] if k is not None else None
-            return P.completion_choice(idx, a.text, lp, a.reason, a.stop_reason)
-        lp = self.fmt.chat(a.token_ids, a.logprobs, k) if k is not None else None
-        return P.chat_choice(idx, a.text, lp, a.reason, a.stop_reason)
-
     async def _guarded_sse(self, job: _Job) -> AsyncIterator[bytes]:
         """SSE body: errors after the stream started go in-band, then [DONE].
         Cancellation (client gone) propagates and closes the engine streams."""
@@ -452,42 +364,6 @@ class OpenAIServer:
         finally:
             await self._abort_all(job)
         yield P.SSE_DONE
-
-    async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
-        chat = job.kind == "chat"
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        timers = [self.metrics.timer() for _ in job.prompts]
-        offsets: dict[int, int] = {}
-        tokens_out = 0
-        if chat:
-            for idx in range(job.n * len(job.prompts)):
-                yield P.sse(P.envelope(kind, job.rid, self.model_name, [
-                    P.chat_delta(idx, {"role": "assistant", "content": ""})], created=job.created))
-        pending: dict[int, _Acc] = {}  # choice -> tokens not sent yet
-        started: set[int] = set()
-        async for batch in merge_streams(self._streams(job)):
-            tokens_out += self._absorb(job, batch, timers, pending)
-            ready = sorted(idx for idx, a in pending.items() if a.reason is not None or idx not in started
-                           or len(a.token_ids) >= self.stream_interval)
-            if ready:
-                started.update(ready)
-                choices = [self._delta_choice(job, idx, pending.pop(idx), offsets) for idx in ready]
-                yield P.sse(P.envelope(kind, job.rid, self.model_name, choices, created=job.created))
-        if job.req.include_usage:
-            yield P.sse(P.envelope(kind, job.rid, self.model_name, [],
-                                   P.usage(sum(map(len, job.prompts)), tokens_out), job.created))
-
-    def _delta_choice(self, job: _Job, idx: int, d: _Acc, offsets: dict[int, int]) -> dict[str, Any]:
-        k = job.k
-        if job.kind == "completion":
-            lp = None
-            if k is not None:
-                lp, offsets[idx] = self.fmt.completion(d.token_ids, d.logprobs, k, offsets.get(idx, 0))
-            return P.completion_choice(idx, d.text, lp, d.reason, d.stop_reason)
-        lp = self.fmt.chat(d.token_ids, d.logprobs, k) if k is not None else None
-        delta = {"content": d.text} if d.text or d.reason is None else {}
-        return P.chat_delta(idx, delta, lp, d.reason, d.stop_reason)
-
 
 # ---- the ASGI app ----------------------------------------------------------------------
 

@@ -103,6 +103,10 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # proxy hop. Every Ray process needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1:
     # `conveyor serve` sets it when it starts Ray itself.
     direct_ingress: bool = False
+    # How "auto" tool_choice finds calls in generated text, and the format
+    # "required"/named tool_choice constrain output to (cluster/tool_parsers/):
+    # hermes (<tool_call>{...}</tool_call>, Qwen) or llama3_json (bare JSON).
+    tool_call_parser: str = "hermes"
     # Whether the `priority` request field (policy "priority") is honoured:
     # off by default, so one client cannot jump every other client's queue.
     # Off, a request that sends a non-default priority gets 400.
@@ -321,6 +325,7 @@ _BACKENDS = ("auto", "torch", "triton")
 _EXECUTORS = ("uniproc", "ray", "mp")
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
+_TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # == cluster.tool_parsers.TOOL_PARSERS (a test checks)
 # The Triton kernels' tile shapes (kernels/paged_attention.py asserts the same
 # set; a test keeps the two in step).
 TRITON_BLOCK_SIZES = (16, 32, 64)
@@ -378,6 +383,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.stream_batching_interval_ms": ("float in [0, 10000]", lambda v: 0.0 <= v <= 10000.0),
     "serve.engine_actor": ("bool", lambda v: True),
     "serve.direct_ingress": ("bool", lambda v: True),
+    "serve.tool_call_parser": _one_of(_TOOL_CALL_PARSERS),
     "serve.allow_client_priority": ("bool", lambda v: True),
     "structured_outputs.backend": _one_of(("llguidance",)),
     "structured_outputs.compile_threads": ("int in 1..64", lambda v: 1 <= v <= 64),

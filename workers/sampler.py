@@ -12,7 +12,9 @@ Order (vLLM's):
   4. greedy rows: argmax;
   5. random rows: / temperature, top-k, top-p, min-p, softmax, then the
      exponential race argmax(p / q), q ~ Exp(1). For a seeded row q comes
-     from its own generator, so its tokens do not depend on the batch.
+     from its own generator, reseeded from (seed, output position) before
+     each draw, so its tokens depend neither on the batch nor on chunking,
+     preemption or any other history.
 
 Invariant: the caller's logits tensor is never modified.
 """
@@ -70,9 +72,11 @@ class SamplingMetadata:
     max_top_k: int  # max effective k over rows with top-k (<= V); 0 if none
     top_p: torch.Tensor | None  # [B] fp32, 1.0 = off; None when no row uses it
     min_p: torch.Tensor | None  # [B] fp32, 0.0 = off; None when no row uses it
-    # Row index -> generator, random rows only: greedy rows never draw, so a
-    # request consumes the same randomness whatever the batch's mix.
-    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Row index -> (generator, its seed for this draw), random seeded rows
+    # only. The seed depends only on (request seed, output position), so a
+    # request's draws are the same alone, batched, chunked (partial-prefill
+    # rows draw and discard) or recomputed after preemption or recovery.
+    generators: dict[int, tuple[torch.Generator, int]] = field(default_factory=dict)
     max_num_logprobs: int | None = None  # None: no row asked for logprobs
     penalties: Penalties | None = None
     # (row ids, token ids) set to -inf: EOS + stop ids of rows below min_tokens.
@@ -100,8 +104,8 @@ class SamplingMetadata:
             max_top_k=max_top_k,
             top_p=_optional_f32([p.top_p for p in params], greedy, 1.0, device),
             min_p=_optional_f32([p.min_p for p in params], greedy, 0.0, device),
-            generators={i: r.generator for i, r in enumerate(rows)
-                        if r.generator is not None and not greedy[i]},
+            generators={i: (r.generator, position_seed(r.sampling_params.seed, len(r.output_token_ids)))
+                        for i, r in enumerate(rows) if r.generator is not None and not greedy[i]},
             max_num_logprobs=max(logprobs) if logprobs else None,
             penalties=_build_penalties(rows, vocab_size, device),
             min_tokens_index=_build_min_tokens(rows, vocab_size, device),
@@ -289,11 +293,21 @@ def _exponential_noise(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
     q = torch.empty_like(probs)
     if len(meta.generators) < probs.shape[0]:
         q.exponential_()  # one batched draw for every unseeded row
-    for i, gen in meta.generators.items():
-        # q[i] is a contiguous [V] row: it consumes exactly what
+    for i, (gen, seed) in meta.generators.items():
+        # q[i] is a contiguous [V] row: it draws exactly what
         # torch.empty(V).exponential_(generator=gen) would, wherever row i is.
+        gen.manual_seed(seed)
         q[i].exponential_(generator=gen)
     return q.clamp_min_(_TINY)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a request's draw for output token `position`
+    (a 64-bit mix: nearby (seed, position) pairs give unrelated streams)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 31
+    x = (x * 0xD6E8FEB86659FD93) & (2**64 - 1)
+    return (x ^ (x >> 32)) & (2**63 - 1)
 
 
 def apply_top_k(x: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tensor:

@@ -104,14 +104,22 @@ def test_temperature_distribution_batched() -> None:
 
 
 def test_temperature_distribution_seeded_generator() -> None:
-    # One seeded request over many steps draws from softmax(logits / T).
+    # One seeded request over many steps (its output growing) draws from
+    # softmax(logits / T); each draw depends only on (seed, output position).
     base = torch.tensor([[1.0, 0.0, 0.5, -0.5]])
     r = row(temperature=1.3, seed=7)
-    meta = SamplingMetadata.build([r], 4, CPU)
     sampler = Sampler()
-    toks = torch.cat([sampler(base, meta).sampled_token_ids for _ in range(4000)])
+    toks = []
+    for _ in range(4000):
+        tok = int(sampler(base, SamplingMetadata.build([r], 4, CPU)).sampled_token_ids[0])
+        toks.append(tok)
+        r.output_token_ids.append(tok)
     expected = torch.softmax(base[0] / 1.3, -1)
-    assert torch.allclose(freqs(toks, 4), expected, atol=0.03)
+    assert torch.allclose(freqs(torch.tensor(toks), 4), expected, atol=0.03)
+    # The same position draws the same token, whatever happened before.
+    r2 = row(temperature=1.3, seed=7, output=r.output_token_ids[:100])
+    again = int(sampler(base, SamplingMetadata.build([r2], 4, CPU)).sampled_token_ids[0])
+    assert again == toks[100]
 
 
 def test_top_p_excludes_tail() -> None:

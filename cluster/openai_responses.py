@@ -1,0 +1,127 @@
+"""Responses from engine deltas, for OpenAIServer: one JSON body
+(`_collect`) or SSE chunks (`_sse`), completions and chat, with tool calls.
+
+A mixin so the server's request handling and its response building sit in
+different files; it uses the server's `fmt`, `metrics`, `model_name`,
+`stream_interval`, `_streams` and `_check_delta`.
+
+Invariants:
+- Choice index = prompt index * n + the engine's choice index.
+- A streamed choice sends its first tokens and its finish at once, other
+  tokens once `stream_interval` are pending; one chunk names a choice at
+  most once (tool-call deltas spread over successive chunks).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cluster import openai_protocol as P
+from cluster.metrics import RequestTimer, ServeMetrics
+from cluster.streams import merge_streams
+from cluster.tool_response import rounds
+from engine.output_processor import RequestOutput
+
+if TYPE_CHECKING:
+    from cluster.openai_server import _Job
+
+
+@dataclass
+class _Acc:
+    """One choice accumulated over deltas (non-streaming responses)."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ResponseBuilding:
+    fmt: P.LogprobFormatter
+    metrics: ServeMetrics
+    model_name: str
+    stream_interval: int
+
+    def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
+        raise NotImplementedError
+
+    def _check_delta(self, reason: str | None) -> None:
+        raise NotImplementedError
+
+    def _absorb(self, job: _Job, batch: list[tuple[int, RequestOutput]], timers: list[RequestTimer],
+                into: dict[int, _Acc]) -> int:
+        """Fold a batch of deltas into per-choice accumulators; returns new tokens."""
+        n_tokens = 0
+        for i, ro in batch:
+            timers[i].on_tokens(sum(len(d.token_ids) for d in ro.outputs))
+            for d in ro.outputs:
+                self._check_delta(d.finish_reason)
+                a = into.setdefault(i * job.n + d.index, _Acc())
+                a.text += d.text
+                a.token_ids += d.token_ids
+                a.logprobs += d.logprobs or []
+                a.reason, a.stop_reason = d.finish_reason, d.stop_reason
+                n_tokens += len(d.token_ids)
+            if ro.finished:
+                timers[i].finish()
+        return n_tokens
+
+    async def _collect(self, job: _Job) -> dict[str, Any]:
+        timers = [self.metrics.timer() for _ in job.prompts]
+        accs: dict[int, _Acc] = {}
+        async for batch in merge_streams(self._streams(job)):
+            self._absorb(job, batch, timers, accs)
+        choices = [self._final_choice(job, idx, accs[idx]) for idx in sorted(accs)]
+        completion_tokens = sum(len(a.token_ids) for a in accs.values())
+        kind = "text_completion" if job.kind == "completion" else "chat.completion"
+        return P.envelope(kind, job.rid, self.model_name, choices,
+                          P.usage(sum(map(len, job.prompts)), completion_tokens), job.created)
+
+    def _final_choice(self, job: _Job, idx: int, a: _Acc) -> dict[str, Any]:
+        k = job.k
+        if job.kind == "completion":
+            lp = self.fmt.completion(a.token_ids, a.logprobs, k, 0)[0] if k is not None else None
+            return P.completion_choice(idx, a.text, lp, a.reason, a.stop_reason)
+        lp = self.fmt.chat(a.token_ids, a.logprobs, k) if k is not None else None
+        choice = P.chat_choice(idx, a.text, lp, a.reason, a.stop_reason)
+        return job.tools.finish_choice(choice, a.text) if job.tools else choice
+
+    async def _sse(self, job: _Job) -> AsyncIterator[bytes]:
+        chat = job.kind == "chat"
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        timers = [self.metrics.timer() for _ in job.prompts]
+        offsets: dict[int, int] = {}
+        tokens_out = 0
+        if chat:
+            for idx in range(job.n * len(job.prompts)):
+                yield P.sse(P.envelope(kind, job.rid, self.model_name, [
+                    P.chat_delta(idx, {"role": "assistant", "content": ""})], created=job.created))
+        pending: dict[int, _Acc] = {}  # choice -> tokens not sent yet
+        started: set[int] = set()
+        async for batch in merge_streams(self._streams(job)):
+            tokens_out += self._absorb(job, batch, timers, pending)
+            ready = sorted(idx for idx, a in pending.items() if a.reason is not None or idx not in started
+                           or len(a.token_ids) >= self.stream_interval)
+            if ready:
+                started.update(ready)
+                per_choice = [self._delta_choice(job, idx, pending.pop(idx), offsets) for idx in ready]
+                for choices in rounds(per_choice):
+                    yield P.sse(P.envelope(kind, job.rid, self.model_name, choices, created=job.created))
+        if job.req.include_usage:
+            yield P.sse(P.envelope(kind, job.rid, self.model_name, [],
+                                   P.usage(sum(map(len, job.prompts)), tokens_out), job.created))
+
+    def _delta_choice(self, job: _Job, idx: int, d: _Acc,
+                      offsets: dict[int, int]) -> list[dict[str, Any]]:
+        """The choice's delta; with tools, the parser may split or hold it."""
+        k = job.k
+        if job.kind == "completion":
+            lp = None
+            if k is not None:
+                lp, offsets[idx] = self.fmt.completion(d.token_ids, d.logprobs, k, offsets.get(idx, 0))
+            return [P.completion_choice(idx, d.text, lp, d.reason, d.stop_reason)]
+        lp = self.fmt.chat(d.token_ids, d.logprobs, k) if k is not None else None
+        delta = {"content": d.text} if d.text or d.reason is None else {}
+        choice = P.chat_delta(idx, delta, lp, d.reason, d.stop_reason)
+        return job.tools.delta_choices(idx, choice, d.text) if job.tools else [choice]

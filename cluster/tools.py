@@ -1,0 +1,191 @@
+"""Tool calling, request side: validate `tools`, `tool_choice`,
+`parallel_tool_calls` and the tool turns of `messages`, render them for the
+chat template, and build the grammar that "required"/named choices run under.
+
+Invariants:
+- Every client mistake is a 400 naming the field (`tools`, `tool_choice`,
+  `messages`) before anything is queued; every tool's `parameters` schema is
+  compile-checked whatever the choice, so a broken one never waits for the
+  request that would have needed it.
+- A ToolPlan exists only when calls may come back (tools given and
+  tool_choice is not "none"); without one the response is plain content.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from cluster import openai_protocol as P
+from cluster.structured_request import structured_outputs_of
+from cluster.tool_parsers import ToolParser, ToolSpec, get_tool_parser
+from engine.structured_output.params import StructuredOutputsParams
+
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+# No parameters: the call takes none (and a weak model cannot invent keys forever).
+_NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+MAX_TOOLS = 128
+# Calls per choice under "required": a weak model in a grammar that allows
+# unbounded calls can append calls until max_tokens cuts the last one off.
+MAX_PARALLEL_CALLS = 8
+
+
+class FunctionDef(BaseModel):
+    model_config = _STRICT
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class _CallFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: _CallFunction
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a request's output becomes tool calls."""
+    mode: str  # "auto" | "required" | "named"
+    parser: ToolParser
+    names: frozenset[str]
+    constraint: StructuredOutputsParams | None  # the grammar for required/named
+    max_calls: int = MAX_PARALLEL_CALLS  # 1 with parallel_tool_calls false; later calls are dropped
+
+
+def _validate(cls: type[BaseModel], obj: Any, param: str, where: str) -> Any:
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as e:
+        detail = e.errors()[0]
+        loc = ".".join(str(p) for p in detail.get("loc", ()))
+        raise P.bad_request(f"{where}{'.' + loc if loc else ''}: {detail.get('msg')}", param) from None
+
+
+def tool_specs(req: P.ChatRequest) -> list[ToolSpec]:
+    """The request's tools, checked: names unique and well-formed, parameters an object."""
+    tools = req.tools or []
+    if len(tools) > MAX_TOOLS:
+        raise P.bad_request(f"at most {MAX_TOOLS} tools are allowed", "tools")
+    specs: list[ToolSpec] = []
+    for i, raw in enumerate(tools):
+        fn = _validate(ToolDef, raw, "tools", f"tools[{i}]").function
+        if not _NAME_RE.match(fn.name):
+            raise P.bad_request(f"tools[{i}].function.name must match {_NAME_RE.pattern}", "tools")
+        if any(s.name == fn.name for s in specs):
+            raise P.bad_request(f"tools[{i}].function.name {fn.name!r} is not unique", "tools")
+        specs.append(ToolSpec(fn.name, fn.parameters if fn.parameters is not None else _NO_PARAMETERS))
+    return specs
+
+
+def _choice(req: P.ChatRequest, specs: list[ToolSpec]) -> tuple[str, str | None]:
+    """(mode, tool name for "named"); "auto" is the default with tools, "none" without."""
+    tc = req.tool_choice
+    if tc is None:
+        return ("auto" if specs else "none"), None
+    if isinstance(tc, str):
+        if tc not in ("none", "auto", "required"):
+            raise P.bad_request(f"tool_choice must be none, auto, required or a named function; "
+                                f"got {tc!r}", "tool_choice")
+        if tc == "required" and not specs:
+            raise P.bad_request('tool_choice "required" needs tools', "tool_choice")
+        return tc if specs or tc == "none" else "none", None
+    name = _validate(NamedToolChoice, tc, "tool_choice", "tool_choice").function.name
+    if all(s.name != name for s in specs):
+        raise P.bad_request(f"tool_choice names function {name!r}, which is not among tools",
+                            "tool_choice")
+    return "named", name
+
+
+def tool_plan(req: P.ChatRequest, parser_name: str,
+              check: Callable[[StructuredOutputsParams], None]) -> ToolPlan | None:
+    """Validate the tool fields; `check` compile-checks a constraint (ValueError)."""
+    specs = tool_specs(req)
+    mode, named = _choice(req, specs)
+    if not specs:
+        return None
+    parser = get_tool_parser(parser_name)
+    max_calls = 1 if req.parallel_tool_calls is False else MAX_PARALLEL_CALLS
+    try:  # ValueError: too long a grammar, or a schema llguidance refuses
+        everything = StructuredOutputsParams(grammar=parser.grammar(specs, max_calls))
+        check(everything)
+    except ValueError as e:
+        raise P.bad_request(f"the tools do not compile to a grammar: {e}", "tools") from None
+    if mode == "none":
+        return None
+    constraint = None
+    if mode in ("required", "named"):
+        if structured_outputs_of(req.response_format, req.structured_outputs)[0] is not None:
+            raise P.bad_request(f'tool_choice "{mode}" cannot be combined with response_format '
+                                "or structured_outputs", "tool_choice")
+        chosen = [s for s in specs if s.name == named] if mode == "named" else specs
+        constraint = (everything if mode == "required"
+                      else StructuredOutputsParams(grammar=parser.grammar(chosen, 1)))
+    return ToolPlan(mode, parser, frozenset(s.name for s in specs), constraint, max_calls)
+
+
+# ---- the chat template's input ---------------------------------------------------------
+
+def template_input(req: P.ChatRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(messages, extra template variables). Assistant tool calls carry their
+    arguments as objects (what HF templates render with `tojson`); a tool
+    message must answer a call made earlier in the conversation."""
+    messages = P.render_messages(req)
+    seen: set[str] = set()
+    for i, (m, d) in enumerate(zip(req.messages, messages)):
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise P.bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
+                                    "messages")
+            d["tool_calls"] = [_rendered_call(i, c, seen) for c in m.tool_calls]
+        if m.role == "tool":
+            if m.tool_call_id is None:
+                raise P.bad_request(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+            if m.tool_call_id not in seen:
+                raise P.bad_request(f"messages[{i}].tool_call_id {m.tool_call_id!r} matches no "
+                                    "earlier tool call", "messages")
+            d["tool_call_id"] = m.tool_call_id
+    extra = {"tools": req.tools} if req.tools else {}  # HF's variable: the tools as sent
+    return messages, extra
+
+
+def _rendered_call(i: int, raw: Any, seen: set[str]) -> dict[str, Any]:
+    call = _validate(AssistantToolCall, raw, "messages", f"messages[{i}].tool_calls")
+    try:
+        args = json.loads(call.function.arguments)
+    except ValueError:
+        raise P.bad_request(f"messages[{i}].tool_calls: arguments of {call.id!r} are not valid JSON",
+                            "messages") from None
+    seen.add(call.id)
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": args}}
