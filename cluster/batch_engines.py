@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import msgspec
 
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
 from executors.ray_placement import worker_bundle
 
 log = logging.getLogger("conveyor.batch")
@@ -100,10 +101,13 @@ class LineRunner:
             status, body = response.status_code, json.loads(response.body)
         except APIError as e:
             status, body = e.status, e.body()
+        except EngineDeadError as e:  # never a line's own error: the line is not done
+            raise EngineFailure(f"engine failed: {self.llm.dead_error or e}") from None
         except Exception:  # noqa: BLE001 - our bug: this line fails, the job goes on
             log.exception("line %r failed", obj.get("custom_id"))
             status, body = 500, {"error": {"message": "internal error", "type": "internal_error",
                                            "param": None, "code": "internal_error"}}
+        # 503 is the server's "engine unavailable": a dead engine, not this line.
         if status == 503 or self.llm.dead_error is not None:
             raise EngineFailure(f"engine failed: {self.llm.dead_error or body}")
         return make_record(obj["custom_id"], rid, status, body)

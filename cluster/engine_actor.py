@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import ray
@@ -25,8 +25,8 @@ import ray
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from engine.core_client import EngineBusyLoop, OutputHandler
-from executors.base import EngineDeadError
-from executors.channel import DataPlane, PlaneKeys
+from engine.errors import EngineDeadError
+from executors.channel import Channel, DataPlane, PlaneKeys
 from executors.frames import Route
 from executors.ray_executor import cluster_host, ensure_ray
 
@@ -128,6 +128,44 @@ class CoreActorPlacement:
     num_gpus: float = 0.0
 
 
+class InputSender:
+    """Sends CoreInputs to the actor from a thread of its own, in the order
+    they were put: put() never blocks, so the HTTP event loop never waits on a
+    slow or dead engine actor. The thread owns the socket (ZMQ sockets are not
+    thread-safe). Once the engine is dead (`dead()` says why), what is left is
+    dropped: nothing runs there any more."""
+
+    RETRY_S = 0.001
+
+    def __init__(self, channel: Channel, dead: Callable[[], str | None]) -> None:
+        self._ch, self._dead = channel, dead
+        self._queue: queue.SimpleQueue[CoreInput | None] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="core-inputs-send")
+        self._thread.start()
+
+    def put(self, msg: CoreInput) -> None:
+        self._queue.put(msg)
+
+    def _run(self) -> None:
+        while True:
+            msg = self._queue.get()
+            if msg is None:
+                return
+            payload = self._ch.encode(msg)
+            # False: no peer can take it yet (connecting) or its queue is full.
+            while not self._ch.try_send_payload(payload):
+                if self._stop.is_set() or self._dead() is not None:
+                    break
+                self._stop.wait(self.RETRY_S)
+
+    def close(self) -> None:
+        """Stop (dropping what was not sent); the channel may be closed after."""
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+
 class RayCoreClient:
     """CoreClient over an EngineCoreActor (the process boundary of DESIGN §3)."""
 
@@ -148,12 +186,15 @@ class RayCoreClient:
         self.kv_info = msgspec.msgpack.decode(kv, type=KVCacheInfo)
         self.keys = keys.for_clients()  # the actor alone keeps the server secret
         self._plane = DataPlane(self.keys, server=False)
-        self._in = self._plane.push(self._plane.sealer(TO_CORE, "frontend"), connect=in_addr)
-        self._out = self._plane.pull(TO_FRONTEND, EngineCoreOutputs, connect=out_addr)
-        self._send_lock = threading.Lock()
+        self._open_io(self._plane.push(self._plane.sealer(TO_CORE, "frontend"), connect=in_addr),
+                      self._plane.pull(TO_FRONTEND, EngineCoreOutputs, connect=out_addr))
+
+    def _open_io(self, in_channel: Channel, out_channel: Channel) -> None:
+        self._in, self._out = in_channel, out_channel
         self._closing = False
         self._reader: threading.Thread | None = None
         self.dead: str | None = None
+        self._sender = InputSender(in_channel, lambda: self.dead)
 
     def start(self, on_outputs: OutputHandler) -> None:
         self._reader = threading.Thread(target=self._read, args=(on_outputs,), daemon=True,
@@ -185,18 +226,11 @@ class RayCoreClient:
             return f"engine actor failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     def _send(self, msg: CoreInput) -> None:
-        payload = self._in.encode(msg)
-        deadline = time.monotonic() + 10.0
-        with self._send_lock:
-            # Never block the caller's event loop on a dead engine actor.
-            while not self._in.try_send_payload(payload):
-                if self.dead is not None:
-                    raise EngineDeadError(self.dead)
-                if time.monotonic() > deadline:
-                    err = self._actor_error() or "engine actor is not accepting input"
-                    self.dead = err
-                    raise EngineDeadError(err)
-                time.sleep(0.0005)
+        """Never blocks (the caller is the HTTP event loop): the sender thread
+        sends; a known-dead engine raises here and now."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self._sender.put(msg)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(CoreInput("add", request))
@@ -225,6 +259,7 @@ class RayCoreClient:
         ray.kill(self.actor, no_restart=True)
         if self._reader is not None:
             self._reader.join(timeout=5)
+        self._sender.close()  # before the plane closes its sockets
         self._plane.close()
         if self.started_ray:
             ray.shutdown()
@@ -234,9 +269,6 @@ class SyncRayEngine:
     """The EngineCore-shaped face of a RayCoreClient, for the blocking LLM class."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine.frontend import validate_core_request
-
-        self._validate = validate_core_request
         self.config = config
         self.client = RayCoreClient(config)
         self.kv_info = self.client.kv_info
@@ -244,11 +276,8 @@ class SyncRayEngine:
         self._live: set[str] = set()
         self.client.start(self._outputs.put)
 
-    def validate_request(self, request: EngineCoreRequest) -> None:
-        self._validate(request, self.config, self.kv_info.vocab_size)
-
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.validate_request(request)
+        # Checked by LLM's frontend; the actor's core guards what it can schedule.
         self._live.add(request.request_id)
         self.client.add_request(request)
 

@@ -43,25 +43,52 @@ def relative_path(scope: Scope) -> str:
     return path
 
 
+WS_POLICY_VIOLATION = 1008
+
+
 class AuthMiddleware:
     """`Authorization: Bearer <key>` on every path but `public_paths`; no key
-    configured -> no auth. Constant-time comparison."""
+    configured -> no auth. Constant-time comparison.
 
-    def __init__(self, app: ASGIApp, api_key: str | None, public_paths: frozenset[str]) -> None:
-        self.app, self.public = app, public_paths
+    Connection kinds: "http" always; "websocket" only when in `scope_types`
+    (a route declares it), and then behind the same key; any other kind is
+    refused before the app sees it. "lifespan" (the server's own start/stop
+    events, no client) always passes."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, public_paths: frozenset[str],
+                 scope_types: frozenset[str] = frozenset({"http"})) -> None:
+        self.app, self.public, self.scope_types = app, public_paths, scope_types | {"http"}
         self.key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.key is None or scope["type"] != "http" or relative_path(scope) in self.public:
+        kind = scope["type"]
+        if kind == "lifespan":
             await self.app(scope, receive, send)
             return
-        auth = _header(scope, b"authorization") or b""
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        if kind not in self.scope_types:
+            await _refuse(kind, send)
+            return
+        if self.key is None or relative_path(scope) in self.public or self._authorized(scope):
             await self.app(scope, receive, send)
+            return
+        if kind != "http":
+            await _refuse(kind, send)
             return
         await send_error(send, 401, "Incorrect API key provided.", "invalid_request_error",
                          "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.key is not None
+        auth = _header(scope, b"authorization") or b""
+        scheme, _, token = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+
+async def _refuse(kind: str, send: Send) -> None:
+    """A websocket is closed before it is accepted (the client sees 403);
+    other kinds get nothing at all."""
+    if kind == "websocket":
+        await send({"type": "websocket.close", "code": WS_POLICY_VIOLATION})
 
 
 class BodyLimitMiddleware:

@@ -191,8 +191,9 @@ def chat_max_tokens(req: ChatRequest) -> tuple[int | None, str]:
     return req.max_tokens, "max_tokens"
 
 
-def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
-    """Build (and so validate) SamplingParams; ValueError -> 400 naming the request field."""
+def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int | None) -> SamplingParams:
+    """Build (and so validate, once) SamplingParams; ValueError -> 400 naming
+    the request field. max_tokens None: up to the context length."""
     if isinstance(req, ChatRequest):
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import WebSocketRoute
 
 from cluster import openai_protocol as P
 from cluster.metrics import CONTENT_TYPE, ServeMetrics
@@ -37,8 +38,10 @@ from cluster.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMid
 from cluster.openai_responses import ResponseBuilding
 from cluster.tool_response import ToolSession
 from cluster.tools import ToolPlan, template_input, tool_plan
-from engine.async_client import AsyncLLM, EngineDeadError
+from engine.async_client import AsyncLLM
 from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.frontend import ContextLengthError, PreparedRequest
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -65,6 +68,11 @@ def at_capacity(limit: int) -> P.APIError:
                       headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def too_many_sequences(cost: int, limit: int) -> P.APIError:
+    return P.bad_request(f"this request asks for {cost} sequences (prompts x n); the server runs "
+                         f"at most {limit} at once", "prompt", "too_many_sequences")
+
+
 def internal_error() -> P.APIError:
     return P.APIError(500, "internal server error", type="internal_error", code="internal_error")
 
@@ -80,10 +88,16 @@ class _Job:
     req: Any
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolSession | None = None  # chat with tools whose calls may come back
+    prepared: list[PreparedRequest] = field(default_factory=list)  # one per prompt
 
     @property
     def n(self) -> int:
         return self.params[0].n
+
+    @property
+    def cost(self) -> int:
+        """Engine requests this job runs: what admission counts."""
+        return len(self.prompts) * self.n
 
     @property
     def k(self) -> int | None:
@@ -93,8 +107,9 @@ class _Job:
 class OpenAIServer(ResponseBuilding):
     def __init__(self, llm: AsyncLLM, config: EngineConfig, metrics: ServeMetrics | None = None,
                  max_admitted: int | None = None) -> None:
-        """max_admitted: completion/chat requests in flight at once (None: no
-        limit); beyond it a validated request gets 429 + Retry-After."""
+        """max_admitted: engine requests (prompts x n) in flight at once (None:
+        no limit); beyond it a validated request gets 429 + Retry-After, and
+        one that alone asks for more gets 400."""
         # serve.stream_interval: send a choice's tokens once this many are
         # pending (the first token and the finish always go at once).
         self.llm, self.config, self.stream_interval = llm, config, config.serve.stream_interval
@@ -131,7 +146,18 @@ class OpenAIServer(ResponseBuilding):
             raise P.bad_request("this model has no tokenizer: send token ids", param)
         return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+    def _check_cost(self, cost: int) -> None:
+        """A request that could never be admitted fails before any work."""
+        if self.max_admitted is not None and cost > self.max_admitted:
+            raise too_many_sequences(cost, self.max_admitted)
+
+    def _check_priority(self, req: Any) -> None:
+        if req.priority != 0 and not self.config.serve.allow_client_priority:
+            raise P.bad_request("priority is not accepted from clients on this server "
+                                "(serve.allow_client_priority is false)", "priority",
+                                "unsupported_parameter")
+
+    def _completion_prompts(self, prompt: Any, n: int) -> list[list[int]]:
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
         elif prompt and all(isinstance(t, int) for t in prompt):
@@ -140,6 +166,7 @@ class OpenAIServer(ResponseBuilding):
             items = list(prompt)
         if not items or any(isinstance(p, str) and not p for p in items):
             raise P.bad_request("prompt must not be empty", "prompt")
+        self._check_cost(len(items) * n)  # before tokenizing thousands of prompts
         out = [self._tokenize(p, True, "prompt") if isinstance(p, str) else list(p) for p in items]
         if any(not ids for ids in out):
             raise P.bad_request("prompt must not be empty", "prompt")
@@ -161,27 +188,17 @@ class OpenAIServer(ResponseBuilding):
             raise P.bad_request("the rendered chat prompt is empty", "messages")
         return ids
 
-    def _params(self, req: Any, prompts: list[list[int]], requested: int | None,
-                prompt_param: str, plan: ToolPlan | None = None) -> list[SamplingParams]:
-        """One SamplingParams per prompt; max_tokens None fills the context.
-        Never truncates: an over-long request is a 400 context_length_exceeded."""
-        base = P.to_sampling_params(req, requested if requested is not None else 1)
+    def _params(self, req: Any, requested: int | None, plan: ToolPlan | None = None) -> SamplingParams:
+        """The request's SamplingParams, built (so checked) once, before any
+        prompt is tokenized; max_tokens None fills the context (resolved per
+        prompt by the engine's frontend, which also checks the context length)."""
+        self._check_priority(req)
+        sp = P.to_sampling_params(req, requested)
         if plan is not None and plan.constraint is not None:  # "required"/named tool_choice
-            base = base.clone(structured_outputs=plan.constraint)
-        if base.structured_outputs is not None:
-            self._check_structured(req, base)
-        limit = self.config.max_model_len
-        out = []
-        for ids in prompts:
-            mt = requested if requested is not None else limit - len(ids)
-            if len(ids) + max(mt, 1) > limit:
-                raise P.bad_request(
-                    f"This model's maximum context length is {limit} tokens. However, you requested "
-                    f"{len(ids) + max(mt, 1)} tokens ({len(ids)} in the prompt, {max(mt, 1)} for the "
-                    f"completion). Reduce the prompt or the completion length.",
-                    prompt_param, "context_length_exceeded")
-            out.append(base if mt == base.max_tokens else base.clone(max_tokens=mt))
-        return out
+            sp = sp.clone(structured_outputs=plan.constraint)
+        if sp.structured_outputs is not None:
+            self._check_structured(req, sp)
+        return sp
 
     def _check_structured(self, req: Any, sp: SamplingParams) -> None:
         """Compile-check the constraint once, here, so a bad one is a 400 naming
@@ -195,13 +212,22 @@ class OpenAIServer(ResponseBuilding):
             raise P.bad_request(str(e), param) from None
 
     def _prepare(self, job: _Job, prompt_param: str) -> None:
-        """The engine's own checks (vocab range, n cap, duplicate ids); queues nothing."""
+        """The engine's own checks, once per prompt (context length, vocab
+        range, n cap, duplicate ids); queues nothing. Never truncates: an
+        over-long request is a 400 context_length_exceeded."""
         self._check_alive()
         for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params):
             try:
-                self.llm.prepare(ids, sp, eid)
+                job.prepared.append(self.llm.prepare(ids, sp, eid, job.req.priority))
             except EngineDeadError:
                 raise engine_unavailable() from None
+            except ContextLengthError as e:
+                total = e.prompt_len + e.max_tokens
+                raise P.bad_request(
+                    f"This model's maximum context length is {e.max_model_len} tokens. However, you "
+                    f"requested {total} tokens ({e.prompt_len} in the prompt, {e.max_tokens} for the "
+                    f"completion). Reduce the prompt or the completion length.",
+                    prompt_param, "context_length_exceeded") from None
             except ValueError as e:
                 msg = str(e)
                 field_ = msg.split(" ", 1)[0]
@@ -217,8 +243,9 @@ class OpenAIServer(ResponseBuilding):
         return rid
 
     def _job(self, kind: str, request: Request, req: Any, prompts: list[list[int]],
-             requested: int | None, prompt_param: str, plan: ToolPlan | None = None) -> _Job:
-        params = self._params(req, prompts, requested, prompt_param, plan)
+             sp: SamplingParams, prompt_param: str, plan: ToolPlan | None = None) -> _Job:
+        self._check_cost(len(prompts) * sp.n)
+        params = [sp] * len(prompts)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{self._request_id(request)}"
         eids = [rid] if len(prompts) == 1 else [f"{rid}-p{i}" for i in range(len(prompts))]
         # A request id in flight twice would let one request's clean-up abort the other.
@@ -234,17 +261,18 @@ class OpenAIServer(ResponseBuilding):
         """req: validated by FastAPI (the route's body model) or validate_model."""
         P.check_unsupported(req)
         self._check_model(req.model)
-        prompts = self._completion_prompts(req.prompt)
-        job = self._job("completion", request, req, prompts, req.max_tokens, "prompt")
+        sp = self._params(req, req.max_tokens)
+        prompts = self._completion_prompts(req.prompt, sp.n)
+        job = self._job("completion", request, req, prompts, sp, "prompt")
         return await self._respond(job)
 
     async def chat(self, req: P.ChatRequest, request: Request) -> Response:
         P.check_unsupported(req)
         self._check_model(req.model)
-        requested, _ = P.chat_max_tokens(req)
         plan = tool_plan(req, self.config.serve.tool_call_parser,
                          self.llm.frontend.validate_structured_outputs)
-        job = self._job("chat", request, req, [self._chat_prompt(req)], requested, "messages", plan)
+        sp = self._params(req, P.chat_max_tokens(req)[0], plan)
+        job = self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan)
         return await self._respond(job)
 
     def models(self) -> dict[str, Any]:
@@ -281,21 +309,20 @@ class OpenAIServer(ResponseBuilding):
 
     def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
         interval = self.config.serve.stream_batching_interval_ms / 1000.0 if job.req.stream else 0.0
-        return [self.llm.generate(ids, sp, request_id=eid, priority=job.req.priority,
-                                  min_interval_s=interval)
-                for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params)]
+        return [self.llm.generate(prep.prompt_token_ids, sp, min_interval_s=interval, prepared=prep)
+                for prep, sp in zip(job.prepared, job.params)]
 
     def _admit(self, job: _Job) -> None:
-        """Take a slot and the job's engine ids (checked free in _job, with no
-        await in between)."""
-        if self.max_admitted is not None and self.admitted >= self.max_admitted:
+        """Take the job's slots (one per engine request: prompts x n) and its
+        engine ids (checked free in _job, with no await in between)."""
+        if self.max_admitted is not None and self.admitted + job.cost > self.max_admitted:
             raise at_capacity(self.max_admitted)
-        self.admitted += 1
+        self.admitted += job.cost
         self._active_ids.update(job.engine_ids)
         self.metrics.in_progress.inc()
 
     def _release(self, job: _Job) -> None:
-        self.admitted -= 1
+        self.admitted -= job.cost
         self._active_ids.difference_update(job.engine_ids)
         self.metrics.in_progress.dec()
 
@@ -329,6 +356,8 @@ class OpenAIServer(ResponseBuilding):
                 yield chunk
         except P.APIError as e:
             yield P.sse(e.body())
+        except EngineDeadError:
+            yield P.sse(engine_unavailable().body())
         except Exception:  # noqa: BLE001 - our bug: generic message, details logged
             log.exception("stream %s failed", job.rid)
             yield P.sse(internal_error().body())
@@ -385,6 +414,8 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
             return await call
         except P.APIError as e:
             return error_response(e)
+        except EngineDeadError:  # it died under a running request
+            return error_response(engine_unavailable())
         except Exception:  # noqa: BLE001 - our bug: generic message, details logged
             log.exception("request failed")
             return error_response(internal_error())
@@ -429,7 +460,11 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
     # add_middleware: the last added runs first. Order seen by a request:
     # [request id] -> [CORS] -> auth -> body limit -> routes.
     app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_body_bytes)
-    app.add_middleware(AuthMiddleware, api_key=api_key, public_paths=frozenset(public))
+    # Only the connection kinds a route declares get past auth (no websocket otherwise).
+    kinds = frozenset({"http"} | ({"websocket"} if any(isinstance(r, WebSocketRoute)
+                                                          for r in app.routes) else set()))
+    app.add_middleware(AuthMiddleware, api_key=api_key, public_paths=frozenset(public),
+                       scope_types=kinds)
     if cfg.cors_origins:
         from starlette.middleware.cors import CORSMiddleware
         # Bearer keys, not cookies: credentials stay off, so "*" is never combined with them.

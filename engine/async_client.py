@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,13 +20,12 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig, check_model_dir
 from engine.contracts import EngineCoreOutputs, SchedulerStats
 from engine.core_client import CoreClient
+from engine.errors import EngineDeadError
 from engine.frontend import Frontend, PreparedRequest
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingFields
 
-
-class EngineDeadError(RuntimeError):
-    pass
+__all__ = ["AsyncLLM", "EngineDeadError", "collect"]
 
 
 @dataclass
@@ -176,28 +176,41 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------
 
-    def prepare(self, prompt: str | list[int], sp: SamplingParams,
-                request_id: str | None = None, priority: int = 0) -> PreparedRequest:
-        """Tokenize and validate; raises ValueError (nothing queued)."""
+    def _check_id(self, rid: str) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
-        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         if rid in self.streams:
             raise ValueError(f"request id {rid!r} is already in use")
-        return self.frontend.prepare(prompt, sp, rid, priority)
 
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+    def prepare(self, prompt: str | list[int], sp: SamplingFields,
+                request_id: str | None = None, priority: int = 0) -> PreparedRequest:
+        """Tokenize and check the engine's limits; raises ValueError (nothing
+        queued). Pass the result to generate(prepared=...) to run it without
+        checking twice. Engine ids get a random suffix: a client that reuses a
+        request id (a retry after an abort) never meets late outputs of the
+        earlier request, whose abort may still be on its way to the core."""
+        rid = request_id or f"cmpl-{uuid.uuid4().hex}"
+        self._check_id(rid)
+        return self.frontend.prepare(prompt, sp, rid, priority, id_suffix=f"-{secrets.token_hex(4)}")
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingFields,
                        request_id: str | None = None, priority: int = 0,
-                       min_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       min_interval_s: float = 0.0,
+                       prepared: PreparedRequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields deltas: each RequestOutput carries only the choices that
         changed, with their new text/token ids/logprobs; the last has finished=True.
 
         min_interval_s: after the first delta, yield at most once per interval;
         steps that finish in between are merged into the next delta. The finish
         is never held back. Caps a fast model's per-token overhead downstream
-        (SSE events) without delaying a model whose steps are slower anyway."""
+        (SSE events) without delaying a model whose steps are slower anyway.
+
+        prepared: what prepare() returned for these arguments (they are then
+        ignored). A failed add (a dead engine) aborts the children already
+        added and drops the stream before the error propagates."""
         self.start()
-        prep = self.prepare(prompt, sampling_params, request_id, priority)
+        prep = prepared or self.prepare(prompt, sampling_params, request_id, priority)
+        self._check_id(prep.request_id)  # prepared earlier: the id may be taken since
         rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
         children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer)
                     for k, r in enumerate(reqs)]
@@ -206,8 +219,14 @@ class AsyncLLM:
         for r, c in zip(reqs, children):
             self._child_to_stream[r.request_id] = (stream, c)
         self.counters.prompt_tokens += len(ids) * len(reqs)
-        for r in reqs:
-            self.client.add_request(r)
+        for i, r in enumerate(reqs):
+            try:
+                self.client.add_request(r)
+            except BaseException:
+                for c in children[i:]:
+                    c.fail("error")  # never reached the engine: nothing to abort there
+                self._abort_stream(stream, "error")  # aborts the siblings already added
+                raise
         try:
             next_at = 0.0
             while True:
@@ -237,7 +256,10 @@ class AsyncLLM:
             c.fail(reason)
             self._child_to_stream.pop(c.request_id, None)
         if live and self.dead_error is None:
-            self.client.abort_requests([c.request_id for c in live])
+            try:
+                self.client.abort_requests([c.request_id for c in live])
+            except EngineDeadError:
+                pass  # nothing runs in a dead engine
         # A consumer still waiting (abort() from elsewhere, shutdown) ends now.
         s.put([CompletionOutput(c.index, "", [], reason) for c in live], s.num_cached_tokens)
 
@@ -268,7 +290,10 @@ class AsyncLLM:
                 self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
                 self._child_to_stream.pop(o.request_id, None)
         if aborts:
-            self.client.abort_requests(aborts)
+            try:
+                self.client.abort_requests(aborts)
+            except EngineDeadError:
+                pass  # the engine's own error message fails the streams
         for rid, deltas in changed.items():
             stream = self.streams.get(rid)
             if stream is None:

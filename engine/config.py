@@ -114,6 +114,10 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # "required"/named tool_choice constrain output to (cluster/tool_parsers/):
     # hermes (<tool_call>{...}</tool_call>, Qwen) or llama3_json (bare JSON).
     tool_call_parser: str = "hermes"
+    # Whether the `priority` request field (policy "priority") is honoured:
+    # off by default, so one client cannot jump every other client's queue.
+    # Off, a request that sends a non-default priority gets 400.
+    allow_client_priority: bool = False
 
 
 class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
@@ -390,6 +394,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.engine_actor": ("bool", lambda v: True),
     "serve.direct_ingress": ("bool", lambda v: True),
     "serve.tool_call_parser": _one_of(_TOOL_CALL_PARSERS),
+    "serve.allow_client_priority": ("bool", lambda v: True),
     "structured_outputs.backend": _one_of(("llguidance",)),
     "structured_outputs.compile_threads": ("int in 1..64", lambda v: 1 <= v <= 64),
 }

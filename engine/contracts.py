@@ -11,7 +11,9 @@ import enum
 import msgspec
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+# SamplingFields, not SamplingParams: decoding a message trusts the checks
+# that ran once at the edge (see engine/sampling_params.py).
+from engine.sampling_params import SamplingFields
 
 
 class FinishReason(enum.IntEnum):
@@ -56,7 +58,7 @@ _FINISH_REASONS = {
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingFields
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
@@ -66,7 +68,7 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, gc=False)
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingFields
     block_ids: list[int]
     num_computed_tokens: int
     # The sampler masks it (with stop_token_ids) until min_tokens are out.

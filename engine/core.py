@@ -13,10 +13,10 @@ import queue
 from collections import deque
 from concurrent.futures import Future
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.contracts import (EngineCoreOutputs, EngineCoreRequest, KVCacheInfo,
                               ModelRunnerOutput, RequestStatus, SchedulerOutput)
-from engine.frontend import validate_core_request
+from engine.frontend import resolved_max_tokens
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
@@ -28,11 +28,38 @@ log = logging.getLogger(__name__)
 _Entry = tuple["Future[ModelRunnerOutput]", SchedulerOutput]
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def check_kv_pool_fits(config: EngineConfig, kv: KVCacheInfo) -> None:
+    """Refuse to start when one max_model_len request cannot fit the KV pool
+    alone (vLLM does the same): such a request would wait forever. Block 0 is
+    the null block, so num_blocks - 1 are usable."""
+    usable, bs, max_len = kv.num_blocks - 1, kv.block_size, config.max_model_len
+    need = blocks_for(max_len, bs)
+    if need <= usable:
+        return
+    knob = ("raise cache.num_gpu_blocks" if config.cache.num_gpu_blocks is not None
+            else "give the KV cache more memory (cache.gpu_memory_utilization on GPU, "
+                 "cache.cpu_kv_cache_bytes on CPU)")
+    raise ConfigError(
+        f"the KV cache holds {usable} usable blocks of {bs} tokens ({usable * bs} tokens), but one "
+        f"request of model.max_model_len = {max_len} tokens needs {need} blocks: {knob} to at least "
+        f"{need + 1} blocks (the null block included), or lower model.max_model_len to {usable * bs} "
+        f"or less")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, log_stats: bool = True) -> None:
         self.config = config
         self.executor = executor
         self.kv_info: KVCacheInfo = executor.initialize()
+        try:
+            check_kv_pool_fits(config, self.kv_info)
+        except ConfigError:
+            executor.shutdown()
+            raise
         self.structured_output_manager = make_structured_output_manager(config, self.kv_info.vocab_size)
         self.scheduler = Scheduler(config, self.kv_info.num_blocks, log_stats,
                                    self.structured_output_manager)
@@ -49,12 +76,26 @@ class EngineCore:
     # ---- input -------------------------------------------------------------
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Validate and queue; raises ValueError (nothing queued) on bad input."""
-        self.validate_request(request)
+        """Queue a request the frontend checked; raises ValueError (nothing
+        queued) for one that could never be scheduled, so the queue never
+        waits forever on its head."""
+        self.check_schedulable(request)
         self.scheduler.add_request(Request.from_engine_core_request(request, self.config.max_model_len))
 
-    def validate_request(self, request: EngineCoreRequest) -> None:
-        validate_core_request(request, self.config, self.kv_info.vocab_size)
+    def check_schedulable(self, request: EngineCoreRequest) -> None:
+        """The core's own invariant, not input validation (the frontend did
+        that once): the request fits max_model_len and, alone, the KV pool."""
+        n, max_len = len(request.prompt_token_ids), self.config.max_model_len
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        total = n + max(resolved_max_tokens(request.sampling_params, n, max_len), 1)
+        if total > max_len:
+            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({total - n}) exceeds "
+                             f"max_model_len ({max_len})")
+        need = blocks_for(total, self.kv_info.block_size)
+        if need > self.kv_info.num_blocks - 1:
+            raise ValueError(f"the request needs {need} KV blocks; the pool has "
+                             f"{self.kv_info.num_blocks - 1}")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._aborts.put(list(request_ids))

@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 from engine.config import EngineConfig
 from engine.contracts import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                               KVCacheInfo)
+from engine.errors import EngineDeadError
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class InProcCoreClient:
     def check_health(self) -> None:
         loop = self._require()
         if loop.error is not None or not (self._thread and self._thread.is_alive()):
-            raise RuntimeError(f"engine is dead: {loop.error or 'core thread exited'}")
+            raise EngineDeadError(f"engine is dead: {loop.error or 'core thread exited'}")
         self.core.check_health()
 
     def worker_pids(self) -> list[int]:

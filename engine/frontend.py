@@ -1,6 +1,6 @@
 """What every frontend does before a request reaches the core: tokenize,
-resolve EOS ids, validate against the engine's limits, fan `n` out into child
-requests. Shared by LLM (offline) and AsyncLLM (serving, batch)."""
+resolve EOS ids, check the engine's limits (once per request), fan `n` out
+into child requests. Shared by LLM (offline) and AsyncLLM (serving, batch)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingFields, child_seed
 from engine.structured_output.backend import StructuredOutputBackend, make_backend
 from engine.structured_output.params import StructuredOutputsParams
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -25,22 +25,41 @@ class PreparedRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    children: list[EngineCoreRequest]  # one per n, ids "<request_id>-<k>"
+    children: list[EngineCoreRequest]  # one per n, ids "<request_id>-<k><suffix>"
 
 
-def validate_core_request(request: EngineCoreRequest, config: EngineConfig, vocab_size: int) -> None:
-    """Raise ValueError naming the problem; runs before anything is queued."""
-    n = len(request.prompt_token_ids)
-    max_len = config.max_model_len
+class ContextLengthError(ValueError):
+    """The prompt plus the completion do not fit max_model_len."""
+
+    def __init__(self, prompt_len: int, max_tokens: int, max_model_len: int) -> None:
+        super().__init__(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds "
+                         f"max_model_len ({max_model_len})")
+        self.prompt_len, self.max_tokens, self.max_model_len = prompt_len, max_tokens, max_model_len
+
+
+def resolved_max_tokens(sp: SamplingFields, prompt_len: int, max_model_len: int) -> int:
+    """max_tokens None means up to max_model_len minus the prompt (vLLM)."""
+    return sp.max_tokens if sp.max_tokens is not None else max_model_len - prompt_len
+
+
+def check_engine_limits(ids: list[int], sp: SamplingFields, config: EngineConfig,
+                        vocab_size: int) -> None:
+    """The checks that depend on this engine, once per request before anything
+    is queued (the fields themselves were checked when the SamplingParams was
+    built). Raises ValueError naming the field, or ContextLengthError."""
+    n, max_len = len(ids), config.max_model_len
     if n == 0:
         raise ValueError("prompt must not be empty")
-    sp = request.sampling_params
-    sp.validate(max_n=config.model.max_n)
-    max_tokens = sp.max_tokens or 1
-    if n + max_tokens > max_len:
+    if sp.n > config.model.max_n:
+        raise ValueError(f"n must be <= {config.model.max_n}, got {sp.n}")
+    max_tokens = resolved_max_tokens(sp, n, max_len)
+    if n + max(max_tokens, 1) > max_len:
+        raise ContextLengthError(n, max(max_tokens, 1), max_len)
+    if sp.min_tokens > max_tokens:
         raise ValueError(
-            f"prompt ({n} tokens) plus max_tokens ({max_tokens}) exceeds max_model_len ({max_len})")
-    if vocab_size and any(t < 0 or t >= vocab_size for t in request.prompt_token_ids):
+            f"min_tokens ({sp.min_tokens}) must be <= the {max_tokens} tokens the completion may "
+            f"have (max_tokens, or max_model_len {max_len} minus the {n}-token prompt)")
+    if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
 
 
@@ -53,29 +72,30 @@ class Frontend:
         self._grammar_backend: StructuredOutputBackend | None = None
         self._valid_specs: OrderedDict[tuple[str, str], None] = OrderedDict()
 
-    def prepare(self, prompt: Prompt, sp: SamplingParams, request_id: str,
-                priority: int = 0) -> PreparedRequest:
+    def prepare(self, prompt: Prompt, sp: SamplingFields, request_id: str,
+                priority: int = 0, id_suffix: str = "") -> PreparedRequest:
+        """Tokenize, check the engine's limits once, fan n out. `id_suffix`
+        makes the children's engine ids unique per call (a client that reuses
+        its request id never shares engine ids with the earlier request)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer.json: pass token ids")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        sp.validate(max_n=self.config.model.max_n)
+        check_engine_limits(ids, sp, self.config, self.vocab_size)
         if sp.structured_outputs is not None:
             self.validate_structured_outputs(sp.structured_outputs)
+        extra: dict[str, object] = {}
         # Extra EOS ids of generation_config.json stop like stop_token_ids (vLLM).
         if self.extra_eos and not sp.ignore_eos:
-            sp = sp.clone(stop_token_ids=sorted(set(sp.stop_token_ids) | self.extra_eos))
+            extra["stop_token_ids"] = sorted(set(sp.stop_token_ids) | self.extra_eos)
         now = time.time()
-        children = [EngineCoreRequest(request_id=f"{request_id}-{k}", prompt_token_ids=ids,
-                                      sampling_params=sp.clone(n=1, seed=None if sp.seed is None else sp.seed + k),
+        children = [EngineCoreRequest(request_id=f"{request_id}-{k}{id_suffix}", prompt_token_ids=ids,
+                                      sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k), **extra),
                                       eos_token_id=self.eos_token_id, arrival_time=now, priority=priority)
                     for k in range(sp.n)]
-        for c in children:
-            validate_core_request(c, self.config, self.vocab_size)
         return PreparedRequest(request_id, text, ids, children)
-
 
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile-check the constraint before anything is queued (ValueError).

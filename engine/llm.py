@@ -13,7 +13,7 @@ from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
-from engine.frontend import Frontend, Prompt
+from engine.frontend import Frontend, PreparedRequest, Prompt
 from engine.tokenizer import Tokenizer
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput"]
@@ -67,24 +67,24 @@ class LLM:
         batch = [self._make_requests(p, sp, pr) for p, sp, pr in zip(prompts, params, prios)]
         states: dict[str, RequestState] = {}
         for reqs in batch:
-            for ecr, st in reqs[2]:
+            for ecr, st in reqs[1]:
                 self.engine.add_request(ecr)
                 states[ecr.request_id] = st
         self._run(states, use_tqdm)
         results = []
-        for text, ids, reqs in batch:
+        for prep, reqs in batch:
             sts = [st for _, st in reqs]
-            parent_id = reqs[0][0].request_id.rsplit("-", 1)[0]
-            results.append(RequestOutput(parent_id, text, ids, [st.completion() for st in sts],
+            results.append(RequestOutput(prep.request_id, prep.prompt, prep.prompt_token_ids,
+                                         [st.completion() for st in sts],
                                          max(st.num_cached_tokens for st in sts), True))
         return results
 
     def _make_requests(self, prompt: Prompt, sp: SamplingParams, priority: int = 0
-                       ) -> tuple[str | None, list[int], list[tuple[EngineCoreRequest, RequestState]]]:
+                       ) -> tuple[PreparedRequest, list[tuple[EngineCoreRequest, RequestState]]]:
         prep = self.frontend.prepare(prompt, sp, f"req{next(self._ids)}", priority)
         states = [RequestState.make(c.request_id, k, c.sampling_params, prep.prompt_token_ids,
                                     self.tokenizer) for k, c in enumerate(prep.children)]
-        return prep.prompt, prep.prompt_token_ids, list(zip(prep.children, states))
+        return prep, list(zip(prep.children, states))
 
     def _run(self, states: dict[str, RequestState], use_tqdm: bool) -> None:
         pending = set(states)

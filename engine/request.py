@@ -6,13 +6,13 @@ from typing import Any
 import msgspec
 
 from engine.contracts import EngineCoreRequest, FinishReason, RequestStatus
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingFields
 
 
 class Request(msgspec.Struct, kw_only=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingFields
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0

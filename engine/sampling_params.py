@@ -2,6 +2,13 @@
 
 Ranges follow vLLM's. Every check raises ValueError naming the field, so the
 HTTP layer can turn it into an OpenAI error with `param` set.
+
+Validated once: constructing a SamplingParams checks its fields (the edge);
+the engine carries the result as SamplingFields, the same fields without the
+checks, so a clone for an `n` child, a decode in the engine actor or a worker
+(every step's SchedulerOutput) never re-runs them. The limits that depend on
+the engine (n cap, context length, KV pool) are checked once per request by
+the frontend (engine/frontend.py).
 """
 from __future__ import annotations
 
@@ -15,16 +22,23 @@ from engine.structured_output.params import StructuredOutputsParams
 # Upper bounds that are policy, not physics; the engine config may lower them.
 DEFAULT_MAX_N = 128
 MAX_LOGPROBS = 20
+# Stop strings are scanned on every new token: bound their number and size.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+_INT64 = 2**63
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The fields of SamplingParams, trusted as they are: what the engine
+    carries inside and what a decode produces (decoding runs no checks)."""
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # None: up to max_model_len minus the prompt
     min_tokens: int = 0
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
@@ -37,9 +51,46 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
 
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    # Equal by value whichever of the two classes: a SamplingParams sent and
+    # decoded (as SamplingFields) equals what was sent.
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SamplingFields):
+            return NotImplemented
+        return msgspec.structs.astuple(self) == msgspec.structs.astuple(other)
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def clone(self, **changes: Any) -> SamplingFields:
+        """A copy of the same type with `changes`: a SamplingParams checks them."""
+        return msgspec.structs.replace(self, **changes)
+
+    def trusted_copy(self, **changes: Any) -> SamplingFields:
+        """A SamplingFields copy with `changes` the engine itself made (n
+        children, resolved EOS ids): never re-validated."""
+        values = msgspec.structs.asdict(self)
+        values.update(changes)
+        return SamplingFields(**values)
+
+
+def child_seed(seed: int | None, k: int) -> int | None:
+    """The seed of the k-th of n children: seed + k, kept in int64."""
+    if seed is None:
+        return None
+    return (seed + k + _INT64) % (2 * _INT64) - _INT64
+
+
+class SamplingParams(SamplingFields):
+    """What users construct; invalid values raise ValueError naming the field."""
+
     def __post_init__(self) -> None:
-        # Runs on construction and on msgspec decode: a worker never sees an
-        # invalid SamplingParams.
+        # Runs on construction only where the type is SamplingParams: the
+        # engine's own messages carry SamplingFields and skip it.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.top_k == -1:
@@ -55,7 +106,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         _int("top_k", self.top_k, lo=0)
         _float("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
-            _int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
+            _int("seed", self.seed, lo=-_INT64, hi=_INT64 - 1)
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, lo=1)
         _int("min_tokens", self.min_tokens, lo=0)
@@ -63,8 +114,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"> max_tokens={self.max_tokens}")
-        _str_list("stop", self.stop)
-        _int_list("stop_token_ids", self.stop_token_ids)
+        _str_list("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
+        _int_list("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _bool(name, getattr(self, name))
         if self.logprobs is not None:
@@ -75,13 +126,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < 1e-5
-
-    def clone(self, **changes: Any) -> SamplingParams:
-        return msgspec.structs.replace(self, **changes)
 
 
 def _int(name: str, v: object, lo: int | None = None, hi: int | None = None) -> None:
@@ -110,18 +154,24 @@ def _bool(name: str, v: object) -> None:
         raise ValueError(f"{name} must be a boolean, got {v!r}")
 
 
-def _str_list(name: str, v: object) -> None:
+def _str_list(name: str, v: object, max_items: int, max_chars: int) -> None:
     if not isinstance(v, list):
         raise ValueError(f"{name} must be a string or a list of strings, got {v!r}")
+    if len(v) > max_items:
+        raise ValueError(f"{name} must hold at most {max_items} strings, got {len(v)}")
     for s in v:
         if not isinstance(s, str):
             raise ValueError(f"{name} entries must be strings, got {s!r}")
         if s == "":
             raise ValueError(f"{name} must not contain empty strings")
+        if len(s) > max_chars:
+            raise ValueError(f"{name} strings must be at most {max_chars} characters, got {len(s)}")
 
 
-def _int_list(name: str, v: object) -> None:
+def _int_list(name: str, v: object, max_items: int) -> None:
     if not isinstance(v, list):
         raise ValueError(f"{name} must be a list of integers, got {v!r}")
+    if len(v) > max_items:
+        raise ValueError(f"{name} must hold at most {max_items} token ids, got {len(v)}")
     for t in v:
         _int(name, t, lo=0)

@@ -28,19 +28,20 @@ _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
-    """EOS, then stop_token_ids, then the length caps (vLLM's order)."""
+    """EOS, then stop_token_ids, then the length caps (vLLM's order).
+    min_tokens suppresses only the first two: the caps always hold, so a
+    request never grows past max_model_len (the block table's width)."""
     sp = request.sampling_params
     num_output = len(request.output_token_ids)
-    if num_output < sp.min_tokens:
-        return False
-    last = request.output_token_ids[-1]
-    if not sp.ignore_eos and last == request.eos_token_id:
-        request.status = RequestStatus.FINISHED_STOPPED
-        return True
-    if sp.stop_token_ids and last in sp.stop_token_ids:
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stop_reason = last
-        return True
+    if num_output >= sp.min_tokens:
+        last = request.output_token_ids[-1]
+        if not sp.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if sp.stop_token_ids and last in sp.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = last
+            return True
     if len(request.all_token_ids) >= max_model_len or num_output >= request.max_tokens:
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True

@@ -13,10 +13,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+from engine.errors import EngineDeadError
 
-
-class EngineDeadError(RuntimeError):
-    """The workers are gone or a step failed; the engine cannot continue."""
+__all__ = ["EngineDeadError", "Executor"]  # EngineDeadError: the one class, re-exported
 
 
 class Executor(ABC):

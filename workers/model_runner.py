@@ -170,7 +170,7 @@ class ModelRunner:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sp.seed)
         st = CachedRequestState(nr.req_id, list(nr.prompt_token_ids), sp, gen, list(nr.block_ids),
-                                nr.num_computed_tokens, [], nr.eos_token_id)
+                                nr.num_computed_tokens, list(nr.output_token_ids), nr.eos_token_id)
         self.requests[nr.req_id] = st
         return st
 

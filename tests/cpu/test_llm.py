@@ -60,10 +60,11 @@ def test_parity_max_num_seqs_2(family, ckpts, prompts, refs):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_parity_with_preemption(family, ckpts):
     # 8 prompts of 30 tokens fill 16 blocks; growing to 62 tokens needs 32, so
-    # with 16 usable blocks decode must preempt (recompute) and resume.
+    # with 16 usable blocks decode must preempt (recompute) and resume. 16 blocks
+    # hold one request of max_model_len 256 (the engine refuses a longer one).
     same_len = random_prompts(8, 30, 30, seed=5)
     ref = hf_greedy(ckpts[family], same_len, 32)
-    outs, sched = _generate(ckpts[family], same_len, num_gpu_blocks=17)
+    outs, sched = _generate(ckpts[family], same_len, num_gpu_blocks=17, max_model_len=256)
     assert sched.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == ref
 

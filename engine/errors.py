@@ -1,0 +1,9 @@
+"""Errors shared by every layer of the engine (one class per kind)."""
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot continue: its core loop, its actor or a worker is
+    gone, or a step failed. Every layer raises and catches this one class
+    (executors re-export it), so a dead engine always reads as unavailable
+    (HTTP 503), never as a bug of ours (500)."""
