@@ -13,6 +13,7 @@ from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.metrics import SpecDecodeCounters
 from engine.frontend import Frontend, Prompt
 from engine.tokenizer import Tokenizer
 
@@ -33,6 +34,7 @@ class LLM:
         self.frontend = Frontend(config, self.engine.kv_info.vocab_size)
         self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
+        self._spec_counters = SpecDecodeCounters()
 
     @staticmethod
     def _make_engine(config: EngineConfig) -> Any:
@@ -89,6 +91,8 @@ class LLM:
         try:
             while pending:
                 outs, _ = self.engine.step_fn()
+                if outs is not None and outs.scheduler_stats is not None:
+                    self._spec_counters.absorb(outs.scheduler_stats)
                 for o in (outs.outputs if outs is not None else ()):
                     st = states.get(o.request_id)
                     if st is None:
@@ -107,6 +111,12 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    def get_metrics(self) -> dict[str, float]:
+        """Current counter values keyed by metric name (speculative decoding:
+        conveyor:spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens,
+        ..._num_accepted_tokens_per_pos{position="i"})."""
+        return self._spec_counters.as_dict()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

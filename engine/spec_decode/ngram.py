@@ -1,0 +1,83 @@
+"""N-gram (prompt-lookup) drafts, computed in the engine core.
+
+The core proposes because the drafts must be in the SchedulerOutput anyway
+(every TP rank verifies the same drafts) and the core already holds every
+request's tokens: no extra worker -> core message, no extra step of latency.
+See ARCHITECTURE.md ("Speculative decoding") for the measured cost.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def find_ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndarray:
+    """The k tokens that followed the best earlier match of the sequence's suffix.
+
+    The match length is the longest n in [n_min, n_max] for which the last n
+    tokens occur earlier (ending at e < len). Among matches of that length the
+    latest one with k tokens after it wins (the most recent context), else the
+    earliest (the longest continuation). Empty if no suffix of n_min matches.
+    Vectorised: one [n_max, len] comparison, no Python loop over positions.
+    """
+    size = len(tokens)
+    if k <= 0 or size <= n_min:
+        return _EMPTY
+    n_max = min(n_max, size - 1)
+    head = tokens[:size - 1]
+    # run[e-1]: tokens[e-t] == tokens[size-t] for t = 1..current n (match ending at e).
+    run = head == tokens[size - 1]
+    if not run.any():
+        return _EMPTY
+    length = run.astype(np.int32)
+    for t in range(2, n_max + 1):
+        eq = np.zeros(size - 1, dtype=bool)
+        eq[t - 1:] = tokens[:size - t] == tokens[size - t]
+        run &= eq
+        if not run.any():
+            break
+        length += run
+    best = int(length.max())
+    if best < n_min:
+        return _EMPTY
+    ends = np.flatnonzero(length == best) + 1
+    full = ends[ends + k <= size]
+    e = int(full[-1]) if len(full) else int(ends[0])
+    return tokens[e:e + k]
+
+
+class NgramProposer:
+    """Keeps each request's tokens in a growing numpy buffer (appended to,
+    never rebuilt from the Python list) and proposes from it."""
+
+    def __init__(self, k: int, n_min: int, n_max: int) -> None:
+        self.k, self.n_min, self.n_max = k, n_min, n_max
+        self._buf: dict[str, np.ndarray] = {}
+        self._len: dict[str, int] = {}
+
+    def propose(self, req_id: str, all_token_ids: list[int], k: int) -> list[int]:
+        """Up to min(k, self.k) draft tokens for the request (maybe none)."""
+        k = min(k, self.k)
+        if k <= 0:
+            return []
+        tokens = self._sync(req_id, all_token_ids)
+        return find_ngram_draft(tokens, k, self.n_min, self.n_max).tolist()
+
+    def _sync(self, req_id: str, all_token_ids: list[int]) -> np.ndarray:
+        n = len(all_token_ids)
+        buf = self._buf.get(req_id)
+        have = self._len.get(req_id, 0)
+        if buf is None or len(buf) < n:
+            grown = np.empty(max(2 * n, 64), dtype=np.int64)
+            if buf is not None:
+                grown[:have] = buf[:have]
+            buf = self._buf[req_id] = grown
+        if have < n:
+            buf[have:n] = all_token_ids[have:n]
+            self._len[req_id] = n
+        return buf[:n]
+
+    def drop(self, req_id: str) -> None:
+        self._buf.pop(req_id, None)
+        self._len.pop(req_id, None)
