@@ -3,8 +3,11 @@
 All math runs in fp32 and is cast back to the query dtype. Decode rows
 (query_len == 1) are batched: their K/V are gathered through the block table
 into a padded ``[B, max_seq, Hkv, D]`` tensor and attended with one masked
-softmax. Prefill chunks (query_len > 1) run one request at a time through
-``scaled_dot_product_attention`` with a causal mask offset by the cached prefix.
+softmax. Short queries (query_len <= _SHORT_QUERY: speculative drafts plus
+their bonus position) join them, one decode row per query token that sees
+keys up to its own position. Longer prefill chunks run one request at a time
+through ``scaled_dot_product_attention`` with a causal mask offset by the
+cached prefix.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ _DECODE_GATHER_BUDGET = 1 << 24
 _DECODE_CHUNK_ROWS = 16
 # Longest query slice attended in one SDPA call (bounds the mask / score memory).
 _PREFILL_CHUNK = 1024
+# Queries up to this long (1 + the most speculative tokens) run as decode rows.
+_SHORT_QUERY = 9
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -161,10 +166,15 @@ def paged_attention_torch(
     qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
     lens = np.asarray(seq_lens_cpu, dtype=np.int64)
     q_lens = qsl[1:] - qsl[:-1]
-    decode = np.nonzero(q_lens == 1)[0]
-    if decode.size:
-        _decode_batched(query, kv_cache, block_table, qsl[decode], decode, lens[decode], scale, out)
-    for r in np.nonzero(q_lens > 1)[0]:
+    short = (q_lens >= 1) & (q_lens <= _SHORT_QUERY)
+    if short.any():
+        reqs = np.repeat(np.nonzero(short)[0], q_lens[short])
+        within = np.arange(len(reqs)) - np.repeat(np.cumsum(q_lens[short]) - q_lens[short], q_lens[short])
+        tokens = qsl[reqs] + within
+        # Token i of a q-token query sits at position seq_len - q + i: it sees that many + 1 keys.
+        tok_lens = lens[reqs] - q_lens[reqs] + 1 + within
+        _decode_batched(query, kv_cache, block_table, tokens, reqs, tok_lens, scale, out)
+    for r in np.nonzero(q_lens > _SHORT_QUERY)[0]:
         _prefill_one(
             query, kv_cache, block_table[r], int(qsl[r]), int(q_lens[r]), int(lens[r]), scale, out
         )
