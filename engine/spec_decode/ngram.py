@@ -19,31 +19,29 @@ def find_ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.n
     tokens occur earlier (ending at e < len). Among matches of that length the
     latest one with k tokens after it wins (the most recent context), else the
     earliest (the longest continuation). Empty if no suffix of n_min matches.
-    Vectorised: one [n_max, len] comparison, no Python loop over positions.
+    Vectorised: one O(len) comparison finds the candidate ends (where the last
+    token occurred), then each longer n is checked over the candidates only.
     """
     size = len(tokens)
     if k <= 0 or size <= n_min:
         return _EMPTY
-    n_max = min(n_max, size - 1)
-    head = tokens[:size - 1]
-    # run[e-1]: tokens[e-t] == tokens[size-t] for t = 1..current n (match ending at e).
-    run = head == tokens[size - 1]
-    if not run.any():
+    ends = np.flatnonzero(tokens[:size - 1] == tokens[size - 1]) + 1
+    if ends.size == 0:
         return _EMPTY
-    length = run.astype(np.int32)
-    for t in range(2, n_max + 1):
-        eq = np.zeros(size - 1, dtype=bool)
-        eq[t - 1:] = tokens[:size - t] == tokens[size - t]
-        run &= eq
-        if not run.any():
+    length = np.ones(ends.size, dtype=np.int32)
+    alive = np.ones(ends.size, dtype=bool)
+    for t in range(2, min(n_max, size - 1) + 1):
+        idx = ends - t
+        alive &= (idx >= 0) & (tokens[np.maximum(idx, 0)] == tokens[size - t])
+        if not alive.any():
             break
-        length += run
+        length += alive
     best = int(length.max())
     if best < n_min:
         return _EMPTY
-    ends = np.flatnonzero(length == best) + 1
+    ends = ends[length == best]
     full = ends[ends + k <= size]
-    e = int(full[-1]) if len(full) else int(ends[0])
+    e = int(full[-1]) if full.size else int(ends[0])
     return tokens[e:e + k]
 
 
