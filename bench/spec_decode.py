@@ -4,15 +4,15 @@
 Workloads (prompts are token ids; the model is bench/offline_throughput.py's
 random-weight 30M Llama, vocab 8192, unless --model-dir names another):
 
-- copy-heavy: prompt = P + C + P, where P is 32 random ids and C the model's
-  own greedy continuation of P (--copy-len tokens). After the second P the
-  model tends to reproduce C (and random-weight models fall into repeating
-  cycles besides), so the n-gram proposer finds its continuation in the
-  prompt. Greedy.
-- no-repeat: random prompts (16..256 ids), sampled at temperature 1.0 over
-  the 8192-token vocab: the output hardly ever repeats a 2-gram, so drafts
-  are rarely proposed and almost never accepted. Measures what speculation
-  that misses costs.
+- copy-heavy: prompt = P + C, where P is 32 random ids and C the model's own
+  greedy continuation of P (--copy-len tokens). Random-weight models have no
+  copying ability, but their greedy output falls into repeating cycles; once
+  C is in a cycle, the continuation keeps reproducing text that is already in
+  the prompt, which is what the n-gram proposer predicts. Greedy.
+- no-repeat: random prompts (16..256 ids), sampled at temperature 1.0 (a
+  random-weight model's distribution is nearly flat over the vocab): the
+  output hardly ever repeats a 2-gram, so drafts are rarely proposed and
+  almost never accepted. Measures what speculation that misses costs.
 
 Each (workload, batch size) runs without and with speculation in a fresh
 subprocess and reports output tok/s (generate() wall time, warm-up excluded),
@@ -60,17 +60,23 @@ def copy_heavy_prompts(model_dir: str, n: int, copy_len: int, seed: int) -> list
     from engine import LLM, SamplingParams
 
     rng = np.random.default_rng(seed)
-    heads = [rng.integers(3, 8192, size=32).tolist() for _ in range(n)]
+    vocab = _vocab_size(model_dir)
+    heads = [rng.integers(3, vocab, size=32).tolist() for _ in range(n)]
     with LLM(model=model_dir) as llm:
         sp = SamplingParams(max_tokens=copy_len, temperature=0.0, ignore_eos=True)
         conts = [o.outputs[0].token_ids for o in llm.generate(heads, sp, use_tqdm=False)]
-    return [h + list(c) + h for h, c in zip(heads, conts)]
+    return [h + list(c) for h, c in zip(heads, conts)]
 
 
-def no_repeat_prompts(n: int, seed: int) -> list[list[int]]:
+def no_repeat_prompts(model_dir: str, n: int, seed: int) -> list[list[int]]:
     from offline_throughput import make_prompts
 
-    return make_prompts(n, seed, 8192)
+    return make_prompts(n, seed, _vocab_size(model_dir))
+
+
+def _vocab_size(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return int(json.load(f)["vocab_size"])
 
 
 # ---------------------------------------------------------------- one side ----
@@ -130,7 +136,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for batch in args.batch_sizes:
         workloads = {
             "copy-heavy": (copy_heavy_prompts(model_dir, batch, args.copy_len, args.seed), 0.0),
-            "no-repeat": (no_repeat_prompts(batch, args.seed), 1.0),
+            "no-repeat": (no_repeat_prompts(model_dir, batch, args.seed), 1.0),
         }
         for name in args.workloads:
             prompts, temp = workloads[name]

@@ -316,3 +316,24 @@ def test_prometheus_exposes_spec_counters():
     assert 'conveyor:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
     assert 'conveyor:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
     assert 'conveyor:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
+
+
+# ---- structured outputs next to drafting requests --------------------------------------------
+
+def test_structured_requests_are_not_drafted_but_share_the_batch(ckpts, prompts, base):
+    from engine import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    so = SamplingParams(max_tokens=200, temperature=0.0,
+                        structured_outputs=StructuredOutputsParams(json=schema))
+    with LLM(model=ckpts["llama"]) as llm:
+        alone = llm.generate(["Give me data"], so, use_tqdm=False)[0].outputs[0]
+    with LLM(model=ckpts["llama"], speculative_config=spec(3)) as llm:
+        outs = llm.generate([prompts[0], "Give me data", prompts[1]], [GREEDY, so, GREEDY],
+                            use_tqdm=False)
+        assert llm.get_metrics()[ACCEPTED] > 0
+    assert outs[0].outputs[0].token_ids == base["llama"][0]
+    assert outs[2].outputs[0].token_ids == base["llama"][1]
+    got = outs[1].outputs[0]
+    assert got.token_ids == alone.token_ids and got.finish_reason == alone.finish_reason
