@@ -186,7 +186,7 @@ def _kwargs_to_tree(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif k in _KWARG_MAP:
             parents, leaf = [_KWARG_MAP[k][0]], _KWARG_MAP[k][1]
         else:
-            raise ConfigError(f"unknown engine argument {k!r}; known: {sorted(_KWARG_MAP)} "
+            raise ConfigError(f"unknown engine argument {k!r}; known: {sorted([*_KWARG_MAP, *_SECTION_KWARGS])} "
                               f"or a dotted key path such as 'scheduler.max_num_seqs'")
         node = tree
         for p in parents:

@@ -17,7 +17,7 @@ from llm_utils import hf_greedy, make_checkpoint, random_prompts, top5_agree
 from sched_utils import make_request
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
-GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 DRAFTS = "conveyor:spec_decode_num_draft_tokens"
 ACCEPTED = "conveyor:spec_decode_num_accepted_tokens"
 
@@ -152,7 +152,7 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prompts():
-    return random_prompts(5, 1, 150, seed=4)
+    return random_prompts(4, 1, 150, seed=4)
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +204,25 @@ def test_greedy_parity_tp2(ckpts, prompts, base, refs):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert llm.get_metrics()[ACCEPTED] > 0
     _check("llama", ckpts, prompts, base, refs, got)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(address="local", num_cpus=6, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def test_greedy_parity_ray_tp2(ray_local, ckpts, prompts, base, refs):
+    """Drafts travel to both ranks in the SchedulerOutput; the core runs in its actor."""
+    with LLM(model=ckpts["qwen3"], speculative_config=spec(3), executor="ray",
+             tensor_parallel_size=2, max_num_batched_tokens=64) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        m = llm.get_metrics()
+    assert m[DRAFTS] > 0 and m[ACCEPTED] > 0
+    _check("qwen3", ckpts, prompts, base, refs, got)
 
 
 def test_stops_and_length_caps(ckpts, prompts, base):
