@@ -295,7 +295,7 @@ def test_distribution_at_drafted_positions(small_vocab, top_p):
     """Every token occurs in the prompt, so with prompt_lookup_min=1 the second
     output token is always drafted (the third when that draft is accepted);
     their distributions must match sampling without speculation."""
-    n = 1000
+    n = 600
     sp = SamplingParams(max_tokens=3, temperature=1.0, top_p=top_p, ignore_eos=True)
     # block_size 8: identical prompts hit 3 cached blocks, so prefill is short.
     kw = dict(model=small_vocab, max_num_seqs=256, max_num_batched_tokens=2048, block_size=8)

@@ -198,3 +198,25 @@ def test_logprob_rows_per_emitted_token():
     for j, tok in enumerate(emitted[0]):
         assert lp.token_ids[j][0] == tok
         assert lp.logprobs[j][0] == pytest.approx(float(ref[j, tok]), abs=1e-5)
+
+
+# ---- attention for short queries (drafts + bonus) ----------------------------------------
+
+@pytest.mark.parametrize("q_lens", [[1, 3, 5, 9, 2], [2, 1, 1, 4], [9]])
+def test_short_query_attention_matches_reference(q_lens):
+    from kernels.torch_attention import paged_attention_ref, paged_attention_torch
+
+    torch.manual_seed(5)
+    bs, hkv, hq, d, num_blocks = 4, 2, 4, 8, 64
+    ctx = [7, 0, 13, 30, 2][:len(q_lens)]
+    seq = [c + q for c, q in zip(ctx, q_lens)]
+    cache = torch.randn(num_blocks, 2, bs, hkv, d)
+    table = torch.zeros(len(q_lens), 16, dtype=torch.int32)
+    perm = torch.randperm(num_blocks - 1) + 1
+    for r in range(len(q_lens)):
+        table[r] = perm[r * 12:r * 12 + 16] if r * 12 + 16 <= len(perm) else perm[:16]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    query = torch.randn(int(qsl[-1]), hq, d)
+    got = paged_attention_torch(query, cache, table, qsl, np.array(seq), 0.3)
+    ref = paged_attention_ref(query, cache, table, qsl, np.array(seq), 0.3)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
