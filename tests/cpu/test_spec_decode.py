@@ -34,6 +34,12 @@ def test_config_section_and_kwarg():
     assert cfg.speculative.enabled and cfg.speculative.num_speculative_tokens == 3
     assert not build_config(model="").speculative.enabled
     assert build_config({"speculative": {"method": "ngram"}}).speculative.prompt_lookup_max == 4
+    # CLI: --speculative-method / --num-speculative-tokens / --set become dotted keys.
+    from cluster.options import parse_set
+
+    cli = build_config(model="", **{"speculative.method": "ngram",
+                                    **parse_set(["speculative.num_speculative_tokens=6"])})
+    assert cli.speculative.enabled and cli.speculative.num_speculative_tokens == 6
 
 
 @pytest.mark.parametrize("section,needle", [
