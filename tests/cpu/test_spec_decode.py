@@ -362,3 +362,36 @@ def test_structured_requests_are_not_drafted_but_share_the_batch(ckpts, prompts,
     assert outs[2].outputs[0].token_ids == base["llama"][1]
     got = outs[1].outputs[0]
     assert got.token_ids == alone.token_ids and got.finish_reason == alone.finish_reason
+
+
+# ---- the serving path: AsyncLLM + the OpenAI app's /metrics ------------------------------------
+
+def test_async_llm_and_metrics_endpoint(ckpts, prompts, base):
+    import asyncio
+
+    import httpx
+
+    from cluster.openai_server import OpenAIServer, build_api
+    from engine.async_client import AsyncLLM, collect
+
+    cfg = build_config({"model": {"path": ckpts["llama"]}, "speculative": spec(3),
+                        "serve": {"served_model_name": "tiny", "metrics_public": True}})
+
+    async def run() -> tuple[list[list[int]], str]:
+        llm = AsyncLLM(cfg)
+        srv = OpenAIServer(llm, cfg)
+        app = build_api(srv, api_key=None)
+        await srv.start()
+        try:
+            outs = await asyncio.gather(*(collect(llm.generate(p, GREEDY)) for p in prompts))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                text = (await c.get("/metrics")).text
+            return [o.outputs[0].token_ids for o in outs], text
+        finally:
+            await llm.shutdown()
+
+    got, text = asyncio.run(run())
+    assert got == base["llama"]
+    line = next(x for x in text.splitlines()
+                if x.startswith("conveyor:spec_decode_num_accepted_tokens_total{"))
+    assert float(line.rsplit(" ", 1)[1]) > 0
