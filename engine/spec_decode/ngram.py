@@ -47,20 +47,45 @@ def find_ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.n
 
 class NgramProposer:
     """Keeps each request's tokens in a growing numpy buffer (appended to,
-    never rebuilt from the Python list) and proposes from it."""
+    never rebuilt from the Python list) and proposes from it.
+
+    Miss gate: the hashes of every n_min-gram seen so far (the suffix's own
+    excluded) sit in a set, so a suffix that never occurred before costs one
+    set lookup instead of the numpy search; most steps of a sequence that does
+    not repeat itself end there. A hash collision only lets a miss through to
+    the exact search.
+    """
 
     def __init__(self, k: int, n_min: int, n_max: int) -> None:
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self._buf: dict[str, np.ndarray] = {}
         self._len: dict[str, int] = {}
+        self._grams: dict[str, set[int]] = {}
+        self._suffix: dict[str, int | None] = {}
+        self._gram_len: dict[str, int] = {}
 
     def propose(self, req_id: str, all_token_ids: list[int], k: int) -> list[int]:
         """Up to min(k, self.k) draft tokens for the request (maybe none)."""
         k = min(k, self.k)
         if k <= 0:
             return []
+        self._sync_grams(req_id, all_token_ids)
+        if self._suffix[req_id] not in self._grams[req_id]:
+            return []
         tokens = self._sync(req_id, all_token_ids)
         return find_ngram_draft(tokens, k, self.n_min, self.n_max).tolist()
+
+    def _sync_grams(self, req_id: str, all_token_ids: list[int]) -> None:
+        grams = self._grams.setdefault(req_id, set())
+        suffix = self._suffix.get(req_id)
+        n, m = len(all_token_ids), self.n_min
+        done = self._gram_len.get(req_id, 0)
+        for end in range(max(done + 1, m), n + 1):
+            if suffix is not None:
+                grams.add(suffix)
+            suffix = hash(tuple(all_token_ids[end - m:end]))
+        self._suffix[req_id] = suffix
+        self._gram_len[req_id] = n
 
     def _sync(self, req_id: str, all_token_ids: list[int]) -> np.ndarray:
         n = len(all_token_ids)
@@ -77,5 +102,5 @@ class NgramProposer:
         return buf[:n]
 
     def drop(self, req_id: str) -> None:
-        self._buf.pop(req_id, None)
-        self._len.pop(req_id, None)
+        for d in (self._buf, self._len, self._grams, self._suffix, self._gram_len):
+            d.pop(req_id, None)

@@ -84,6 +84,21 @@ def test_ngram_proposer_buffers_and_caps():
     assert prop.propose("a", [9, 9], 4) == [9]
 
 
+@pytest.mark.parametrize("n_min,n_max", [(1, 3), (2, 4), (3, 3)])
+def test_ngram_proposer_gate_agrees_with_the_search(n_min, n_max):
+    """Growing sequences over a small vocab: the proposer (with its miss gate,
+    fed incrementally) proposes exactly what the stateless search finds."""
+    rng = np.random.default_rng(n_min)
+    prop = NgramProposer(k=3, n_min=n_min, n_max=n_max)
+    for r in range(20):
+        toks: list[int] = []
+        for _ in range(60):
+            toks.append(int(rng.integers(0, 6)))
+            want = find_ngram_draft(np.array(toks), 3, n_min, n_max).tolist()
+            assert prop.propose(str(r), toks, 3) == want
+        prop.drop(str(r))
+
+
 # ---- rejection sampler -------------------------------------------------------------
 
 def _run(logits_rows: torch.Tensor, states: list[Row], drafts: list[list[int]]):
