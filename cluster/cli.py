@@ -29,7 +29,8 @@ from engine.config import ConfigError, check_cluster_fits, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {"scheduler": "bench/scheduler.py", "offline": "bench/offline_throughput.py",
-           "serve": "bench/serve_load.py", "attention": "bench/attention.py"}
+           "serve": "bench/serve_load.py", "attention": "bench/attention.py",
+           "spec": "bench/spec_decode.py"}
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 

@@ -76,6 +76,17 @@ class _EngineCollector:
                          "Grammar compile time per structured request.", c.grammar_compile, lab)
         yield _histogram("structured_output_bitmask_seconds",
                          "Grammar bitmask time per step with structured rows.", c.bitmask_step, lab)
+        sd = c.spec_decode
+        yield counter("spec_decode_num_drafts", "Requests that verified drafts, per step.", sd.num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", sd.num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      sd.num_accepted_tokens)
+        pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, per draft position.",
+                                  labels=["model_name", "position"])
+        for i, n in enumerate(sd.accepted_per_pos):
+            pos.add_metric([self.model_name, str(i)], n)
+        yield pos
 
 
 def _histogram(name: str, doc: str, h: Any, lab: list[str]) -> HistogramMetricFamily:

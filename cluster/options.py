@@ -53,6 +53,10 @@ ENGINE_OVERRIDES: tuple[Override, ...] = (
     Override("--gpu-memory-utilization", "cache.gpu_memory_utilization", float,
              "fraction of GPU memory for the engine"),
     Override("--enable-prefix-caching", "cache.enable_prefix_caching", _bool, "true | false"),
+    Override("--speculative-method", "speculative.method", str,
+             "ngram: n-gram (prompt-lookup) speculative decoding"),
+    Override("--num-speculative-tokens", "speculative.num_speculative_tokens", int,
+             "draft tokens per step, 1..8"),
 )
 
 SERVE_OVERRIDES: tuple[Override, ...] = (

@@ -24,6 +24,7 @@ from engine.errors import EngineDeadError
 from engine.frontend import Frontend, PreparedRequest
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingFields
+from engine.spec_decode.metrics import SpecDecodeCounters
 
 __all__ = ["AsyncLLM", "EngineDeadError", "collect"]
 
@@ -113,6 +114,7 @@ class EngineCounters:
     # Per step that had structured rows: the bitmask's wall time.
     bitmask_step: CumulativeHistogram = field(
         default_factory=lambda: CumulativeHistogram(_BITMASK_BUCKETS))
+    spec_decode: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
 
 
 def make_core_client(config: EngineConfig) -> CoreClient:
@@ -321,6 +323,7 @@ class AsyncLLM:
             c.grammar_compile.observe(ms / 1e3)
         if st.bitmask_rows:
             c.bitmask_step.observe(st.bitmask_ms / 1e3)
+        c.spec_decode.absorb(st)
 
     def _fail_all(self, message: str) -> None:
         self.dead_error = message

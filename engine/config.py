@@ -125,6 +125,20 @@ class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
     compile_threads: int = 1  # grammar compiles run here, never on the step loop
 
 
+class SpeculativeConfig(msgspec.Struct, **_FROZEN):
+    """N-gram (prompt-lookup) speculative decoding; method None = off.
+    Drafts: the k tokens that followed the longest earlier occurrence (length
+    prompt_lookup_max down to prompt_lookup_min) of the sequence's suffix."""
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+
 class EngineConfig(msgspec.Struct, **_FROZEN):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
@@ -132,6 +146,7 @@ class EngineConfig(msgspec.Struct, **_FROZEN):
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
     structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
 
     @property
     def max_model_len(self) -> int:
@@ -168,6 +183,10 @@ _KWARG_MAP: dict[str, tuple[str, str]] = {
 }
 
 
+# LLM(...) keywords that carry a whole section.
+_SECTION_KWARGS: dict[str, str] = {"speculative_config": "speculative"}
+
+
 def _env_defaults() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     if "CONVEYOR_ATTENTION_BACKEND" in os.environ:
@@ -187,12 +206,15 @@ def _kwargs_to_tree(kwargs: dict[str, Any]) -> dict[str, Any]:
     what `--set serve.port=8001` becomes) -> a tree to merge over the file's."""
     tree: dict[str, Any] = {}
     for k, v in kwargs.items():
+        if k in _SECTION_KWARGS:  # a whole section as a mapping (vLLM's speculative_config)
+            tree[_SECTION_KWARGS[k]] = v if v is not None else {}
+            continue
         if "." in k:
             *parents, leaf = k.split(".")
         elif k in _KWARG_MAP:
             parents, leaf = [_KWARG_MAP[k][0]], _KWARG_MAP[k][1]
         else:
-            raise ConfigError(f"unknown engine argument {k!r}; known: {sorted(_KWARG_MAP)} "
+            raise ConfigError(f"unknown engine argument {k!r}; known: {sorted([*_KWARG_MAP, *_SECTION_KWARGS])} "
                               f"or a dotted key path such as 'scheduler.max_num_seqs'")
         node = tree
         for p in parents:
@@ -397,6 +419,10 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.allow_client_priority": ("bool", lambda v: True),
     "structured_outputs.backend": _one_of(("llguidance",)),
     "structured_outputs.compile_threads": ("int in 1..64", lambda v: 1 <= v <= 64),
+    "speculative.method": ("null or ngram", lambda v: v in (None, "ngram")),
+    "speculative.num_speculative_tokens": ("int in 1..8", lambda v: 1 <= v <= 8),
+    "speculative.prompt_lookup_min": ("int in 1..16", lambda v: 1 <= v <= 16),
+    "speculative.prompt_lookup_max": ("int in 1..16", lambda v: 1 <= v <= 16),
 }
 
 
@@ -420,6 +446,24 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
                     f"one of {'/'.join(map(str, TRITON_BLOCK_SIZES))} with model.attention_backend "
                     f"{cfg.model.attention_backend!r} (the Triton kernels' tiles; 'auto' is Triton on "
                     f"CUDA); other block sizes need attention_backend 'torch'", cfg.cache.block_size, over)
+    _validate_speculative(cfg, source, over)
+
+
+def _validate_speculative(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
+    sp = cfg.speculative
+    if not sp.enabled:
+        return
+    if sp.prompt_lookup_max < sp.prompt_lookup_min:
+        raise _fail(source, "speculative.prompt_lookup_max",
+                    f"int >= speculative.prompt_lookup_min ({sp.prompt_lookup_min})",
+                    sp.prompt_lookup_max, over)
+    if cfg.parallel.pipeline_parallel_size > 1:
+        # The batch queue keeps several steps in flight, so a step's drafts
+        # would be proposed before the previous step's tokens are known.
+        raise _fail(source, "parallel.pipeline_parallel_size",
+                    "1 when speculative decoding is on (speculation with pipeline parallelism "
+                    "is not supported; remove the speculative section or use tensor parallelism)",
+                    cfg.parallel.pipeline_parallel_size, over)
 
 
 def _resolve(cfg: EngineConfig, source: str, over: dict[str, Any]) -> EngineConfig:

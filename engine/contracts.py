@@ -108,6 +108,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     # Some request that samples this step is structured: sample_tokens gets a
     # GrammarOutput, and the ranks that sample wait for it.
     has_structured_output: bool = False
+    # Speculative decoding: the draft tokens scheduled after each request's
+    # last known token (num_scheduled_tokens counts them). The runner computes
+    # logits at every draft position plus one and verifies them.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
@@ -128,6 +132,9 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     sampled_ranks: list[int]
+    # None: row i belongs to request i (one token each). Set with speculative
+    # decoding: request i's emitted tokens have rows row_start[i], row_start[i]+1, ...
+    row_start: list[int] | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
@@ -179,6 +186,12 @@ class SchedulerStats(msgspec.Struct, gc=False):
     grammar_compile_ms: list[float] = msgspec.field(default_factory=list)
     bitmask_ms: float = 0.0
     bitmask_rows: int = 0
+    # Speculative decoding this step: requests that verified drafts, drafts
+    # verified, drafts accepted, and accepted drafts per draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):

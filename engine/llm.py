@@ -14,6 +14,7 @@ from engine.core import EngineCore
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
 from engine.frontend import Frontend, PreparedRequest, Prompt
+from engine.spec_decode.metrics import SpecDecodeCounters
 from engine.tokenizer import Tokenizer
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput"]
@@ -34,6 +35,7 @@ class LLM:
         self.frontend = Frontend(config, self.engine.kv_info.vocab_size)
         self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
+        self._spec_counters = SpecDecodeCounters()
 
     @staticmethod
     def _make_engine(config: EngineConfig) -> Any:
@@ -92,6 +94,8 @@ class LLM:
         try:
             while pending:
                 outs, _ = self.engine.step_fn()
+                if outs is not None and outs.scheduler_stats is not None:
+                    self._spec_counters.absorb(outs.scheduler_stats)
                 for o in (outs.outputs if outs is not None else ()):
                     st = states.get(o.request_id)
                     if st is None:
@@ -114,6 +118,12 @@ class LLM:
     def worker_pids(self) -> list[int]:
         """Live worker process ids in rank order (this process with executor uniproc)."""
         return self.engine.worker_pids()
+
+    def get_metrics(self) -> dict[str, float]:
+        """Current counter values keyed by metric name (speculative decoding:
+        conveyor:spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens,
+        ..._num_accepted_tokens_per_pos{position="i"})."""
+        return self._spec_counters.as_dict()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

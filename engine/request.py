@@ -34,6 +34,8 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     structured_output: Any = None
     # Finished because its grammar completed: the last token is text, not a stop token.
     stopped_by_grammar: bool = False
+    # Speculative drafts after the last known token (engine/spec_decode/scheduling.py).
+    spec_token_ids: list[int] = msgspec.field(default_factory=list)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:

@@ -20,6 +20,7 @@ from engine.contracts import (CachedRequestData, EngineCoreOutput, EngineCoreOut
 from engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
 from engine.request import Request
 from engine.request_queue import make_queue
+from engine.spec_decode.scheduling import SpecDecodeScheduling
 from engine.structured_output.manager import StructuredOutputManager
 
 _RUNNING = RequestStatus.RUNNING
@@ -73,6 +74,7 @@ class _StepPlan:
     resumed: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int] | None] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -107,6 +109,8 @@ class Scheduler:
         self._error_outputs: list[EngineCoreOutput] = []
         self._last_bitmask_ms = 0.0
         self._last_bitmask_rows = 0
+        self.spec = (SpecDecodeScheduling(config.speculative, self.max_model_len)
+                     if config.speculative.enabled else None)
 
     # ---- requests in and out -------------------------------------------------
 
@@ -141,6 +145,8 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        if self.spec is not None:
+            self.spec.drop(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -201,7 +207,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            # Drafts extend what the request catches up to.
+            num_new = len(request.all_token_ids) + len(request.spec_token_ids) - request.num_computed_tokens
             if num_new == 0:  # its output is still in flight
                 i += 1
                 continue
@@ -225,6 +232,10 @@ class Scheduler:
             scheduled.append(request)
             new_block_ids[rid] = [b.block_id for b in new_blocks] if new_blocks else None
             num_scheduled[rid] = num_new
+            if request.spec_token_ids:
+                drafts = self.spec.scheduled_drafts(request, num_new)
+                if drafts:
+                    plan.spec_tokens[rid] = drafts
             budget -= num_new
             i += 1
         plan.token_budget = budget
@@ -243,6 +254,8 @@ class Scheduler:
             plan.token_budget += n
             plan.running.remove(victim)
             plan.new_block_ids.pop(victim.request_id, None)
+            plan.spec_tokens.pop(victim.request_id, None)
+        victim.spec_token_ids = []  # preemption drops pending drafts
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -328,7 +341,8 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted}, step_id=self._step_id,
-            has_structured_output=self._any_structured_sample(plan))
+            has_structured_output=self._any_structured_sample(plan),
+            scheduled_spec_decode_tokens=plan.spec_tokens)
 
     @staticmethod
     def _any_structured_sample(plan: _StepPlan) -> bool:
@@ -380,9 +394,14 @@ class Scheduler:
                 continue  # aborted while its step was in flight
             i = index.get(rid)
             new_tokens = sampled[i] if i is not None else None
+            drafts = so.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                self.spec.verify(request, drafts, len(new_tokens or ()))
             if not new_tokens:
                 continue  # a partial prefill chunk samples nothing
             new_tokens, done = self._append_tokens(request, new_tokens)
+            if not done and self.spec is not None:
+                self.spec.propose(request)
             num_generated += len(new_tokens)
             out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(request.num_cached_tokens, 0))
             if mro.logprobs is not None and request.sampling_params.logprobs is not None:
@@ -421,11 +440,15 @@ class Scheduler:
                       n: int) -> list[dict[int, float]]:
         lp = mro.logprobs
         k = request.sampling_params.logprobs or 0
-        ids, vals = lp.token_ids[i], lp.logprobs[i]
-        # Column 0 is the sampled token, then the top-k in order.
-        d = {ids[j]: vals[j] for j in range(1, min(k + 1, len(ids)))}
-        d[ids[0]] = vals[0]
-        return [d] * n
+        rows = [i] * n if lp.row_start is None else range(lp.row_start[i], lp.row_start[i] + n)
+        out = []
+        for r in rows:
+            ids, vals = lp.token_ids[r], lp.logprobs[r]
+            # Column 0 is the sampled token, then the top-k in order.
+            d = {ids[j]: vals[j] for j in range(1, min(k + 1, len(ids)))}
+            d[ids[0]] = vals[0]
+            out.append(d)
+        return out
 
     def _remove_stopped(self, stopped: list[Request]) -> None:
         gone = {id(r) for r in stopped}
@@ -446,7 +469,7 @@ class Scheduler:
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
             num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
-            **self._structured_stats())
+            **self._structured_stats(), **(self.spec.take_stats() if self.spec is not None else {}))
 
     def _structured_stats(self) -> dict:
         mgr = self.structured_output_manager

@@ -3,8 +3,11 @@
 All math runs in fp32 and is cast back to the query dtype. Decode rows
 (query_len == 1) are batched: their K/V are gathered through the block table
 into a padded ``[B, max_seq, Hkv, D]`` tensor and attended with one masked
-softmax. Prefill chunks (query_len > 1) run one request at a time through
-``scaled_dot_product_attention`` with a causal mask offset by the cached prefix.
+softmax. Short queries (query_len <= _SHORT_QUERY: speculative drafts plus
+their bonus position) run the same way, one K/V gather per request with its
+query tokens side by side, each seeing keys up to its own position. Longer prefill chunks run one request at a time
+through ``scaled_dot_product_attention`` with a causal mask offset by the
+cached prefix.
 """
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ _DECODE_GATHER_BUDGET = 1 << 24
 _DECODE_CHUNK_ROWS = 16
 # Longest query slice attended in one SDPA call (bounds the mask / score memory).
 _PREFILL_CHUNK = 1024
+# Queries up to this long (1 + the most speculative tokens) run as decode rows.
+_SHORT_QUERY = 9
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -112,6 +117,69 @@ def _decode_batched(
         _decode_rows(query, kv_cache, block_table, tokens[sl], reqs[sl], lens[sl], scale, out)
 
 
+def _short_rows(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    starts: np.ndarray,
+    reqs: np.ndarray,
+    q_lens: np.ndarray,
+    lens: np.ndarray,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention for short queries (speculative drafts + the bonus position):
+    one K/V gather per request, its query tokens side by side, each token
+    seeing keys up to its own position (seq_len - q_len + i)."""
+    dev = query.device
+    num_blocks, _, bs, hkv, d = kv_cache.shape
+    hq = query.shape[1]
+    g = hq // hkv
+    b, qm = len(reqs), int(q_lens.max())
+    s = _cdiv(int(lens.max()), bs) * bs
+    blocks = block_table[torch.from_numpy(reqs).to(dev), : s // bs].long().clamp_(0, num_blocks - 1)
+    pos = torch.arange(s, device=dev)
+    slot = blocks[:, pos // bs] * (2 * bs) + pos % bs
+    rows = (slot[None] * hkv + torch.arange(hkv, device=dev)[:, None, None]).view(-1)
+    flat = kv_cache.view(-1, d)
+    k = flat.index_select(0, rows).view(hkv, b, s, d).float()
+    v = flat.index_select(0, rows + bs * hkv).view(hkv, b, s, d).float()
+    v.masked_fill_(torch.from_numpy(np.arange(s)[None, :] >= lens[:, None]).to(dev)[None, :, :, None], 0.0)
+    within = np.arange(qm)[None, :]
+    tok = starts[:, None] + np.minimum(within, q_lens[:, None] - 1)  # [B, Qm]; padding repeats the last
+    last_key = np.minimum(lens[:, None] - q_lens[:, None] + within, lens[:, None] - 1)
+    hidden = np.arange(s)[None, None, :] > last_key[:, :, None]  # [B, Qm, S]
+    mask = torch.from_numpy(hidden).to(dev)[:, :, None, :].expand(b, qm, g, s).reshape(b, qm * g, s)
+    q = query[torch.from_numpy(tok).to(dev)].float().view(b, qm, hkv, g, d)
+    q = q.permute(2, 0, 1, 3, 4).reshape(hkv, b, qm * g, d)
+    scores = torch.matmul(q, k.transpose(2, 3))  # [Hkv, B, Qm*G, S]
+    scores.mul_(scale).masked_fill_(mask[None], float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, B, Qm*G, D]
+    o = o.view(hkv, b, qm, g, d).permute(1, 2, 0, 3, 4).reshape(b, qm, hq, d)
+    valid = within < q_lens[:, None]
+    out[torch.from_numpy(tok[valid]).to(dev)] = o[torch.from_numpy(valid).to(dev)].to(out.dtype)
+
+
+def _short_batched(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    starts: np.ndarray,
+    reqs: np.ndarray,
+    q_lens: np.ndarray,
+    lens: np.ndarray,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Short-query requests sorted by length, in chunks (as _decode_batched)."""
+    per_req = (int(lens.max()) + kv_cache.shape[2]) * kv_cache.shape[3] * kv_cache.shape[4] * 2
+    chunk = max(1, min(_DECODE_CHUNK_ROWS, _DECODE_GATHER_BUDGET // per_req))
+    order = np.argsort(lens, kind="stable")
+    for i in range(0, len(order), chunk):
+        sl = order[i:i + chunk]
+        _short_rows(query, kv_cache, block_table, starts[sl], reqs[sl], q_lens[sl], lens[sl], scale, out)
+
+
 def _prefill_one(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -162,9 +230,14 @@ def paged_attention_torch(
     lens = np.asarray(seq_lens_cpu, dtype=np.int64)
     q_lens = qsl[1:] - qsl[:-1]
     decode = np.nonzero(q_lens == 1)[0]
-    if decode.size:
+    short = np.nonzero((q_lens > 1) & (q_lens <= _SHORT_QUERY))[0]
+    if short.size:  # drafts this step: decode rows go with them, one K/V gather per request
+        reqs = np.concatenate([decode, short])
+        _short_batched(query, kv_cache, block_table, qsl[reqs], reqs, q_lens[reqs], lens[reqs],
+                       scale, out)
+    elif decode.size:
         _decode_batched(query, kv_cache, block_table, qsl[decode], decode, lens[decode], scale, out)
-    for r in np.nonzero(q_lens > 1)[0]:
+    for r in np.nonzero(q_lens > _SHORT_QUERY)[0]:
         _prefill_one(
             query, kv_cache, block_table[r], int(qsl[r]), int(q_lens[r]), int(lens[r]), scale, out
         )

@@ -110,6 +110,12 @@ class InputBatch:
         self.token_ids[row, n] = token
         self.num_tokens[row] = n + 1
 
+    def set_draft_tokens(self, row: int, drafts: list[int]) -> None:
+        """Write a step's drafts after the row's known tokens (num_tokens does
+        not move: accepted drafts are appended like sampled tokens)."""
+        n = self.num_tokens[row]
+        self.token_ids[row, n:n + len(drafts)] = drafts
+
     def condense(self) -> None:
         """Fill holes with rows from the end so rows 0..num_reqs-1 are live."""
         if not self._holes:

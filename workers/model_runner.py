@@ -22,6 +22,7 @@ from workers.forward_context import set_forward_context
 from workers.grammar_mask import apply_grammar_bitmask
 from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
 from workers.layers.attention import find_attention_layers
+from workers.rejection_sampler import SpecLayout, sample_with_drafts
 from workers.sampler import Sampler, SamplingMetadata
 
 
@@ -33,6 +34,8 @@ class _PendingSample:
     # Rows whose chunk reaches the end of their known tokens sample a token;
     # partial prefill chunks do not.
     samples: np.ndarray
+    # Set when some row verifies drafts: logits has one row per draft + 1.
+    spec: SpecLayout | None = None
 
 
 class ModelRunner:
@@ -162,6 +165,8 @@ class ModelRunner:
         for st in to_add:
             batch.add_request(st)
         batch.condense()
+        for rid, drafts in so.scheduled_spec_decode_tokens.items():
+            batch.set_draft_tokens(batch.req_id_to_index[rid], drafts)
 
     def _new_state(self, nr: NewRequestData) -> CachedRequestState:
         sp = nr.sampling_params
@@ -221,12 +226,17 @@ class ModelRunner:
             out = self.model(input_ids, positions, intermediate_tensors)
         if not self.is_last_stage:
             return out
-        logits_idx = torch.from_numpy(p.logits_indices.astype(np.int64)).to(self.device)
+        spec = None
+        logits_indices = p.logits_indices
+        if so.scheduled_spec_decode_tokens:
+            spec = SpecLayout.build([so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids])
+            logits_indices = spec.logits_indices(p.logits_indices)
+        logits_idx = torch.from_numpy(logits_indices.astype(np.int64)).to(self.device)
         logits = self.model.compute_logits(out[logits_idx])
         batch = self.input_batch
         rows = np.arange(len(req_ids))
         samples = batch.num_computed_tokens[rows] + num_sched >= batch.num_tokens[rows]
-        self._pending = _PendingSample(logits, req_ids, samples)
+        self._pending = _PendingSample(logits, req_ids, samples, spec)
         return None
 
     @torch.inference_mode()
@@ -234,9 +244,11 @@ class ModelRunner:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")
+        states = [self.requests[r] for r in pending.req_ids]
+        if pending.spec is not None:
+            return self._sample_spec(pending, states, grammar_output)
         if grammar_output is not None:
             apply_grammar_bitmask(pending.logits, pending.req_ids, grammar_output)
-        states = [self.requests[r] for r in pending.req_ids]
         meta = SamplingMetadata.build(states, self.vocab_size, self.device)
         out = self.sampler(pending.logits, meta)
         tokens = out.sampled_token_ids.tolist()
@@ -251,3 +263,28 @@ class ModelRunner:
                 sampled.append([])
         return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
                                  sampled, out.to_lists())
+
+    def _sample_spec(self, pending: _PendingSample, states: list[CachedRequestState],
+                     grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
+        """A step that verifies drafts: several tokens per row."""
+        spec = pending.spec
+        assert spec is not None
+        if grammar_output is not None:
+            # Structured requests are never drafted, so each has one row; the
+            # repeated ids map it to that row.
+            row_ids = [r for r, d in zip(pending.req_ids, spec.drafts) for _ in range(len(d) + 1)]
+            apply_grammar_bitmask(pending.logits, row_ids, grammar_output)
+        emitted, logprobs = sample_with_drafts(pending.logits, states, spec, self.vocab_size,
+                                               self.device)
+        batch = self.input_batch
+        sampled: list[list[int]] = []
+        for row, (st, toks, keep) in enumerate(zip(states, emitted, pending.samples)):
+            if not keep:
+                sampled.append([])
+                continue
+            st.output_token_ids.extend(toks)
+            for t in toks:
+                batch.append_token(row, t)
+            sampled.append(toks)
+        return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
+                                 sampled, logprobs)

@@ -222,13 +222,7 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] any float dtype; computed in fp32."""
-        x = logits.float()  # may alias `logits`: every op below is out of place
-        raw_logprobs = None
-        if meta.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(x, dim=-1)
-        x = _apply_min_tokens(x, meta.min_tokens_index)
-        if meta.penalties is not None:
-            x = apply_penalties(x, meta.penalties)
+        x, raw_logprobs = process_logits(logits, meta)
         sampled = self._sample(x, meta)
         if raw_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
@@ -245,6 +239,19 @@ class Sampler:
             return random
         assert meta.greedy_mask is not None
         return torch.where(meta.greedy_mask, greedy, random)
+
+
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps 1-3: (processed fp32 logits, raw logprobs or None)."""
+    x = logits.float()  # may alias `logits`: every op below is out of place
+    raw_logprobs = None
+    if meta.max_num_logprobs is not None:
+        raw_logprobs = torch.log_softmax(x, dim=-1)
+    x = _apply_min_tokens(x, meta.min_tokens_index)
+    if meta.penalties is not None:
+        x = apply_penalties(x, meta.penalties)
+    return x, raw_logprobs
 
 
 def _apply_min_tokens(x: torch.Tensor,
@@ -274,6 +281,16 @@ def apply_penalties(x: torch.Tensor, p: Penalties) -> torch.Tensor:
 
 def sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature, top-k/top-p/min-p, then the exponential race."""
+    probs = random_probs(x, meta)
+    q = _exponential_noise(probs, meta)
+    # argmax(p / q) with q ~ Exp(1) draws index i with probability p_i / sum(p):
+    # no renormalisation needed after masking.
+    return (probs / q).argmax(dim=-1)
+
+
+def random_probs(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The random path's target distribution (unnormalised after min-p):
+    temperature, top-k/top-p, softmax, min-p."""
     assert meta.temperature is not None
     x = x / meta.temperature.unsqueeze(1)
     if meta.top_p is not None:
@@ -283,10 +300,7 @@ def sample_random(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)
     if meta.min_p is not None:
         probs = apply_min_p(probs, meta.min_p)
-    q = _exponential_noise(probs, meta)
-    # argmax(p / q) with q ~ Exp(1) draws index i with probability p_i / sum(p):
-    # no renormalisation needed after masking.
-    return (probs / q).argmax(dim=-1)
+    return probs
 
 
 def _exponential_noise(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

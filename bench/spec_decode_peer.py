@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""bench/spec_decode.py's peer side: the same run with vLLM's CPU build
+(run with the peer venv's python; see /work/shared/peers/vllm_cpu/README.md).
+Reads a side config JSON, prints one JSON line (same fields as ours)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def _counters(llm) -> dict[str, float]:
+    from vllm.v1.metrics.reader import Counter
+
+    return {m.name: float(m.value) for m in llm.get_metrics() if isinstance(m, Counter)}
+
+
+def run_side(cfg: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = {"speculative_config": cfg["spec"]} if cfg["spec"] else {}
+    llm = LLM(model=cfg["model_dir"], skip_tokenizer_init=True, dtype="float32",
+              gpu_memory_utilization=0.5, max_num_seqs=max(cfg["batch"], 1), max_model_len=2048,
+              disable_log_stats=False, **kw)
+    sp = SamplingParams(max_tokens=cfg["output_len"], temperature=cfg["temperature"],
+                        ignore_eos=True, seed=cfg.get("seed"), detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in cfg["prompts"]]
+    llm.generate([TokensPrompt(prompt_token_ids=list(range(10, 42)))],
+                 SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
+    before = _counters(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = _counters(llm)
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    drafts = d.get("vllm:spec_decode_num_draft_tokens", 0.0)
+    acc = d.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    steps = d.get("vllm:spec_decode_num_drafts", 0.0)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(wall_s=wall, output_tokens=n_out, tok_s=n_out / wall, draft_tokens=drafts,
+                accepted_tokens=acc, acceptance_rate=acc / drafts if drafts else 0.0,
+                mean_acceptance_length=1.0 + acc / steps if steps else 1.0)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[2]) as f:
+        print(json.dumps(run_side(json.load(f))))

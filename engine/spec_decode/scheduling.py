@@ -1,0 +1,73 @@
+"""The scheduler's side of speculative decoding (kept out of scheduler.py).
+
+Invariants:
+- a request's drafts live in Request.spec_token_ids and extend what it
+  catches up to: len(all_token_ids) + len(spec_token_ids);
+- drafts are proposed only right after a step appended tokens, so the request
+  is caught up except for its last token; they never run past max_tokens or
+  max_model_len (the bonus token included);
+- after a step, num_computed_tokens rolls back by the rejected drafts, and the
+  drafts are gone; rejected tokens never enter all_token_ids, so never a block
+  hash: prefix caching stays exact;
+- structured-output requests are not drafted (no grammar row per draft position).
+"""
+from __future__ import annotations
+
+from engine.config import SpeculativeConfig
+from engine.request import Request
+from engine.spec_decode.ngram import NgramProposer
+
+
+class SpecDecodeScheduling:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int) -> None:
+        self.k = cfg.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+                                      cfg.prompt_lookup_max)
+        self._reset_stats()
+
+    def _reset_stats(self) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted = 0
+        self.accepted_per_pos = [0] * self.k
+
+    @staticmethod
+    def scheduled_drafts(request: Request, num_new: int) -> list[int]:
+        """The drafts covered by num_new scheduled tokens (a budget cut drops the
+        tail); they replace the request's pending drafts."""
+        n = request.num_computed_tokens + num_new - len(request.all_token_ids)
+        drafts = request.spec_token_ids[:n] if n > 0 else []
+        request.spec_token_ids = drafts
+        return drafts
+
+    def verify(self, request: Request, drafts: list[int], num_sampled: int) -> None:
+        """The worker emitted num_sampled tokens (accepted drafts + 1): roll the
+        computed prefix back past the rejected drafts."""
+        accepted = min(max(num_sampled - 1, 0), len(drafts))
+        request.num_computed_tokens -= len(drafts) - accepted
+        request.spec_token_ids = []
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted += accepted
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+    def propose(self, request: Request) -> None:
+        if request.structured_output is not None:
+            request.spec_token_ids = []
+            return
+        # Drafts + the bonus token must fit both length caps.
+        room = min(request.max_tokens - len(request.output_token_ids),
+                   self.max_model_len - len(request.all_token_ids)) - 1
+        request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
+
+    def drop(self, request_id: str) -> None:
+        self.proposer.drop(request_id)
+
+    def take_stats(self) -> dict:
+        out = dict(spec_num_drafts=self.num_drafts, spec_num_draft_tokens=self.num_draft_tokens,
+                   spec_num_accepted_tokens=self.num_accepted,
+                   spec_accepted_per_pos=list(self.accepted_per_pos))
+        self._reset_stats()
+        return out
