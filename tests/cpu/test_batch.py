@@ -270,6 +270,18 @@ def _wait_for_job_server(url: str, token: str, proc: subprocess.Popen, timeout: 
     raise AssertionError("the job server did not come up")
 
 
+def _submit_when_agent_is_up(submit: list[str], env: dict[str, str],
+                             timeout: float = 90) -> subprocess.CompletedProcess:
+    """`ray job submit`, again while the head answers that its job agent is not
+    up yet (the job API comes up before the agent on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = subprocess.run(submit, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        if r.returncode == 0 or "No available agent" not in r.stderr or time.monotonic() > deadline:
+            return r
+        time.sleep(2)
+
+
 def _stop_ray(proc: subprocess.Popen) -> None:
     """Stop exactly the instance we started: `ray start --block` shuts its
     own processes down on SIGTERM (`ray stop` would stop every Ray on the machine)."""
@@ -307,7 +319,7 @@ def test_ray_job_submit(tmp_path, ckpt, refs):
                   "--submission-id", job_id, "--no-wait", "--",
                   "python", "-m", "cluster.batch", "--config", cfg, "--input", inp, "--output", out,
                   "--no-progress"]
-        r = subprocess.run(submit, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = _submit_when_agent_is_up(submit, env)
         assert r.returncode == 0, r.stdout + r.stderr
         status = _wait_for_job(address, job_id, token)
         if status != "SUCCEEDED":

@@ -106,7 +106,7 @@ def test_seeded_sampling_survives_chunking_and_preemption(ckpts):
            for i in range(10)]
     alone = [_generate(path, [p], sp)[0][0].outputs[0].token_ids for p, sp in zip(prompts[:3], sps)]
     chunked, _ = _generate(path, prompts, sps, max_num_batched_tokens=32)
-    preempted, sched = _generate(path, prompts, sps, num_gpu_blocks=17)
+    preempted, sched = _generate(path, prompts, sps, num_gpu_blocks=17, max_model_len=256)
     assert sched.num_preemptions > 0
     ids = [o.outputs[0].token_ids for o in chunked]
     assert ids[:3] == alone

@@ -69,6 +69,15 @@ def test_ray_parity_with_uniproc(ray_local, ckpt, prompts, reference, tp, pp):
     _assert_close(got, reference, f"tp={tp} pp={pp}")
 
 
+async def _rest(first, stream):
+    """A stream's tokens from its first output on, and its finish reason."""
+    tokens, last = list(first.outputs[0].token_ids), first
+    async for ro in stream:
+        tokens += ro.outputs[0].token_ids
+        last = ro
+    return tokens, last.outputs[0].finish_reason
+
+
 def test_worker_death_mid_stream_is_recovered(ray_local, ckpt, prompts):
     """Streams in flight when a rank dies finish as if nothing happened."""
     cfg = build_config(model=ckpt, executor="ray", tensor_parallel_size=2)
@@ -80,15 +89,7 @@ def test_worker_death_mid_stream_is_recovered(ray_local, ckpt, prompts):
         firsts = [await s.__anext__() for s in streams]
         before = llm.worker_pids()
         os.kill(before[1], signal.SIGKILL)
-
-        async def rest(first, stream):
-            tokens, last = list(first.outputs[0].token_ids), first
-            async for ro in stream:
-                tokens += ro.outputs[0].token_ids
-                last = ro
-            return tokens, last.outputs[0].finish_reason
-
-        outs = await asyncio.wait_for(asyncio.gather(*(rest(f, s) for f, s in zip(firsts, streams))),
+        outs = await asyncio.wait_for(asyncio.gather(*(_rest(f, s) for f, s in zip(firsts, streams))),
                                       timeout=120)
         llm.check_health()
         after = llm.worker_pids()
@@ -118,15 +119,8 @@ def test_worker_death_past_restart_budget_fails_requests_and_engine(ray_local, c
         pids = llm.client.worker_pids()
         os.kill(pids[1], signal.SIGKILL)
 
-        async def rest(first, stream):
-            tokens, last = list(first.outputs[0].token_ids), first
-            async for ro in stream:
-                tokens += ro.outputs[0].token_ids
-                last = ro
-            return tokens, last.outputs[0].finish_reason
-
         # A bound, not a measurement: the death must end the streams, not hang them.
-        outs = await asyncio.wait_for(asyncio.gather(*(rest(f, s) for f, s in zip(firsts, streams))),
+        outs = await asyncio.wait_for(asyncio.gather(*(_rest(f, s) for f, s in zip(firsts, streams))),
                                       timeout=60)
         with pytest.raises(FrontendDeadError):
             llm.check_health()
