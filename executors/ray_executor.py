@@ -124,6 +124,7 @@ class RayExecutor(DistributedExecutor):
         self._actors, self.bundle_nodes, self.rank_order, infos = placed
         port = ray.get(self._actors[0].free_port.remote())
         host = "127.0.0.1" if self._host_is_local() else infos[0][1]
+        self.overlaps_host_work = gpus > 0
         local_ranks, envs = self._devices(gpus > 0)
         specs = self._specs(f"tcp://{host}:{port}", local_ranks)
         cfg = msgspec.msgpack.encode(self.config)

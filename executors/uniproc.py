@@ -32,6 +32,7 @@ class UniProcExecutor(Executor):
     def initialize(self) -> KVCacheInfo:
         w = self.worker
         w.init_device()
+        self.overlaps_host_work = w.device.type == "cuda"
         w.load_model()
         num_blocks = w.determine_num_blocks()
         w.initialize_cache(num_blocks)
