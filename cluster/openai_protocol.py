@@ -212,7 +212,7 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int | N
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
-        structured_outputs=structured_outputs_of(req.response_format, req.structured_outputs)[0])
+        structured_outputs=structured_outputs_of(req.response_format, req.structured_outputs))
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:

@@ -203,9 +203,9 @@ class OpenAIServer(ResponseBuilding):
     def _check_structured(self, req: Any, sp: SamplingParams) -> None:
         """Compile-check the constraint once, here, so a bad one is a 400 naming
         the field the client used (the engine's own check then hits a cache)."""
-        from cluster.structured_request import structured_outputs_of
+        from cluster.structured_request import constraint_field
 
-        param = structured_outputs_of(req.response_format, req.structured_outputs)[1]
+        param = constraint_field(req.structured_outputs)
         try:
             self.llm.frontend.validate_structured_outputs(sp.structured_outputs)
         except ValueError as e:

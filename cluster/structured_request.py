@@ -10,19 +10,25 @@ from engine.structured_output.params import StructuredOutputsParams
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def constraint_field(structured_outputs: dict[str, Any] | None) -> str:
+    """The request field a constraint came from: structured_outputs wins (a
+    response_format beside it may only be "text")."""
+    return "structured_outputs" if structured_outputs is not None else "response_format"
+
+
 def structured_outputs_of(response_format: dict[str, Any] | None,
                           structured_outputs: dict[str, Any] | None
-                          ) -> tuple[StructuredOutputsParams | None, str]:
-    """(the constraint or None, the request field it came from)."""
+                          ) -> StructuredOutputsParams | None:
+    """The constraint, or None."""
     if response_format is not None and structured_outputs is not None:
         if response_format.get("type", "text") != "text":
             raise bad_request("response_format and structured_outputs are mutually exclusive",
                               "structured_outputs")
     if structured_outputs is not None:
-        return _from_structured_outputs(structured_outputs), "structured_outputs"
+        return _from_structured_outputs(structured_outputs)
     if response_format is not None:
-        return _from_response_format(response_format), "response_format"
-    return None, "structured_outputs"
+        return _from_response_format(response_format)
+    return None
 
 
 def _from_response_format(rf: dict[str, Any]) -> StructuredOutputsParams | None:

@@ -145,7 +145,7 @@ def tool_plan(req: P.ChatRequest, parser_name: str,
         return None
     constraint = None
     if mode in ("required", "named"):
-        if structured_outputs_of(req.response_format, req.structured_outputs)[0] is not None:
+        if structured_outputs_of(req.response_format, req.structured_outputs) is not None:
             raise P.bad_request(f'tool_choice "{mode}" cannot be combined with response_format '
                                 "or structured_outputs", "tool_choice")
         chosen = [s for s in specs if s.name == named] if mode == "named" else specs

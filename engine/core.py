@@ -8,7 +8,6 @@ full or nothing more can be scheduled.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 from collections import deque
 from concurrent.futures import Future
@@ -17,6 +16,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.contracts import (EngineCoreOutputs, EngineCoreRequest, KVCacheInfo,
                               ModelRunnerOutput, RequestStatus, SchedulerOutput)
 from engine.frontend import resolved_max_tokens
+from engine.kv_cache.manager import cdiv
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
@@ -28,16 +28,12 @@ log = logging.getLogger(__name__)
 _Entry = tuple["Future[ModelRunnerOutput]", SchedulerOutput]
 
 
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def check_kv_pool_fits(config: EngineConfig, kv: KVCacheInfo) -> None:
     """Refuse to start when one max_model_len request cannot fit the KV pool
     alone (vLLM does the same): such a request would wait forever. Block 0 is
     the null block, so num_blocks - 1 are usable."""
     usable, bs, max_len = kv.num_blocks - 1, kv.block_size, config.max_model_len
-    need = blocks_for(max_len, bs)
+    need = cdiv(max_len, bs)
     if need <= usable:
         return
     knob = ("raise cache.num_gpu_blocks" if config.cache.num_gpu_blocks is not None
@@ -92,7 +88,7 @@ class EngineCore:
         if total > max_len:
             raise ValueError(f"prompt ({n} tokens) plus max_tokens ({total - n}) exceeds "
                              f"max_model_len ({max_len})")
-        need = blocks_for(total, self.kv_info.block_size)
+        need = cdiv(total, self.kv_info.block_size)
         if need > self.kv_info.num_blocks - 1:
             raise ValueError(f"the request needs {need} KV blocks; the pool has "
                              f"{self.kv_info.num_blocks - 1}")
@@ -168,23 +164,22 @@ class EngineCore:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(), False
         so = self.scheduler.schedule()
-        if so.has_structured_output:
-            out = self._execute_with_grammar(so)
+        if so.has_structured_output and self.executor.overlaps_host_work:
+            out = self._execute_overlapping_grammar(so)
         else:
+            # On CPU the forward's threads hold every core: host work beside it
+            # oversubscribes them, so the bitmask (None when nothing is
+            # structured) comes first.
+            grammar_output = self.scheduler.get_grammar_bitmask(so)
             out = self.executor.execute_model(so)
             if out is None:
-                out = self.executor.sample_tokens(None)
+                out = self.executor.sample_tokens(grammar_output)
         self._process_aborts()
         return self.scheduler.update_from_output(so, out), so.total_num_scheduled_tokens > 0
 
-    def _execute_with_grammar(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_overlapping_grammar(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """The seed's order on an accelerator: launch the forward, compute the
-        bitmask while it runs, then sample with it. On CPU the bitmask goes first
-        (see Executor.overlaps_host_work)."""
-        if not self.executor.overlaps_host_work:
-            grammar_output = self.scheduler.get_grammar_bitmask(so)
-            out = self.executor.execute_model(so)
-            return out if out is not None else self.executor.sample_tokens(grammar_output)
+        bitmask while it runs, then sample with it."""
         self.executor.execute_model(so, non_block=True)
         grammar_output = self.scheduler.get_grammar_bitmask(so)
         # The forward's own errors surface through the sample future.

@@ -107,8 +107,6 @@ class Scheduler:
         # Requests that ended outside a step (their grammar failed to compile):
         # reported with the next step's outputs.
         self._error_outputs: list[EngineCoreOutput] = []
-        self._last_bitmask_ms = 0.0
-        self._last_bitmask_rows = 0
         self.spec = (SpecDecodeScheduling(config.speculative, self.max_model_len)
                      if config.speculative.enabled else None)
 
@@ -368,11 +366,7 @@ class Scheduler:
             ids.append(rid)
             grammars.append(r.structured_output.grammar)
         mgr = self.structured_output_manager
-        ms0 = mgr.stats.bitmask_ms_total
-        mask = mgr.bitmask(grammars)
-        self._last_bitmask_ms += mgr.stats.bitmask_ms_total - ms0
-        self._last_bitmask_rows += len(ids)
-        return GrammarOutput(ids, mask.tobytes(), mgr.num_words)
+        return GrammarOutput(ids, mgr.bitmask(grammars).tobytes(), mgr.num_words)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         requests = self.requests
@@ -475,8 +469,7 @@ class Scheduler:
         mgr = self.structured_output_manager
         if mgr is None:
             return {}
-        out = dict(num_structured_requests=mgr.stats.num_requests,
-                   grammar_compile_ms=mgr.take_compile_ms(), bitmask_ms=self._last_bitmask_ms,
-                   bitmask_rows=self._last_bitmask_rows)
-        self._last_bitmask_ms, self._last_bitmask_rows = 0.0, 0
-        return out
+        bitmask_ms, bitmask_rows = mgr.take_bitmask_since_last()
+        return dict(num_structured_requests=mgr.stats.num_requests,
+                    grammar_compile_ms=mgr.take_compile_ms(), bitmask_ms=bitmask_ms,
+                    bitmask_rows=bitmask_rows)

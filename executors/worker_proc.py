@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from executors.channel import DataPlane, PlaneKeys
+from executors.channel import Channel, DataPlane, PlaneKeys
 from executors.messages import TO_EXECUTOR, TO_WORKERS, WorkerCommand, WorkerReply, rank_sender
 
 log = logging.getLogger(__name__)

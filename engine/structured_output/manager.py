@@ -69,6 +69,7 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=compile_threads,
                                         thread_name_prefix="conveyor-grammar")
         self.stats = StructuredOutputStats()
+        self._bitmask_reported = (0.0, 0)  # stats totals at the last take_bitmask_since_last
 
     @property
     def backend(self) -> StructuredOutputBackend:
@@ -91,6 +92,12 @@ class StructuredOutputManager:
         self.stats.compile_ms.append(ms)
         self.stats.compile_ms_recent.append(ms)
         return grammar
+
+    def take_bitmask_since_last(self) -> tuple[float, int]:
+        """(bitmask ms, rows) since the last call: deltas of the cumulative stats."""
+        st, (ms0, rows0) = self.stats, self._bitmask_reported
+        self._bitmask_reported = (st.bitmask_ms_total, st.bitmask_rows)
+        return st.bitmask_ms_total - ms0, st.bitmask_rows - rows0
 
     def take_compile_ms(self) -> list[float]:
         out, self.stats.compile_ms = self.stats.compile_ms, []
