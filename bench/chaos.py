@@ -167,13 +167,14 @@ async def chaos_run(url: str, bodies: list[dict[str, Any]], rate: float, a: argp
 def recovery_times(streams: list[Stream], kills: list[tuple[float, int]], window_s: float = 60.0
                    ) -> list[float]:
     """Per kill: seconds from the kill to the end of the longest pause in
-    token arrivals (any stream) within window_s after it: the rebuild's stall
-    as users see it. (The first token after a kill is no measure: the outputs
-    of steps finished before the death still arrive.)"""
+    token arrivals (any stream) after it, within window_s and before the next
+    kill: the rebuild's stall as users see it. (The first token after a kill
+    is no measure: the outputs of steps finished before the death still arrive.)"""
     arrivals = sorted(t for s in streams for t, _ in s.arrivals)
     out = []
-    for t_kill, _ in kills:
-        after = [t_kill] + [t for t in arrivals if t_kill < t <= t_kill + window_s]
+    for j, (t_kill, _) in enumerate(kills):
+        until = min(t_kill + window_s, kills[j + 1][0] if j + 1 < len(kills) else float("inf"))
+        after = [t_kill] + [t for t in arrivals if t_kill < t <= until]
         if len(after) < 2:
             out.append(float("inf"))
             continue
@@ -292,13 +293,16 @@ def main(argv: list[str] | None = None) -> int:
         "saturated_req_s": saturated_rps, "saturated_tok_s": saturated_tps, "load_req_s": rate,
         "chaos_tok_s": sum(s.tokens for s in streams) / wall if wall > 0 else 0.0,
         "failures": [s.error or f"finish {s.finish}, done {s.done}" for s in failed[:5]],
+        "kill_s": [t - t0 for t, _ in kills],
+        "tok_s_per_second": throughput_series(streams, t0)[1],
     }
     meta = {"argv": sys.argv, "platform": platform.platform(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with open(a.out_json, "w") as f:
         json.dump({"meta": meta, "summary": summary}, f, indent=2)
     plot(streams, kills, t0, saturated_tps, a.out_png)
-    print(json.dumps({k: v for k, v in summary.items() if k != "recovery_s"}, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("recovery_s", "tok_s_per_second")},
+                     indent=2))
     print(f"recovery per kill (s): {', '.join(f'{x:.1f}' for x in rec)}")
     print(f"wrote {a.out_json} and {a.out_png}")
     return 0 if not failed and not mismatched and len(kills) == restarts else 1
