@@ -68,6 +68,76 @@ def ray_local():
     ray.shutdown()
 
 
+# ---- the contract underneath: a request resubmitted with its tokens goes on ----------------
+
+def _drive(core, reqs) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Run requests on an in-process EngineCore to their end."""
+    for r in reqs:
+        core.add_request(r)
+    tokens, finish = {r.request_id: [] for r in reqs}, {}
+    while len(finish) < len(reqs):
+        outs, _ = core.step_fn()
+        for o in (outs.outputs if outs is not None else ()):
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                finish[o.request_id] = str(o.finish_reason)
+    return tokens, finish
+
+
+def test_resubmitted_request_continues_where_it_was(ckpt):
+    """EngineCoreRequest.output_token_ids: greedy, seeded with a penalty (the
+    workers see the earlier tokens) and grammar-constrained (the matcher
+    catches up) requests produce exactly the rest of an undisturbed run."""
+    import msgspec
+
+    from engine import StructuredOutputsParams
+
+    sps = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+           SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True,
+                          repetition_penalty=1.3),
+           SamplingParams(max_tokens=24, temperature=0.8, seed=6, structured_outputs=
+                          StructuredOutputsParams(regex="(cat|dog)( (cat|dog|bird)){4,20}"))]
+    llm = LLM(model=ckpt, max_num_batched_tokens=64)
+    try:
+        reqs = [llm.frontend.prepare(PROMPTS[i], sp, f"a{i}").children[0] for i, sp in enumerate(sps)]
+        ref, ref_finish = _drive(llm.engine, reqs)
+        cut = {r.request_id: min(7, len(ref[r.request_id]) - 1) for r in reqs}
+        resumed = [msgspec.structs.replace(r, request_id=r.request_id + "-again",
+                                           output_token_ids=ref[r.request_id][:cut[r.request_id]])
+                   for r in reqs]
+        got, finish = _drive(llm.engine, resumed)
+    finally:
+        llm.shutdown()
+    assert all(cut[r.request_id] > 0 for r in reqs)
+    for r in reqs:
+        rid = r.request_id
+        assert got[rid + "-again"] == ref[rid][cut[rid]:], rid
+        assert finish[rid + "-again"] == ref_finish[rid], rid
+
+
+def test_resume_ledger_holds_exactly_what_was_delivered():
+    from cluster.resume_ledger import ResumeLedger
+    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+
+    def req(rid: str) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
+                                 sampling_params=SamplingParams(max_tokens=8))
+
+    ledger = ResumeLedger()
+    for rid in ("a", "b", "c"):
+        ledger.add(req(rid))
+    ledger.absorb(EngineCoreOutputs([EngineCoreOutput("a", [7], num_cached_tokens=2),
+                                     EngineCoreOutput("b", [8, 9]),
+                                     EngineCoreOutput("x", [1])]))  # not ours: ignored
+    later = EngineCoreOutput("a", [6], num_cached_tokens=0)  # a new engine's own count
+    ledger.absorb(EngineCoreOutputs([later, EngineCoreOutput("b", [5], FinishReason.LENGTH)]))
+    assert later.num_cached_tokens == 2  # the frontend keeps seeing the first engine's hit
+    ledger.drop(["c"])  # aborted (a stop string, a client that left)
+    assert [(r.request_id, r.output_token_ids) for r in ledger.resubmissions()] == [("a", [7, 6])]
+    ledger.add(req("d"))
+    assert [r.request_id for r in ledger.resubmissions()] == ["a", "d"]  # arrival order
+
+
 def _choices(outs):
     return [(c.token_ids, c.text, c.finish_reason) for o in outs for c in o.outputs]
 
