@@ -199,6 +199,29 @@ def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference
     assert all(o.num_cached_tokens == r.num_cached_tokens for o, r in zip(outs, reference))
 
 
+def test_wedged_engine_actor_is_replaced(ray_local, ckpt, params, reference):
+    """SIGSTOP: the actor lives but answers nothing; past parallel.step_timeout_s
+    its health ping fails and it is replaced like a dead one."""
+    llm = LLM(model=ckpt, executor="ray", max_num_batched_tokens=64,
+              **{"parallel.step_timeout_s": 5.0})
+    client = llm.engine.client
+    try:
+        victim = client.engine_pid()
+        orig, calls = llm.engine.step_fn, itertools.count()
+
+        def step():
+            if next(calls) == 8:
+                os.kill(victim, signal.SIGSTOP)
+            return orig()
+        llm.engine.step_fn = step
+        outs = llm.generate(PROMPTS[:4], params[:4], use_tqdm=False)
+        assert client.num_restarts == 1 and client.engine_pid() != victim
+        assert wait_pids_gone([victim], timeout_s=30) == []  # killed, not left stopped
+    finally:
+        llm.shutdown()
+    assert _choices(outs) == _choices(reference[:4])
+
+
 async def _rest(first, stream):
     tokens, last = list(first.outputs[0].token_ids), first
     async for ro in stream:
