@@ -369,3 +369,9 @@ def test_killed_engine_actor_behind_serve_costs_no_stream(served, ckpt):
     assert not pid_alive(victim)
     assert len(_engine_actor_pids() - before) == 1  # its replacement
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    gauges = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(("conveyor:kv_cache_usage_perc", "conveyor:num_requests_running")):
+            name, value = line.rsplit(" ", 1)
+            gauges[name.split("{", 1)[0]] = float(value)
+    assert gauges == {"conveyor:kv_cache_usage_perc": 0.0, "conveyor:num_requests_running": 0.0}
