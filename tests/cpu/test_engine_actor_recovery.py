@@ -283,10 +283,21 @@ def _engine_actor_pids() -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def served(ray_local, ckpt, tmp_path_factory):
-    from ray import serve
+def serve_refs(ckpt):
+    """The undisturbed run, in-process."""
+    llm = LLM(model=ckpt, max_model_len=512)
+    try:
+        return llm.generate(SERVE_PROMPTS, [SamplingParams(
+            max_tokens=SERVE_TOKENS, ignore_eos=True,
+            **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 200 + i}))
+            for i in range(len(SERVE_PROMPTS))], use_tqdm=False)
+    finally:
+        llm.shutdown()
 
-    from cluster.serve_app import run_serve
+
+@pytest.fixture(scope="module")
+def serve_config(ray_local, ckpt, tmp_path_factory):
+    from ray import serve
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -297,10 +308,8 @@ def served(ray_local, ckpt, tmp_path_factory):
                    "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 256},
                    "cache": {"num_gpu_blocks": 512},
                    "serve": {"host": "127.0.0.1", "port": port, "served_model_name": "tiny"}}, f)
-    before = _engine_actor_pids()
-    url = run_serve(path, blocking=False)
     try:
-        yield url, before
+        yield path
     finally:
         serve.shutdown()
 
@@ -334,20 +343,28 @@ def _summary(events: list[dict | str]) -> tuple[str, str | None, dict | None, li
     return text, finish, usage, errors
 
 
-def test_killed_engine_actor_behind_serve_costs_no_stream(served, ckpt):
-    url, before = served
+@pytest.mark.parametrize("executor", ["uniproc", "ray"])
+def test_killed_engine_actor_behind_serve_costs_no_stream(serve_config, serve_refs, executor):
+    """executor uniproc: the actor runs the model (bundle 1 of the replica's
+    group); executor ray: it drives a worker actor (bundle 1) from bundle 0."""
+    from ray import serve
+
+    from cluster.serve_app import run_serve
+
+    before, groups = _engine_actor_pids(), _live_placement_groups()
+    url = run_serve(serve_config, blocking=False, app_name=f"rec-{executor}",
+                    route_prefix=f"/{executor}", overrides={"executor": executor})
+    try:
+        _serve_kill_scenario(url, serve_refs, before)
+        assert _live_placement_groups() == groups + 1  # the replica's; nothing left behind
+    finally:
+        serve.delete(f"rec-{executor}")
+
+
+def _serve_kill_scenario(url: str, refs, before: set[int]) -> None:
     new = _engine_actor_pids() - before
     assert len(new) == 1, new
     victim = new.pop()
-    llm = LLM(model=ckpt, max_model_len=512)  # the undisturbed run, in-process
-    try:
-        refs = llm.generate(SERVE_PROMPTS, [SamplingParams(
-            max_tokens=SERVE_TOKENS, ignore_eos=True,
-            **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 200 + i}))
-            for i in range(len(SERVE_PROMPTS))], use_tqdm=False)
-    finally:
-        llm.shutdown()
-
     async def scenario() -> list[list[dict | str]]:
         started = [asyncio.Event() for _ in SERVE_PROMPTS]
         async with httpx.AsyncClient(base_url=url, timeout=180) as c:
