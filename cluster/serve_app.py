@@ -34,7 +34,8 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster.engine_actor import CoreActorPlacement, RayCoreClient
+from cluster.engine_actor import CoreActorPlacement
+from cluster.ray_core_client import RayCoreClient
 from engine.config import EngineConfig, check_model_dir, load_config
 from executors.ray_placement import worker_bundle
 

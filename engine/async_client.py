@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, check_model_dir
 from engine.contracts import EngineCoreOutputs, SchedulerStats
-from engine.core_client import CoreClient
+from engine.core_client import CoreClient, make_core_client
 from engine.errors import EngineDeadError
 from engine.frontend import Frontend, PreparedRequest
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
@@ -115,16 +115,6 @@ class EngineCounters:
     bitmask_step: CumulativeHistogram = field(
         default_factory=lambda: CumulativeHistogram(_BITMASK_BUCKETS))
     spec_decode: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
-
-
-def make_core_client(config: EngineConfig) -> CoreClient:
-    if config.parallel.executor == "ray":
-        from cluster.engine_actor import RayCoreClient  # the composition root may reach Ray
-
-        return RayCoreClient(config)
-    from engine.core_client import InProcCoreClient
-
-    return InProcCoreClient(config)
 
 
 class AsyncLLM:

@@ -63,6 +63,10 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, gc=False)
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # Tokens this request already generated and delivered: non-empty only when
+    # a frontend resubmits it to a new engine (its EngineCoreActor died). The
+    # core recomputes prompt + these and goes on from output position len().
+    output_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):

@@ -1,19 +1,26 @@
 """The boundary between a frontend and an EngineCore.
 
 CoreClient is the protocol; InProcCoreClient runs EngineCore's busy loop in a
-background thread of this process (tests, single-process serving). The Ray
-client (cluster/engine_actor.py) speaks the same protocol over ZMQ to an
-EngineCoreActor.
+background thread of this process (tests, single-process serving);
+SyncCoreEngine gives any CoreClient the EngineCore shape the blocking LLM
+class steps. Clients whose core runs elsewhere (executor "ray": an
+EngineCoreActor) are plugins: engine/ never imports them. They register a
+factory per executor (register_core_client) when their module is imported,
+and make_core_client finds the module through the PLUGIN_GROUP entry points
+(pyproject.toml), so the import arrow runs one way: cluster -> engine.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+import os
 import queue
 import threading
 import time
+import tomllib
 from typing import Callable, Protocol
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.contracts import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                               KVCacheInfo)
 from engine.errors import EngineDeadError
@@ -141,3 +148,99 @@ class InProcCoreClient:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self.core.shutdown()
+
+
+class SyncCoreEngine:
+    """The EngineCore-shaped face of a CoreClient, for the blocking LLM class:
+    step_fn() waits for the next outputs; an engine error raises."""
+
+    def __init__(self, client: CoreClient) -> None:
+        self.client = client
+        self.kv_info = client.kv_info
+        self._outputs: queue.Queue[EngineCoreOutputs] = queue.Queue()
+        self._live: set[str] = set()
+        client.start(self._outputs.put)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        # Checked by LLM's frontend; the remote core guards what it can schedule.
+        self._live.add(request.request_id)
+        self.client.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._live.difference_update(request_ids)
+        self.client.abort_requests(request_ids)
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def worker_pids(self) -> list[int]:
+        return self.client.worker_pids()
+
+    def step_fn(self) -> tuple[EngineCoreOutputs, bool]:
+        outs = self._outputs.get()
+        if outs.engine_error is not None:
+            self._live.clear()
+            raise EngineDeadError(outs.engine_error)
+        for o in outs.outputs:
+            if o.finished:
+                self._live.discard(o.request_id)
+        return outs, True
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+
+# ---- out-of-process core clients (plugins) ---------------------------------------
+
+CoreClientFactory = Callable[[EngineConfig], CoreClient]
+PLUGIN_GROUP = "conveyor.core_clients"
+# Executors whose core runs out of this process: a plugin must provide it.
+REMOTE_CORE_EXECUTORS = ("ray",)
+_FACTORIES: dict[str, CoreClientFactory] = {}
+_PYPROJECT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pyproject.toml")
+
+
+def register_core_client(executor: str, factory: CoreClientFactory) -> None:
+    """Called by a plugin module on import: `factory(config)` builds the
+    CoreClient of engines with parallel.executor == executor."""
+    _FACTORIES[executor] = factory
+
+
+def remote_core_factory(config: EngineConfig) -> CoreClientFactory | None:
+    """The factory of the config's out-of-process core (None: the core runs in
+    this process). Raises ConfigError when no plugin provides it."""
+    executor = config.parallel.executor
+    if executor not in REMOTE_CORE_EXECUTORS:
+        return None
+    if executor not in _FACTORIES:
+        _load_plugin(executor)
+    return _FACTORIES[executor]
+
+
+def make_core_client(config: EngineConfig) -> CoreClient:
+    factory = remote_core_factory(config)
+    return factory(config) if factory is not None else InProcCoreClient(config)
+
+
+def _load_plugin(executor: str) -> None:
+    """Import the module an entry point names: the source tree's pyproject.toml
+    first (a checkout that is run, not installed, or installed from an older
+    pyproject), then the installed distributions' metadata."""
+    eps = _source_tree_entry_points() + list(importlib.metadata.entry_points(group=PLUGIN_GROUP))
+    for ep in eps:
+        if ep.name != executor:
+            continue
+        factory = ep.load()
+        _FACTORIES.setdefault(executor, factory)
+        return
+    raise ConfigError(f"parallel.executor={executor!r} needs a core client plugin: no "
+                      f"{PLUGIN_GROUP!r} entry point named {executor!r} (pyproject.toml declares it; "
+                      f"reinstall with `pip install -e .`)")
+
+
+def _source_tree_entry_points() -> list[importlib.metadata.EntryPoint]:
+    if not os.path.isfile(_PYPROJECT):
+        return []
+    with open(_PYPROJECT, "rb") as f:
+        table = tomllib.load(f).get("project", {}).get("entry-points", {}).get(PLUGIN_GROUP, {})
+    return [importlib.metadata.EntryPoint(name, value, PLUGIN_GROUP) for name, value in table.items()]

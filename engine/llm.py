@@ -1,7 +1,9 @@
 """LLM: offline generation in this process (vLLM-compatible names).
 
 The composition root of the offline path: config -> executor -> EngineCore,
-plus the tokenizer and the per-request output state."""
+plus the tokenizer and the per-request output state. With an executor whose
+core runs elsewhere (executor "ray": an EngineCoreActor), the core client
+comes from its plugin (engine/core_client.py) and SyncCoreEngine steps it."""
 from __future__ import annotations
 
 import itertools
@@ -11,6 +13,7 @@ from typing import Any
 from engine.config import EngineConfig, build_config, check_model_dir, load_config
 from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
+from engine.core_client import SyncCoreEngine, remote_core_factory
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
 from engine.frontend import Frontend, PreparedRequest, Prompt
@@ -39,10 +42,9 @@ class LLM:
 
     @staticmethod
     def _make_engine(config: EngineConfig) -> Any:
-        if config.parallel.executor == "ray":
-            from cluster.engine_actor import SyncRayEngine  # composition root may reach Ray
-
-            return SyncRayEngine(config)
+        remote = remote_core_factory(config)
+        if remote is not None:
+            return SyncCoreEngine(remote(config))
         from executors import make_executor
 
         return EngineCore(config, make_executor(config))

@@ -42,10 +42,13 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
         sp = req.sampling_params
         prompt = list(req.prompt_token_ids)
         max_tokens = sp.max_tokens if sp.max_tokens is not None else max_model_len - len(prompt)
+        # A resubmitted request (its engine died) goes on after the tokens it has.
+        outputs = list(req.output_token_ids)
         return cls(request_id=req.request_id, prompt_token_ids=prompt, sampling_params=sp,
                    eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
                    priority=req.priority, cache_salt=req.cache_salt, max_tokens=max_tokens,
-                   all_token_ids=list(prompt), num_prompt_tokens=len(prompt))
+                   all_token_ids=prompt + outputs, output_token_ids=outputs,
+                   num_prompt_tokens=len(prompt))
 
     @property
     def num_tokens(self) -> int:

@@ -285,6 +285,8 @@ class Scheduler:
                 request.request_id, [], FinishReason.ERROR, error=sor.error))
             self._free_request(request)
             return True
+        if request.output_token_ids:  # resubmitted with tokens: the matcher catches up once
+            sor.grammar.accept_tokens(request.output_token_ids)
         request.status = _WAITING
         return False
 

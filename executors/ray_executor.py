@@ -134,6 +134,12 @@ class RayExecutor(DistributedExecutor):
         self._run_refs = [a.run.remote(cfg, msgspec.msgpack.encode(s), env)
                           for a, s, env in zip(self._actors, specs, envs)]
 
+    def owned_placement_group_id(self) -> str | None:
+        """Hex id of the placement group this executor made (None: it runs in
+        its caller's). Ray frees a group made by an actor only when the job
+        ends, so whoever replaces a dead engine actor removes it."""
+        return self._pg.id.hex() if self._own_pg and self._pg is not None else None
+
     def worker_process_ids(self) -> list[int]:
         return list(self.worker_pids)
 

@@ -72,23 +72,59 @@ def test_engine_imports_no_torch_or_ray():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_import_rules_static():
-    """engine/ never imports torch.distributed, ray or model code; kernels/
-    imports nothing from the project; workers/ never imports ray."""
+def _imports(path):
+    """Every module a file imports, at any depth (function bodies included),
+    also by name through importlib.import_module / __import__."""
     import ast
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+            if name in ("import_module", "__import__"):
+                yield node.args[0].value
+
+
+def test_import_rule_scanner_sees_lazy_and_dynamic_imports(tmp_path):
+    """The scanner must fail a file that reaches cluster/ lazily or by name."""
+    f = tmp_path / "m.py"
+    f.write_text("import importlib\n"
+                 "def a():\n    from cluster.engine_actor import X\n"
+                 "def b():\n    import cluster.serve_app\n"
+                 "def c():\n    return importlib.import_module('cluster.ray_core_client')\n"
+                 "def d():\n    return __import__('cluster')\n")
+    assert sorted(m for m in _imports(f) if m.startswith("cluster")) == [
+        "cluster", "cluster.engine_actor", "cluster.ray_core_client", "cluster.serve_app"]
+
+
+def test_engine_reaches_the_ray_core_client_only_through_its_plugin():
+    """engine/ never names cluster/ (the arrow runs cluster -> engine): its
+    frontends load without it, and the executor "ray" core client comes from
+    the conveyor.core_clients entry point, which imports cluster/ itself."""
+    code = ("import sys; import engine.llm, engine.async_client, engine.core_client as cc; "
+            "from engine.config import build_config; "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'cluster']; "
+            "assert cc.remote_core_factory(build_config(executor='uniproc')) is None; "
+            "f = cc.remote_core_factory(build_config(executor='ray')); "
+            "from cluster.ray_core_client import RayCoreClient; assert f is RayCoreClient, f")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_import_rules_static():
+    """engine/ never imports torch.distributed, ray, model code or cluster/
+    (not even lazily); kernels/ imports nothing from the project; workers/
+    never imports ray."""
     import pathlib
     root = pathlib.Path(__file__).resolve().parents[2]
     project = {"engine", "executors", "workers", "parallel", "kernels", "cluster"}
+    imports = _imports
 
-    def imports(path):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                yield from (a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                yield node.module
-
-    rules = [("engine", ("ray", "torch.distributed", "workers", "parallel", "kernels")),
+    rules = [("engine", ("ray", "torch.distributed", "workers", "parallel", "kernels", "cluster")),
              ("kernels", tuple(project)), ("workers", ("ray",)), ("parallel", ("ray",)),
              ("executors", ("ray",))]
     for pkg, banned in rules:

@@ -398,11 +398,13 @@ class GatedChannel:
 
 
 def test_ray_core_client_send_never_blocks_the_caller():
-    from cluster.engine_actor import RayCoreClient
+    from cluster.core_link import CoreLink
+    from cluster.ray_core_client import RayCoreClient
+    from engine.contracts import KVCacheInfo
 
     ch = GatedChannel(expect=2)
     client = RayCoreClient.__new__(RayCoreClient)  # no actor: only the input path
-    client._open_io(ch, ch)
+    client._init_state(build_config(), CoreLink(None, None, ch, ch, KVCacheInfo(8, 16)))
     try:
         req = EngineCoreRequest(request_id="r-0", prompt_token_ids=PROMPT,
                                 sampling_params=SamplingParams(max_tokens=2))
@@ -417,7 +419,7 @@ def test_ray_core_client_send_never_blocks_the_caller():
         with pytest.raises(EngineDeadError, match="ActorDiedError"):
             client.add_request(req)
     finally:
-        client._sender.close()
+        client.link.sender.close()
 
 
 def test_failed_add_aborts_its_siblings_and_drops_the_stream():

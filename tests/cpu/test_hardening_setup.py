@@ -113,18 +113,27 @@ class _SilentActor:
 
 
 def test_health_check_timeout_is_unhealthy(monkeypatch):
+    """A wedged engine actor fails health past the restart budget; within it
+    the client replaces the actor, so health holds meanwhile."""
     import ray
 
-    from cluster import engine_actor
+    from cluster.core_link import CoreLink
+    from cluster.ray_core_client import RayCoreClient
+    from engine.recovery import RestartBudget
 
     def timeout(*_a, **_k):
         raise ray.exceptions.GetTimeoutError("timed out")
 
-    client = object.__new__(engine_actor.RayCoreClient)
-    client.actor, client.dead = _SilentActor(), None
-    monkeypatch.setattr(engine_actor.ray, "get", timeout)
+    link = object.__new__(CoreLink)
+    link.actor = _SilentActor()
+    client = object.__new__(RayCoreClient)
+    client.link, client.dead, client.recovering = link, None, False
+    client.budget = RestartBudget(0, 600.0)
+    monkeypatch.setattr(ray, "get", timeout)
     with pytest.raises(EngineDeadError, match="did not answer a health check"):
         client.check_health()
+    client.budget = RestartBudget(1, 600.0)
+    client.check_health()
 
 
 @pytest.mark.parametrize("key,value", [("parallel.step_timeout_s", 0.0),

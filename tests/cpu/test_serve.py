@@ -617,8 +617,10 @@ def _engine_actor_pids() -> set[int]:
 
 
 def test_engine_actor_death_fails_streams_and_health(server, ckpt, tmp_path):
-    """The replica's engine actor dies mid-stream: the stream ends with an in-band
-    engine_unavailable error and [DONE] (not a hang), and /health answers 503."""
+    """Past the restart budget (none here) the replica's engine actor dies
+    mid-stream: the stream ends with an in-band engine_unavailable error and
+    [DONE] (not a hang), and /health answers 503. (Within the budget the actor
+    is replaced: test_engine_actor_recovery.py.)"""
     import signal
 
     from ray import serve
@@ -627,6 +629,11 @@ def test_engine_actor_death_fails_streams_and_health(server, ckpt, tmp_path):
 
     before = _engine_actor_pids()
     cfg = _write_config(str(tmp_path / "doomed.yaml"), ckpt, 1)
+    with open(cfg) as f:
+        doomed = json.load(f)
+    doomed["parallel"] = {"max_restarts": 0}
+    with open(cfg, "w") as f:
+        json.dump(doomed, f)
     serve.run(build_app({"config": cfg, "name": "Doomed"}), name="doomed", route_prefix="/doomed",
               blocking=False)
     try:

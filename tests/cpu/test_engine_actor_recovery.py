@@ -1,0 +1,394 @@
+"""A dead EngineCoreActor costs no request (issue 13, item 3): the client
+notices, starts a new actor (same placement group, fresh plane keys) and
+resubmits every unfinished request with the tokens already delivered, so each
+stream goes on where it was. Past the restart budget it fails fast.
+
+One module-scoped local Ray instance for every test here."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import socket
+
+import httpx
+import pytest
+import ray
+
+from engine import LLM, SamplingParams
+from engine.async_client import AsyncLLM
+from engine.async_client import EngineDeadError as FrontendDeadError
+from engine.config import build_config
+from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
+
+PROMPTS = random_prompts(10, 5, 40, seed=53)
+MAX_TOKENS = 32
+BASE = ([SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)] * 4
+        + [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=70 + i, ignore_eos=True)
+           for i in range(4)]
+        + [SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0.8, seed=90, ignore_eos=True,
+                          logprobs=2)])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint("llama", str(tmp_path_factory.mktemp("actor") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def params(ckpt):
+    """BASE plus a greedy request that ends on a stop string late in its text."""
+    llm = LLM(model=ckpt, max_num_batched_tokens=64)
+    try:
+        text = llm.generate(PROMPTS[:1], BASE[0], use_tqdm=False)[0].outputs[0].text
+    finally:
+        llm.shutdown()
+    stop = text[-6:-2]
+    assert stop.strip(), text
+    return BASE + [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                  stop=[stop])]
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, params):
+    """An undisturbed run (in-process: same model code, same tokens)."""
+    llm = LLM(model=ckpt, max_num_batched_tokens=64)
+    try:
+        return llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+# ---- the contract underneath: a request resubmitted with its tokens goes on ----------------
+
+def _drive(core, reqs) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Run requests on an in-process EngineCore to their end."""
+    for r in reqs:
+        core.add_request(r)
+    tokens, finish = {r.request_id: [] for r in reqs}, {}
+    while len(finish) < len(reqs):
+        outs, _ = core.step_fn()
+        for o in (outs.outputs if outs is not None else ()):
+            tokens[o.request_id] += o.new_token_ids
+            if o.finished:
+                finish[o.request_id] = str(o.finish_reason)
+    return tokens, finish
+
+
+def test_resubmitted_request_continues_where_it_was(ckpt):
+    """EngineCoreRequest.output_token_ids: greedy, seeded with a penalty (the
+    workers see the earlier tokens) and grammar-constrained (the matcher
+    catches up) requests produce exactly the rest of an undisturbed run."""
+    import msgspec
+
+    from engine import StructuredOutputsParams
+
+    sps = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+           SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True,
+                          repetition_penalty=1.3),
+           SamplingParams(max_tokens=24, temperature=0.8, seed=6, structured_outputs=
+                          StructuredOutputsParams(regex="(cat|dog)( (cat|dog|bird)){4,20}"))]
+    llm = LLM(model=ckpt, max_num_batched_tokens=64)
+    try:
+        reqs = [llm.frontend.prepare(PROMPTS[i], sp, f"a{i}").children[0] for i, sp in enumerate(sps)]
+        ref, ref_finish = _drive(llm.engine, reqs)
+        cut = {r.request_id: min(7, len(ref[r.request_id]) - 1) for r in reqs}
+        resumed = [msgspec.structs.replace(r, request_id=r.request_id + "-again",
+                                           output_token_ids=ref[r.request_id][:cut[r.request_id]])
+                   for r in reqs]
+        got, finish = _drive(llm.engine, resumed)
+    finally:
+        llm.shutdown()
+    assert all(cut[r.request_id] > 0 for r in reqs)
+    for r in reqs:
+        rid = r.request_id
+        assert got[rid + "-again"] == ref[rid][cut[rid]:], rid
+        assert finish[rid + "-again"] == ref_finish[rid], rid
+
+
+def test_resume_ledger_holds_exactly_what_was_delivered():
+    from cluster.resume_ledger import ResumeLedger
+    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+
+    def req(rid: str) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
+                                 sampling_params=SamplingParams(max_tokens=8))
+
+    ledger = ResumeLedger()
+    for rid in ("a", "b", "c"):
+        ledger.add(req(rid))
+    ledger.absorb(EngineCoreOutputs([EngineCoreOutput("a", [7], num_cached_tokens=2),
+                                     EngineCoreOutput("b", [8, 9]),
+                                     EngineCoreOutput("x", [1])]))  # not ours: ignored
+    later = EngineCoreOutput("a", [6], num_cached_tokens=0)  # a new engine's own count
+    ledger.absorb(EngineCoreOutputs([later, EngineCoreOutput("b", [5], FinishReason.LENGTH)]))
+    assert later.num_cached_tokens == 2  # the frontend keeps seeing the first engine's hit
+    ledger.drop(["c"])  # aborted (a stop string, a client that left)
+    assert [(r.request_id, r.output_token_ids) for r in ledger.resubmissions()] == [("a", [7, 6])]
+    ledger.add(req("d"))
+    assert [r.request_id for r in ledger.resubmissions()] == ["a", "d"]  # arrival order
+
+
+def _choices(outs):
+    return [(c.token_ids, c.text, c.finish_reason) for o in outs for c in o.outputs]
+
+
+def _assert_same_logprobs(got, want) -> None:
+    for o, r in zip(got, want):
+        for c, rc in zip(o.outputs, r.outputs):
+            assert (c.logprobs is None) == (rc.logprobs is None)
+            if c.logprobs is None:
+                continue
+            assert len(c.logprobs) == len(c.token_ids)
+            for d, rd in zip(c.logprobs, rc.logprobs):
+                assert d.keys() == rd.keys()
+                assert all(abs(d[k] - rd[k]) < 1e-4 for k in d)
+
+
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()
+
+
+def _live_placement_groups() -> int:
+    from ray.util import placement_group_table
+
+    return sum(1 for pg in placement_group_table().values() if pg["state"] == "CREATED")
+
+
+def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference):
+    llm = LLM(model=ckpt, executor="ray", max_num_batched_tokens=64)
+    client = llm.engine.client
+    try:
+        victim, workers_before = client.engine_pid(), llm.worker_pids()
+        assert b"ray::EngineCoreActor" in _cmdline(victim)
+        orig, calls, delivered = llm.engine.step_fn, itertools.count(), []
+
+        def step():
+            if next(calls) == 12:  # about a third of the way through
+                delivered.append(sum(len(r.output_token_ids) for r in client._ledger.resubmissions()))
+                os.kill(victim, signal.SIGKILL)
+            return orig()
+        llm.engine.step_fn = step
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert client.num_restarts == 1
+        assert delivered and delivered[0] > 0  # the kill came mid-generation
+        new = client.engine_pid()
+        assert new != victim and not pid_alive(victim)
+        assert b"ray::EngineCoreActor" in _cmdline(new)
+        assert not set(llm.worker_pids()) & set(workers_before)  # its workers went with it
+        assert _live_placement_groups() == 1  # the dead engine's workers' group was removed
+        llm.engine.step_fn = orig
+        again = llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)  # it keeps serving
+    finally:
+        llm.shutdown()
+    want = _choices(reference)
+    assert [r for _, _, r in _choices(outs)] == [r for _, _, r in want]
+    assert _choices(outs) == want
+    assert _choices(again) == want[:2]
+    _assert_same_logprobs(outs, reference)
+    assert all(o.num_cached_tokens == r.num_cached_tokens for o, r in zip(outs, reference))
+
+
+def test_wedged_engine_actor_is_replaced(ray_local, ckpt, params, reference):
+    """SIGSTOP: the actor lives but answers nothing; past parallel.step_timeout_s
+    its health ping fails and it is replaced like a dead one."""
+    llm = LLM(model=ckpt, executor="ray", max_num_batched_tokens=64,
+              **{"parallel.step_timeout_s": 5.0})
+    client = llm.engine.client
+    try:
+        victim = client.engine_pid()
+        orig, calls = llm.engine.step_fn, itertools.count()
+
+        def step():
+            if next(calls) == 8:
+                os.kill(victim, signal.SIGSTOP)
+            return orig()
+        llm.engine.step_fn = step
+        outs = llm.generate(PROMPTS[:4], params[:4], use_tqdm=False)
+        assert client.num_restarts == 1 and client.engine_pid() != victim
+        assert wait_pids_gone([victim], timeout_s=30) == []  # killed, not left stopped
+    finally:
+        llm.shutdown()
+    assert _choices(outs) == _choices(reference[:4])
+
+
+async def _rest(first, stream):
+    tokens, last = list(first.outputs[0].token_ids), first
+    async for ro in stream:
+        tokens += ro.outputs[0].token_ids
+        last = ro
+    return tokens, last.outputs[0].finish_reason
+
+
+def test_past_the_restart_budget_streams_end_in_error(ray_local, ckpt):
+    cfg = build_config(model=ckpt, executor="ray", **{"parallel.max_restarts": 0})
+    sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        llm = AsyncLLM(cfg)
+        streams = [llm.generate(p, sp) for p in PROMPTS[:4]]
+        firsts = [await s.__anext__() for s in streams]  # every request is generating
+        victim = llm.client.engine_pid()
+        workers = llm.worker_pids()
+        os.kill(victim, signal.SIGKILL)
+        outs = await asyncio.wait_for(asyncio.gather(*(_rest(f, s) for f, s in zip(firsts, streams))),
+                                      timeout=30)
+        with pytest.raises(FrontendDeadError):
+            llm.check_health()
+        with pytest.raises(FrontendDeadError):
+            llm.prepare([1, 2, 3], SamplingParams(max_tokens=2))  # new requests refused
+        await llm.shutdown()
+        return outs, workers
+
+    outs, workers = asyncio.run(scenario())
+    assert [r for _, r in outs] == ["error"] * 4
+    assert all(len(t) < 400 for t, _ in outs)
+    assert wait_pids_gone(workers, timeout_s=30) == []
+    assert _live_placement_groups() == 0
+
+
+# ---- through the OpenAI HTTP app on Serve ------------------------------------------------
+
+SERVE_PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend builds", "Rain falls on",
+                 "Seven blue birds", "Under the old bridge", "She said that", "Numbers like"]
+SERVE_TOKENS = 48
+
+
+def _serve_body(i: int) -> dict:
+    body = {"prompt": SERVE_PROMPTS[i], "max_tokens": SERVE_TOKENS, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    body.update({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 200 + i})
+    return body
+
+
+def _engine_actor_pids() -> set[int]:
+    pids = set()
+    for p in os.listdir("/proc"):
+        try:
+            if b"ray::EngineCoreActor" in _cmdline(int(p)):
+                pids.add(int(p))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def serve_refs(ckpt):
+    """The undisturbed run, in-process."""
+    llm = LLM(model=ckpt, max_model_len=512)
+    try:
+        return llm.generate(SERVE_PROMPTS, [SamplingParams(
+            max_tokens=SERVE_TOKENS, ignore_eos=True,
+            **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 200 + i}))
+            for i in range(len(SERVE_PROMPTS))], use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serve_config(ray_local, ckpt, tmp_path_factory):
+    from ray import serve
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = str(tmp_path_factory.mktemp("cfg") / "engine.json")
+    with open(path, "w") as f:
+        json.dump({"model": {"path": ckpt, "max_model_len": 512},
+                   "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 256},
+                   "cache": {"num_gpu_blocks": 512},
+                   "serve": {"host": "127.0.0.1", "port": port, "served_model_name": "tiny"}}, f)
+    try:
+        yield path
+    finally:
+        serve.shutdown()
+
+
+async def _stream(c: httpx.AsyncClient, i: int, started: list[asyncio.Event]) -> list[dict | str]:
+    events: list[dict | str] = []
+    async with c.stream("POST", "/v1/completions", json=_serve_body(i)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            if len(events) == 2:
+                started[i].set()
+    started[i].set()
+    return events
+
+
+def _summary(events: list[dict | str]) -> tuple[str, str | None, dict | None, list]:
+    """(text, finish_reason, usage, error events) of one completion stream."""
+    text, finish, usage, errors = "", None, None, []
+    for e in events[:-1]:
+        if "error" in e:
+            errors.append(e)
+            continue
+        for ch in e.get("choices") or []:
+            text += ch.get("text") or ""
+            finish = ch.get("finish_reason") or finish
+        usage = e.get("usage") or usage
+    return text, finish, usage, errors
+
+
+@pytest.mark.parametrize("executor", ["uniproc", "ray"])
+def test_killed_engine_actor_behind_serve_costs_no_stream(serve_config, serve_refs, executor):
+    """executor uniproc: the actor runs the model (bundle 1 of the replica's
+    group); executor ray: it drives a worker actor (bundle 1) from bundle 0."""
+    from ray import serve
+
+    from cluster.serve_app import run_serve
+
+    before, groups = _engine_actor_pids(), _live_placement_groups()
+    url = run_serve(serve_config, blocking=False, app_name=f"rec-{executor}",
+                    route_prefix=f"/{executor}", overrides={"executor": executor})
+    try:
+        _serve_kill_scenario(url, serve_refs, before)
+        assert _live_placement_groups() == groups + 1  # the replica's; nothing left behind
+    finally:
+        serve.delete(f"rec-{executor}")
+
+
+def _serve_kill_scenario(url: str, refs, before: set[int]) -> None:
+    new = _engine_actor_pids() - before
+    assert len(new) == 1, new
+    victim = new.pop()
+    async def scenario() -> list[list[dict | str]]:
+        started = [asyncio.Event() for _ in SERVE_PROMPTS]
+        async with httpx.AsyncClient(base_url=url, timeout=180) as c:
+            tasks = [asyncio.create_task(_stream(c, i, started)) for i in range(len(SERVE_PROMPTS))]
+            await asyncio.gather(*(e.wait() for e in started))
+            assert not any(t.done() for t in tasks)  # every stream is mid-generation
+            os.kill(victim, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    streams = asyncio.run(asyncio.wait_for(scenario(), 240))  # a bound against a hang
+    for i, (events, ref) in enumerate(zip(streams, refs)):
+        assert events[-1] == "[DONE]", i
+        text, finish, usage, errors = _summary(events)
+        assert errors == [], (i, errors)
+        assert finish == "length", i
+        assert text == ref.outputs[0].text, i
+        assert usage["completion_tokens"] == SERVE_TOKENS
+        assert usage["prompt_tokens"] == len(ref.prompt_token_ids)
+    assert not pid_alive(victim)
+    assert len(_engine_actor_pids() - before) == 1  # its replacement
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    gauges = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(("conveyor:kv_cache_usage_perc", "conveyor:num_requests_running")):
+            name, value = line.rsplit(" ", 1)
+            gauges[name.split("{", 1)[0]] = float(value)
+    assert gauges == {"conveyor:kv_cache_usage_perc": 0.0, "conveyor:num_requests_running": 0.0}
