@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bench/spec_decode.py's peer side: the same run with vLLM's CPU build
 (run with the peer venv's python; see /work/shared/peers/vllm_cpu/README.md).
-Reads a side config JSON, prints one JSON line (same fields as ours)."""
+Reads a side config JSON, writes one result JSON (same fields as ours)."""
 from __future__ import annotations
 
 import json
@@ -50,6 +50,8 @@ def run_side(cfg: dict) -> dict:
                 mean_acceptance_length=1.0 + acc / steps if steps else 1.0)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # argv: _side CFG_JSON OUT_JSON (LLM spawns its engine process)
     with open(sys.argv[2]) as f:
-        print(json.dumps(run_side(json.load(f))))
+        result = run_side(json.load(f))
+    with open(sys.argv[3], "w") as f:
+        json.dump(result, f)

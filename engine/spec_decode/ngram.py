@@ -46,61 +46,57 @@ def find_ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.n
 
 
 class NgramProposer:
-    """Keeps each request's tokens in a growing numpy buffer (appended to,
-    never rebuilt from the Python list) and proposes from it.
+    """Proposes what find_ngram_draft would, from an incremental index.
 
-    Miss gate: the hashes of every n_min-gram seen so far (the suffix's own
-    excluded) sit in a set, so a suffix that never occurred before costs one
-    set lookup instead of the numpy search; most steps of a sequence that does
-    not repeat itself end there. A hash collision only lets a miss through to
-    the exact search.
+    Per request and per n in [n_min, n_max], a dict maps every n-gram that
+    ended at some e < len (the suffix itself excluded) to its end positions,
+    ascending. Tokens are only ever appended, so each step indexes the few new
+    grams and then looks the suffix up, longest n first: a handful of dict
+    operations per request, whatever the sequence's length (the vectorised
+    search costs O(len) numpy work per step, 30-50 us at batch 32).
     """
 
     def __init__(self, k: int, n_min: int, n_max: int) -> None:
         self.k, self.n_min, self.n_max = k, n_min, n_max
-        self._buf: dict[str, np.ndarray] = {}
-        self._len: dict[str, int] = {}
-        self._grams: dict[str, set[int]] = {}
-        self._suffix: dict[str, int | None] = {}
-        self._gram_len: dict[str, int] = {}
+        self._index: dict[str, list[dict[tuple[int, ...], list[int]]]] = {}
+        self._indexed: dict[str, int] = {}  # grams ending before this are indexed
 
     def propose(self, req_id: str, all_token_ids: list[int], k: int) -> list[int]:
         """Up to min(k, self.k) draft tokens for the request (maybe none)."""
         k = min(k, self.k)
         if k <= 0:
             return []
-        self._sync_grams(req_id, all_token_ids)
-        if self._suffix[req_id] not in self._grams[req_id]:
+        index = self._sync(req_id, all_token_ids)
+        size = len(all_token_ids)
+        lo = self.n_min
+        # Every longer match contains the n_min one: a miss costs one lookup.
+        if size <= lo or tuple(all_token_ids[size - lo:]) not in index[0]:
             return []
-        tokens = self._sync(req_id, all_token_ids)
-        return find_ngram_draft(tokens, k, self.n_min, self.n_max).tolist()
+        for n in range(min(self.n_max, size - 1), lo - 1, -1):
+            ends = index[n - self.n_min].get(tuple(all_token_ids[size - n:]))
+            if ends is None:
+                continue
+            # The latest match with k tokens after it, else the earliest.
+            e = ends[0]
+            for cand in reversed(ends):
+                if cand + k <= size:
+                    e = cand
+                    break
+            return all_token_ids[e:e + k]
+        return []
 
-    def _sync_grams(self, req_id: str, all_token_ids: list[int]) -> None:
-        grams = self._grams.setdefault(req_id, set())
-        suffix = self._suffix.get(req_id)
-        n, m = len(all_token_ids), self.n_min
-        done = self._gram_len.get(req_id, 0)
-        for end in range(max(done + 1, m), n + 1):
-            if suffix is not None:
-                grams.add(suffix)
-            suffix = hash(tuple(all_token_ids[end - m:end]))
-        self._suffix[req_id] = suffix
-        self._gram_len[req_id] = n
-
-    def _sync(self, req_id: str, all_token_ids: list[int]) -> np.ndarray:
-        n = len(all_token_ids)
-        buf = self._buf.get(req_id)
-        have = self._len.get(req_id, 0)
-        if buf is None or len(buf) < n:
-            grown = np.empty(max(2 * n, 64), dtype=np.int64)
-            if buf is not None:
-                grown[:have] = buf[:have]
-            buf = self._buf[req_id] = grown
-        if have < n:
-            buf[have:n] = all_token_ids[have:n]
-            self._len[req_id] = n
-        return buf[:n]
+    def _sync(self, req_id: str, tokens: list[int]) -> list[dict[tuple[int, ...], list[int]]]:
+        index = self._index.get(req_id)
+        if index is None:
+            index = self._index[req_id] = [{} for _ in range(self.n_min, self.n_max + 1)]
+        start = self._indexed.get(req_id, 0)
+        stop = len(tokens)  # the gram ending at len(tokens) is the suffix: not yet
+        for e in range(max(start, self.n_min), stop):
+            for n in range(self.n_min, min(self.n_max, e) + 1):
+                index[n - self.n_min].setdefault(tuple(tokens[e - n:e]), []).append(e)
+        self._indexed[req_id] = max(start, stop)
+        return index
 
     def drop(self, req_id: str) -> None:
-        for d in (self._buf, self._len, self._grams, self._suffix, self._gram_len):
-            d.pop(req_id, None)
+        self._index.pop(req_id, None)
+        self._indexed.pop(req_id, None)

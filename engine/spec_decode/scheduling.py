@@ -9,7 +9,10 @@ Invariants:
 - after a step, num_computed_tokens rolls back by the rejected drafts, and the
   drafts are gone; rejected tokens never enter all_token_ids, so never a block
   hash: prefix caching stays exact;
-- structured-output requests are not drafted (no grammar row per draft position).
+- a structured-output request's drafts are a prefix its grammar accepts
+  (cut at the first token it rejects), so its matcher can give one mask row per
+  draft position (Scheduler.get_grammar_bitmask); the matcher itself only
+  advances by the tokens update_from_output appends.
 """
 from __future__ import annotations
 
@@ -54,13 +57,16 @@ class SpecDecodeScheduling:
             self.accepted_per_pos[j] += 1
 
     def propose(self, request: Request) -> None:
-        if request.structured_output is not None:
-            request.spec_token_ids = []
-            return
         # Drafts + the bonus token must fit both length caps.
         room = min(request.max_tokens - len(request.output_token_ids),
                    self.max_model_len - len(request.all_token_ids)) - 1
-        request.spec_token_ids = self.proposer.propose(request.request_id, request.all_token_ids, room)
+        drafts = self.proposer.propose(request.request_id, request.all_token_ids, room)
+        sor = request.structured_output
+        if drafts and sor is not None:
+            # A token the grammar rejects could never be accepted, and the mask
+            # after it is undefined: the draft ends before it.
+            drafts = drafts[:sor.grammar.valid_prefix(drafts)]
+        request.spec_token_ids = drafts
 
     def drop(self, request_id: str) -> None:
         self.proposer.drop(request_id)
