@@ -91,9 +91,15 @@ class NgramProposer:
             index = self._index[req_id] = [{} for _ in range(self.n_min, self.n_max + 1)]
         start = self._indexed.get(req_id, 0)
         stop = len(tokens)  # the gram ending at len(tokens) is the suffix: not yet
-        for e in range(max(start, self.n_min), stop):
-            for n in range(self.n_min, min(self.n_max, e) + 1):
-                index[n - self.n_min].setdefault(tuple(tokens[e - n:e]), []).append(e)
+        for n in range(self.n_min, self.n_max + 1):
+            first = max(start, n)  # grams tokens[e - n:e] for e in [first, stop)
+            if first >= stop:
+                continue
+            d = index[n - self.n_min]
+            seg = tokens[first - n:stop - 1]
+            # zip builds the n-tuples in C (a whole prompt on the first call).
+            for e, gram in zip(range(first, stop), zip(*(seg[i:] for i in range(n)))):
+                d.setdefault(gram, []).append(e)
         self._indexed[req_id] = max(start, stop)
         return index
 
