@@ -15,7 +15,8 @@ MODEL_SPEC below, unless --model-dir names another):
   almost never accepted. Measures what speculation that misses costs.
 
 Each (workload, batch size) runs without and with speculation in a fresh
-subprocess and reports output tok/s (generate() wall time, warm-up excluded),
+subprocess and reports output tok/s (generate() wall time after one untimed
+generate() of the same workload, best of 2),
 the speed-up, the acceptance rate (accepted / draft tokens) and the mean
 acceptance length (1 + accepted / verification steps).
 
@@ -102,17 +103,25 @@ def run_side(cfg: dict) -> dict:
     llm = LLM(model=cfg["model_dir"], max_num_seqs=max(cfg["batch"], 1), **kw)
     sp = SamplingParams(max_tokens=cfg["output_len"], temperature=cfg["temperature"],
                         ignore_eos=True, seed=cfg.get("seed"))
-    llm.generate([list(range(10, 42))], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
-    before = llm.get_metrics()
-    t0 = time.perf_counter()
-    outs = llm.generate(cfg["prompts"], sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    after = llm.get_metrics()
+    # Warm-up: the workload itself once, so every step shape (a verify step has
+    # 1 + k tokens per request) has met oneDNN and the attention path before
+    # timing; then the best of cfg["inner_repeats"] timed calls.
+    llm.generate(cfg["prompts"], sp, use_tqdm=False)
+    best = None
+    for _ in range(cfg.get("inner_repeats", 2)):
+        before = llm.get_metrics()
+        t0 = time.perf_counter()
+        outs = llm.generate(cfg["prompts"], sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        after = llm.get_metrics()
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        r = dict(wall_s=wall, output_tokens=n_out, tok_s=n_out / wall,
+                 **_acceptance({k: after[k] - before.get(k, 0.0) for k in after}),
+                 digest=hash(tuple(tuple(o.outputs[0].token_ids) for o in outs)) & 0xFFFFFFFF)
+        if best is None or r["tok_s"] > best["tok_s"]:
+            best = r
     llm.shutdown()
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(wall_s=wall, output_tokens=n_out, tok_s=n_out / wall,
-                **_acceptance({k: after[k] - before.get(k, 0.0) for k in after}),
-                digest=hash(tuple(tuple(o.outputs[0].token_ids) for o in outs)) & 0xFFFFFFFF)
+    return best
 
 
 def _acceptance(m: dict[str, float]) -> dict:
@@ -198,13 +207,17 @@ def _keep_best(row: dict, side: str, r: dict) -> None:
 
 def _run_peer(args: argparse.Namespace, rows: list[dict], bases: list[dict]) -> None:
     """vLLM: one engine process per side (plain, ngram) runs every row, since
-    each start takes about a minute; each row best of 2 in-process runs."""
+    each start takes about a minute; each row best of 3 in-process runs (the
+    first is the warm-up)."""
     peer_py = os.path.join(os.environ.get("VLLM_PEER", "/tmp/vllmpeer"), "bin", "python")
-    runs = [{k: b[k] for k in ("prompts", "output_len", "temperature", "seed")} for b in bases]
+    # No seeds: vLLM's CPU rejection sampler refuses seeded requests ("CPU
+    # Generator does not use offset"); no-repeat samples unseeded there.
+    runs = [{**{k: b[k] for k in ("prompts", "output_len", "temperature")}, "seed": None}
+            for b in bases]
     for _ in range(args.peer_repeats):
         for side, sc in (("peer_plain", None), ("peer_spec", spec_config(args))):
             cfg = dict(model_dir=bases[0]["model_dir"], spec=sc, runs=runs,
-                       max_num_seqs=max(b["batch"] for b in bases), inner_repeats=2)
+                       max_num_seqs=max(b["batch"] for b in bases), inner_repeats=3)
             for row, r in zip(rows, _subprocess(cfg, peer_py, PEER_SCRIPT)):
                 _keep_best(row, side, r)
     for row in rows:
