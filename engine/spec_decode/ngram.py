@@ -48,17 +48,19 @@ def find_ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.n
 class NgramProposer:
     """Proposes what find_ngram_draft would, from an incremental index.
 
-    Per request and per n in [n_min, n_max], a dict maps every n-gram that
-    ended at some e < len (the suffix itself excluded) to its end positions,
-    ascending. Tokens are only ever appended, so each step indexes the few new
-    grams and then looks the suffix up, longest n first: a handful of dict
-    operations per request, whatever the sequence's length (the vectorised
-    search costs O(len) numpy work per step, 30-50 us at batch 32).
+    Per request, a dict maps every n_min-gram that ended at some e < len (the
+    suffix itself excluded) to its end positions, ascending. Tokens are only
+    ever appended, so each step indexes one or a few new grams and looks the
+    suffix's n_min-gram up: a miss (text that does not repeat) costs one dict
+    lookup; on a hit, each candidate's match is extended backwards up to n_max,
+    latest candidate first, stopping at the first one that matches n_max
+    tokens and has k tokens after it (where cyclic text always ends). The
+    vectorised search cost O(len) numpy work per step instead (30-50 us).
     """
 
     def __init__(self, k: int, n_min: int, n_max: int) -> None:
         self.k, self.n_min, self.n_max = k, n_min, n_max
-        self._index: dict[str, list[dict[tuple[int, ...], list[int]]]] = {}
+        self._index: dict[str, dict[tuple[int, ...], list[int]]] = {}
         self._indexed: dict[str, int] = {}  # grams ending before this are indexed
 
     def propose(self, req_id: str, all_token_ids: list[int], k: int) -> list[int]:
@@ -67,39 +69,46 @@ class NgramProposer:
         if k <= 0:
             return []
         index = self._sync(req_id, all_token_ids)
-        size = len(all_token_ids)
-        lo = self.n_min
-        # Every longer match contains the n_min one: a miss costs one lookup.
-        if size <= lo or tuple(all_token_ids[size - lo:]) not in index[0]:
+        tokens, size, lo = all_token_ids, len(all_token_ids), self.n_min
+        ends = index.get(tuple(tokens[size - lo:])) if size > lo else None
+        if ends is None:
             return []
-        for n in range(min(self.n_max, size - 1), lo - 1, -1):
-            ends = index[n - self.n_min].get(tuple(all_token_ids[size - n:]))
-            if ends is None:
-                continue
-            # The latest match with k tokens after it, else the earliest.
-            e = ends[0]
-            for cand in reversed(ends):
-                if cand + k <= size:
-                    e = cand
-                    break
-            return all_token_ids[e:e + k]
-        return []
+        cap = min(self.n_max, size - 1)
+        best_len, latest_full, earliest = -1, -1, -1
+        for e in reversed(ends):
+            n = lo
+            while n < cap and e > n and tokens[e - n - 1] == tokens[size - n - 1]:
+                n += 1
+            if n > best_len:
+                best_len, earliest = n, e
+                latest_full = e if e + k <= size else -1
+            elif n == best_len:
+                earliest = e
+                if latest_full < 0 and e + k <= size:
+                    latest_full = e
+            if best_len == cap and latest_full >= 0:
+                break  # no longer match exists, and this is the latest with room
+        # The latest longest match with k tokens after it, else the earliest.
+        e = latest_full if latest_full >= 0 else earliest
+        return tokens[e:e + k]
 
-    def _sync(self, req_id: str, tokens: list[int]) -> list[dict[tuple[int, ...], list[int]]]:
+    def _sync(self, req_id: str, tokens: list[int]) -> dict[tuple[int, ...], list[int]]:
         index = self._index.get(req_id)
         if index is None:
-            index = self._index[req_id] = [{} for _ in range(self.n_min, self.n_max + 1)]
+            index = self._index[req_id] = {}
+        n = self.n_min
         start = self._indexed.get(req_id, 0)
         stop = len(tokens)  # the gram ending at len(tokens) is the suffix: not yet
-        for n in range(self.n_min, self.n_max + 1):
-            first = max(start, n)  # grams tokens[e - n:e] for e in [first, stop)
-            if first >= stop:
-                continue
-            d = index[n - self.n_min]
+        first = max(start, n)  # grams tokens[e - n:e] for e in [first, stop)
+        if first < stop:
             seg = tokens[first - n:stop - 1]
             # zip builds the n-tuples in C (a whole prompt on the first call).
             for e, gram in zip(range(first, stop), zip(*(seg[i:] for i in range(n)))):
-                d.setdefault(gram, []).append(e)
+                ends = index.get(gram)
+                if ends is None:
+                    index[gram] = [e]
+                else:
+                    ends.append(e)
         self._indexed[req_id] = max(start, stop)
         return index
 
