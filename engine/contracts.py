@@ -119,15 +119,21 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
-    """The step's grammar bitmask: row i belongs to structured_output_request_ids[i].
-    Bit j of word w allows token 32*w + j; the mask covers the model's whole vocab."""
+    """The step's grammar bitmask, rows in the order of structured_output_request_ids.
+    Bit j of word w allows token 32*w + j; the mask covers the model's whole vocab.
+    A request that verifies k drafts owns k + 1 consecutive rows (num_rows[i]):
+    row j is the grammar's mask after its first j drafts. num_rows is None when
+    every request has one row."""
     structured_output_request_ids: list[str]
-    grammar_bitmask: bytes  # int32 [len(ids), num_words], C order
+    grammar_bitmask: bytes  # int32 [sum(num_rows) or len(ids), num_words], C order
     num_words: int
+    num_rows: list[int] | None = None
 
     def bitmask(self) -> np.ndarray:
-        return np.frombuffer(self.grammar_bitmask, dtype=np.int32).reshape(
-            len(self.structured_output_request_ids), self.num_words)
+        return np.frombuffer(self.grammar_bitmask, dtype=np.int32).reshape(-1, self.num_words)
+
+    def rows_per_request(self) -> list[int]:
+        return self.num_rows if self.num_rows is not None else [1] * len(self.structured_output_request_ids)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):

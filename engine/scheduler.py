@@ -362,15 +362,21 @@ class Scheduler:
             return None
         ids: list[str] = []
         grammars = []
+        drafts: list[list[int]] = []  # one mask row per draft position, plus one
         requests = self.requests
+        spec_tokens = so.scheduled_spec_decode_tokens
         for rid in so.num_scheduled_tokens:
             r = requests.get(rid)
             if r is None or r.structured_output is None or r.num_computed_tokens < len(r.all_token_ids):
                 continue
             ids.append(rid)
             grammars.append(r.structured_output.grammar)
+            drafts.append(spec_tokens.get(rid, []))
         mgr = self.structured_output_manager
-        return GrammarOutput(ids, mgr.bitmask(grammars).tobytes(), mgr.num_words)
+        if not any(drafts):
+            return GrammarOutput(ids, mgr.bitmask(grammars).tobytes(), mgr.num_words)
+        return GrammarOutput(ids, mgr.bitmask(grammars, drafts).tobytes(), mgr.num_words,
+                             [len(d) + 1 for d in drafts])
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         requests = self.requests

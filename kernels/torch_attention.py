@@ -231,11 +231,14 @@ def paged_attention_torch(
     q_lens = qsl[1:] - qsl[:-1]
     decode = np.nonzero(q_lens == 1)[0]
     short = np.nonzero((q_lens > 1) & (q_lens <= _SHORT_QUERY))[0]
-    if short.size:  # drafts this step: decode rows go with them, one K/V gather per request
-        reqs = np.concatenate([decode, short])
-        _short_batched(query, kv_cache, block_table, qsl[reqs], reqs, q_lens[reqs], lens[reqs],
+    # Drafts this step: the drafting requests take the short path, the others
+    # stay on the decode path (padded to the longest query, a decode row
+    # would cost up to _SHORT_QUERY times its own path: most of a batch where
+    # few requests draft). Each request's K/V is still gathered once.
+    if short.size:
+        _short_batched(query, kv_cache, block_table, qsl[short], short, q_lens[short], lens[short],
                        scale, out)
-    elif decode.size:
+    if decode.size:
         _decode_batched(query, kv_cache, block_table, qsl[decode], decode, lens[decode], scale, out)
     for r in np.nonzero(q_lens > _SHORT_QUERY)[0]:
         _prefill_one(

@@ -2,6 +2,7 @@
 (so penalties, temperature, top-k/p and min-p act on the allowed tokens only)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.contracts import GrammarOutput
@@ -19,13 +20,32 @@ def unpack_bitmask(packed: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([bits, pad], dim=1)
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str], go: GrammarOutput) -> None:
-    """Set disallowed tokens of the structured rows of `logits` to -inf, in place."""
+def apply_grammar_bitmask(logits: torch.Tensor, req_ids: list[str], go: GrammarOutput,
+                          row_offsets: np.ndarray | None = None) -> None:
+    """Set disallowed tokens of the structured rows of `logits` to -inf, in place.
+
+    Without row_offsets, logits row i belongs to req_ids[i]. With them (a step
+    that verifies drafts), request i owns rows row_offsets[i] .. row_offsets[i+1]
+    - 1, one per draft position plus one, and the GrammarOutput carries exactly
+    that many rows for it (row j: the mask after its first j drafts)."""
     index = {r: i for i, r in enumerate(req_ids)}
-    pairs = [(index[r], k) for k, r in enumerate(go.structured_output_request_ids) if r in index]
-    if not pairs:
+    counts = go.rows_per_request()
+    logit_rows: list[int] = []
+    mask_rows: list[int] = []
+    start = 0
+    for r, n in zip(go.structured_output_request_ids, counts):
+        i = index.get(r)
+        if i is not None:
+            first = i if row_offsets is None else int(row_offsets[i])
+            have = 1 if row_offsets is None else int(row_offsets[i + 1]) - first
+            if n != have:  # the core and the runner disagree on the drafts: a defect
+                raise RuntimeError(f"grammar mask for {r!r} has {n} rows, its logits {have}")
+            logit_rows.extend(range(first, first + n))
+            mask_rows.extend(range(start, start + n))
+        start += n
+    if not logit_rows:
         return
-    rows = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=logits.device)
-    packed = torch.from_numpy(go.bitmask()[[p[1] for p in pairs]]).to(logits.device)
+    rows = torch.tensor(logit_rows, dtype=torch.long, device=logits.device)
+    packed = torch.from_numpy(go.bitmask()[mask_rows]).to(logits.device)
     allowed = unpack_bitmask(packed, logits.shape[1])
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

@@ -269,11 +269,8 @@ class ModelRunner:
         """A step that verifies drafts: several tokens per row."""
         spec = pending.spec
         assert spec is not None
-        if grammar_output is not None:
-            # Structured requests are never drafted, so each has one row; the
-            # repeated ids map it to that row.
-            row_ids = [r for r, d in zip(pending.req_ids, spec.drafts) for _ in range(len(d) + 1)]
-            apply_grammar_bitmask(pending.logits, row_ids, grammar_output)
+        if grammar_output is not None:  # one mask row per draft position plus one
+            apply_grammar_bitmask(pending.logits, pending.req_ids, grammar_output, spec.offsets)
         emitted, logprobs = sample_with_drafts(pending.logits, states, spec, self.vocab_size,
                                                self.device)
         batch = self.input_batch

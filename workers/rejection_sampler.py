@@ -19,6 +19,9 @@ would (one exponential vector, same race on the same unnormalised probs), so
 a seeded request gets the same tokens whether or not its batch speculates.
 Unseeded rows share one batched draw from the global generator (the same on
 every TP rank).
+
+A batch whose rows are all plain greedy (no penalties, min_tokens met, no
+logprobs) skips the per-row expansion: one argmax over the step's logits.
 """
 from __future__ import annotations
 
@@ -124,11 +127,39 @@ def _verify_rows(x: torch.Tensor, meta: SamplingMetadata, rows: list[_DraftRow],
             torch.where(meta.greedy_mask, token, r_token))
 
 
+def _argmax_only(states: list[SamplingRow]) -> bool:
+    """Every row's processing is a bare argmax: greedy, no penalties, min_tokens
+    already met (so at every draft position too), no logprobs."""
+    for st in states:
+        p = st.sampling_params
+        if (p.temperature >= _GREEDY_EPS or p.logprobs is not None or p.repetition_penalty != 1.0
+                or p.frequency_penalty or p.presence_penalty
+                or len(st.output_token_ids) < p.min_tokens):
+            return False
+    return True
+
+
+def _verify_argmax(logits: torch.Tensor, layout: SpecLayout) -> list[list[int]]:
+    """Greedy verification without the per-row metadata: accept while each
+    draft equals its row's argmax, then that row's argmax (the plain
+    Sampler's argmax of the same fp32 logits)."""
+    g = logits.float().argmax(dim=-1).tolist()
+    emitted = []
+    for off, d in zip(layout.offsets.tolist(), layout.drafts):
+        a = 0
+        while a < len(d) and g[off + a] == d[a]:
+            a += 1
+        emitted.append([*d[:a], g[off + a]])
+    return emitted
+
+
 def sample_with_drafts(logits: torch.Tensor, states: list[SamplingRow], layout: SpecLayout,
                        vocab_size: int, device: torch.device
                        ) -> tuple[list[list[int]], LogprobsLists | None]:
     """Tokens emitted per request (accepted drafts, then one more) and, when
     asked for, one logprobs row per emitted token (LogprobsLists.row_start)."""
+    if _argmax_only(states):
+        return _verify_argmax(logits, layout), None
     rows = expand_rows(states, layout)
     meta = SamplingMetadata.build(rows, vocab_size, device)
     x, raw_logprobs = process_logits(logits, meta)

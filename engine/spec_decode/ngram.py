@@ -46,61 +46,72 @@ def find_ngram_draft(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.n
 
 
 class NgramProposer:
-    """Keeps each request's tokens in a growing numpy buffer (appended to,
-    never rebuilt from the Python list) and proposes from it.
+    """Proposes what find_ngram_draft would, from an incremental index.
 
-    Miss gate: the hashes of every n_min-gram seen so far (the suffix's own
-    excluded) sit in a set, so a suffix that never occurred before costs one
-    set lookup instead of the numpy search; most steps of a sequence that does
-    not repeat itself end there. A hash collision only lets a miss through to
-    the exact search.
+    Per request, a dict maps every n_min-gram that ended at some e < len (the
+    suffix itself excluded) to its end positions, ascending. Tokens are only
+    ever appended, so each step indexes one or a few new grams and looks the
+    suffix's n_min-gram up: a miss (text that does not repeat) costs one dict
+    lookup; on a hit, each candidate's match is extended backwards up to n_max,
+    latest candidate first, stopping at the first one that matches n_max
+    tokens and has k tokens after it (where cyclic text always ends). The
+    vectorised search cost O(len) numpy work per step instead (30-50 us).
     """
 
     def __init__(self, k: int, n_min: int, n_max: int) -> None:
         self.k, self.n_min, self.n_max = k, n_min, n_max
-        self._buf: dict[str, np.ndarray] = {}
-        self._len: dict[str, int] = {}
-        self._grams: dict[str, set[int]] = {}
-        self._suffix: dict[str, int | None] = {}
-        self._gram_len: dict[str, int] = {}
+        self._index: dict[str, dict[tuple[int, ...], list[int]]] = {}
+        self._indexed: dict[str, int] = {}  # grams ending before this are indexed
 
     def propose(self, req_id: str, all_token_ids: list[int], k: int) -> list[int]:
         """Up to min(k, self.k) draft tokens for the request (maybe none)."""
         k = min(k, self.k)
         if k <= 0:
             return []
-        self._sync_grams(req_id, all_token_ids)
-        if self._suffix[req_id] not in self._grams[req_id]:
+        index = self._sync(req_id, all_token_ids)
+        tokens, size, lo = all_token_ids, len(all_token_ids), self.n_min
+        ends = index.get(tuple(tokens[size - lo:])) if size > lo else None
+        if ends is None:
             return []
-        tokens = self._sync(req_id, all_token_ids)
-        return find_ngram_draft(tokens, k, self.n_min, self.n_max).tolist()
+        cap = min(self.n_max, size - 1)
+        best_len, latest_full, earliest = -1, -1, -1
+        for e in reversed(ends):
+            n = lo
+            while n < cap and e > n and tokens[e - n - 1] == tokens[size - n - 1]:
+                n += 1
+            if n > best_len:
+                best_len, earliest = n, e
+                latest_full = e if e + k <= size else -1
+            elif n == best_len:
+                earliest = e
+                if latest_full < 0 and e + k <= size:
+                    latest_full = e
+            if best_len == cap and latest_full >= 0:
+                break  # no longer match exists, and this is the latest with room
+        # The latest longest match with k tokens after it, else the earliest.
+        e = latest_full if latest_full >= 0 else earliest
+        return tokens[e:e + k]
 
-    def _sync_grams(self, req_id: str, all_token_ids: list[int]) -> None:
-        grams = self._grams.setdefault(req_id, set())
-        suffix = self._suffix.get(req_id)
-        n, m = len(all_token_ids), self.n_min
-        done = self._gram_len.get(req_id, 0)
-        for end in range(max(done + 1, m), n + 1):
-            if suffix is not None:
-                grams.add(suffix)
-            suffix = hash(tuple(all_token_ids[end - m:end]))
-        self._suffix[req_id] = suffix
-        self._gram_len[req_id] = n
-
-    def _sync(self, req_id: str, all_token_ids: list[int]) -> np.ndarray:
-        n = len(all_token_ids)
-        buf = self._buf.get(req_id)
-        have = self._len.get(req_id, 0)
-        if buf is None or len(buf) < n:
-            grown = np.empty(max(2 * n, 64), dtype=np.int64)
-            if buf is not None:
-                grown[:have] = buf[:have]
-            buf = self._buf[req_id] = grown
-        if have < n:
-            buf[have:n] = all_token_ids[have:n]
-            self._len[req_id] = n
-        return buf[:n]
+    def _sync(self, req_id: str, tokens: list[int]) -> dict[tuple[int, ...], list[int]]:
+        index = self._index.get(req_id)
+        if index is None:
+            index = self._index[req_id] = {}
+        n = self.n_min
+        start = self._indexed.get(req_id, 0)
+        stop = len(tokens)  # the gram ending at len(tokens) is the suffix: not yet
+        first = max(start, n)  # grams tokens[e - n:e] for e in [first, stop)
+        if first < stop:
+            seg = tokens[first - n:stop - 1]
+            # zip builds the n-tuples in C (a whole prompt on the first call).
+            for e, gram in zip(range(first, stop), zip(*(seg[i:] for i in range(n)))):
+                ends = index.get(gram)
+                if ends is None:
+                    index[gram] = [e]
+                else:
+                    ends.append(e)
+        self._indexed[req_id] = max(start, stop)
+        return index
 
     def drop(self, req_id: str) -> None:
-        for d in (self._buf, self._len, self._grams, self._suffix, self._gram_len):
-            d.pop(req_id, None)
+        self._index.pop(req_id, None)
+        self._indexed.pop(req_id, None)

@@ -23,6 +23,9 @@ class Grammar(Protocol):
     def is_terminated(self) -> bool:
         """The output is complete: no further token is allowed."""
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens the grammar accepts from here (state unchanged)."""
+
 
 class StructuredOutputBackend(Protocol):
     def compile(self, params: StructuredOutputsParams) -> Grammar:
@@ -31,8 +34,12 @@ class StructuredOutputBackend(Protocol):
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError (naming the problem) if compile() would fail."""
 
-    def fill_bitmasks(self, grammars: list[Grammar], bitmask: np.ndarray) -> None:
-        """Fill bitmask[i] for grammars[i] (C-contiguous int32 [n, words])."""
+    def fill_bitmasks(self, grammars: list[Grammar], bitmask: np.ndarray,
+                      drafts: list[list[int]] | None = None) -> None:
+        """Fill bitmask[i] for grammars[i] (C-contiguous int32 [n, words]).
+        With drafts (each a prefix the grammar accepts), grammars[i] owns
+        len(drafts[i]) + 1 consecutive rows: row j is its mask after drafts[i][:j];
+        the matchers end where they started."""
 
 
 BackendFactory = Callable[[str, int, "int | None"], StructuredOutputBackend]

@@ -34,6 +34,9 @@ class LLGuidanceGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return self.matcher.validate_tokens(tokens)
+
 
 class LLGuidanceBackend:
     def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_id: int | None) -> None:
@@ -47,11 +50,27 @@ class LLGuidanceBackend:
         # torch threads) and, unlike per-matcher calls, without the GIL.
         self._executor = llg.LLExecutor(num_threads=1)
 
-    def fill_bitmasks(self, grammars: list[LLGuidanceGrammar], bitmask: np.ndarray) -> None:
-        """All rows at once: bitmask[i] for grammars[i]."""
+    def fill_bitmasks(self, grammars: list[LLGuidanceGrammar], bitmask: np.ndarray,
+                      drafts: list[list[int]] | None = None) -> None:
+        """All rows in one executor call: bitmask[i] for grammars[i], or with
+        drafts each grammar's row per draft position (llguidance advances the
+        matcher through the drafts and rolls it back). A row after a draft
+        that ends the grammar (EOS) is left as it was."""
         rows, words = bitmask.shape
-        self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
-                                               bitmask.ctypes.data, words * 4, rows)
+        ptr = bitmask.ctypes.data
+        if drafts is None:
+            self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                                   ptr, words * 4, rows)
+            return
+        plain, drafted, row = [], [], 0
+        for g, d in zip(grammars, drafts):
+            # llguidance refuses an empty draft list: those rows go in a plain call.
+            (drafted.append((g.matcher, row, d)) if d else plain.append((g.matcher, row)))
+            row += len(d) + 1
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, ptr, words * 4, rows)
+        if drafted:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, words * 4, rows)
 
     @staticmethod
     def grammar_text(params: StructuredOutputsParams) -> str:

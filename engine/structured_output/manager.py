@@ -103,15 +103,23 @@ class StructuredOutputManager:
         out, self.stats.compile_ms = self.stats.compile_ms, []
         return out
 
-    def bitmask(self, grammars: list[Grammar]) -> np.ndarray:
-        """One row per grammar, in order: [len(grammars), ceil(vocab/32)] int32."""
+    def bitmask(self, grammars: list[Grammar], drafts: list[list[int]] | None = None) -> np.ndarray:
+        """One row per grammar, in order: [len(grammars), ceil(vocab/32)] int32;
+        with drafts (speculative decoding), len(drafts[i]) + 1 rows for grammars[i],
+        row j its mask after drafts[i][:j] (the matchers are left unchanged)."""
         t0 = time.perf_counter()
-        mask = np.empty((len(grammars), self.num_words), dtype=np.int32)
-        self.backend.fill_bitmasks(grammars, mask)
+        if drafts is None:
+            mask = np.empty((len(grammars), self.num_words), dtype=np.int32)
+        else:
+            # Rows past a drafted EOS are never written by the backend; their
+            # tokens are dropped (the request ends at the EOS), but they must
+            # still give the sampler finite logits: allow everything.
+            mask = np.full((sum(len(d) + 1 for d in drafts), self.num_words), -1, dtype=np.int32)
+        self.backend.fill_bitmasks(grammars, mask, drafts)
         st = self.stats
         st.bitmask_ms_total += (time.perf_counter() - t0) * 1e3
         st.bitmask_steps += 1
-        st.bitmask_rows += len(grammars)
+        st.bitmask_rows += len(mask)
         return mask
 
     def shutdown(self) -> None:

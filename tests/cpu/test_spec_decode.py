@@ -140,12 +140,33 @@ def test_scheduler_preemption_drops_drafts_and_budget_truncates():
     assert req.spec_token_ids == [] and req.num_computed_tokens == 0
 
 
-def test_scheduler_does_not_draft_structured_requests():
+def test_scheduler_backs_off_after_rejected_drafts():
+    """n consecutive all-rejected verifications: no drafts for 2**n - 1 steps
+    (capped); one accepted draft resets it."""
+    from engine.spec_decode.scheduling import MAX_BACKOFF
+
     s = _sched(k=3)
-    req = make_request("a", [1, 2, 1], max_tokens=30)
-    req.structured_output = object()  # only its presence matters to the proposer
-    s.spec.propose(req)
-    assert req.spec_token_ids == []
+    req = make_request("a", [5, 6, 7, 8, 5, 6, 7, 8], max_tokens=60)
+
+    def drafted_steps(n: int) -> list[bool]:
+        out = []
+        for _ in range(n):
+            s.spec.propose(req)
+            out.append(bool(req.spec_token_ids))
+        return out
+
+    assert drafted_steps(1) == [True]
+    s.spec.verify(req, [5, 6, 7], 1)  # nothing accepted
+    assert drafted_steps(2) == [False, True]
+    s.spec.verify(req, [5, 6, 7], 1)
+    assert drafted_steps(4) == [False] * 3 + [True]
+    for _ in range(6):
+        s.spec.verify(req, [5, 6, 7], 1)
+    assert drafted_steps(MAX_BACKOFF + 1) == [False] * MAX_BACKOFF + [True]
+    s.spec.verify(req, [5, 6, 7], 2)  # one accepted: drafted again at once
+    assert drafted_steps(2) == [True, True]
+    s.spec.verify(req, [5, 6, 7], 1)
+    assert drafted_steps(2) == [False, True]
 
 
 # ---- end to end ---------------------------------------------------------------------
@@ -347,9 +368,9 @@ def test_prometheus_exposes_spec_counters():
     assert 'conveyor:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
 
 
-# ---- structured outputs next to drafting requests --------------------------------------------
+# ---- structured outputs next to drafting requests (more in test_spec_decode_structured.py) ----
 
-def test_structured_requests_are_not_drafted_but_share_the_batch(ckpts, prompts, base):
+def test_structured_requests_share_the_batch(ckpts, prompts, base):
     from engine import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
