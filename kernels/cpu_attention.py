@@ -64,12 +64,36 @@ def available() -> bool:
     return True
 
 
+def loaded() -> ModuleType | None:
+    """The extension if the cpu backend has loaded it, else None: the model's
+    CPU-native ops (RMSNorm) follow the backend choice, so a run on the torch
+    backend stays pure torch (the reference)."""
+    return _ext
+
+
 def build_error() -> str | None:
     return _error
 
 
 def _as_long(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+
+
+class _StepPlan:
+    """The per-step split into kernel rows and prefill rows, with the kernel's
+    index tensors: every layer of a step shares it (built once per metadata)."""
+
+    def __init__(self, block_table: torch.Tensor, query_start_loc_cpu: np.ndarray,
+                 seq_lens_cpu: np.ndarray) -> None:
+        qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
+        lens = np.asarray(seq_lens_cpu, dtype=np.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        short = np.nonzero((q_lens >= 1) & (q_lens <= _SHORT_QUERY))[0]
+        self.num_short = int(short.size)
+        self.table = (block_table if block_table.dtype == torch.int32 else block_table.int()).contiguous()
+        self.short = tuple(_as_long(x) for x in (short, qsl[short], q_lens[short], lens[short]))
+        self.long = [(int(r), int(qsl[r]), int(q_lens[r]), int(lens[r]))
+                     for r in np.nonzero(q_lens > _SHORT_QUERY)[0]]
 
 
 def paged_attention_cpu(
@@ -79,22 +103,17 @@ def paged_attention_cpu(
     query_start_loc_cpu: np.ndarray,
     seq_lens_cpu: np.ndarray,
     scale: float,
+    plan: _StepPlan | None = None,
 ) -> torch.Tensor:
     """Same contract as ``paged_attention_torch``: ``[T, Hq, D]``, padding rows zero."""
     ext = load_extension()
+    plan = plan or _StepPlan(block_table, query_start_loc_cpu, seq_lens_cpu)
     out = torch.zeros(query.shape, dtype=query.dtype)
-    qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
-    lens = np.asarray(seq_lens_cpu, dtype=np.int64)
-    q_lens = qsl[1:] - qsl[:-1]
-    short = np.nonzero((q_lens >= 1) & (q_lens <= _SHORT_QUERY))[0]
-    if short.size:
-        table = block_table if block_table.dtype == torch.int32 else block_table.int()
-        ext.paged_attention_short(query.contiguous(), kv_cache, table.contiguous(), _as_long(short),
-                                  _as_long(qsl[short]), _as_long(q_lens[short]),
-                                  _as_long(lens[short]), float(scale), out)
-    for r in np.nonzero(q_lens > _SHORT_QUERY)[0]:
-        _prefill_one(query, kv_cache, block_table[r], int(qsl[r]), int(q_lens[r]), int(lens[r]),
-                     scale, out)
+    if plan.num_short:
+        ext.paged_attention_short(query.contiguous(), kv_cache, plan.table, *plan.short,
+                                  float(scale), out)
+    for r, start, q_len, seq_len in plan.long:
+        _prefill_one(query, kv_cache, block_table[r], start, q_len, seq_len, scale, out)
     return out
 
 
@@ -113,7 +132,14 @@ class CpuAttentionBackend:
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        write_kv_torch(key, value, kv_cache, slot_mapping)
+        d = kv_cache.shape[4]
+        native = (key.dtype == value.dtype == kv_cache.dtype and slot_mapping.dtype == torch.int64
+                  and key.stride()[1:] == (d, 1) and value.stride()[1:] == (d, 1))
+        if not native:
+            write_kv_torch(key, value, kv_cache, slot_mapping)
+            return
+        assert _ext is not None  # loaded in __init__
+        _ext.write_kv(key, value, kv_cache, slot_mapping.contiguous())
 
     def forward(
         self,
@@ -122,6 +148,9 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return paged_attention_cpu(
-            query, kv_cache, meta.block_table, meta.query_start_loc_cpu, meta.seq_lens_cpu, scale
-        )
+        plan = meta.__dict__.get("_cpu_plan")
+        if plan is None:  # first layer of the step
+            plan = meta.__dict__["_cpu_plan"] = _StepPlan(meta.block_table, meta.query_start_loc_cpu,
+                                                          meta.seq_lens_cpu)
+        return paged_attention_cpu(query, kv_cache, meta.block_table, meta.query_start_loc_cpu,
+                                   meta.seq_lens_cpu, scale, plan)

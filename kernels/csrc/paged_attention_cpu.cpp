@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -137,6 +138,71 @@ void paged_attention_short(const torch::Tensor& query, const torch::Tensor& kv_c
   });
 }
 
+// cache[s / bs, 0|1, s % bs] = key|value[t] for every slot s = slot_mapping[t] >= 0.
+// key/value [T, Hkv, D] with each token's heads contiguous (a row may be strided).
+void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor cache,
+              const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5, "kv_cache must be contiguous 5-d");
+  TORCH_CHECK(key.scalar_type() == cache.scalar_type() && value.scalar_type() == cache.scalar_type(),
+              "key/value dtype must match the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64, "slot_mapping int64");
+  const int64_t bs = cache.size(2), row = cache.size(3) * cache.size(4);
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == cache.size(4) && value.stride(2) == 1 &&
+              value.stride(1) == cache.size(4), "key/value heads must be contiguous per token");
+  const int64_t n = slot_mapping.numel();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, cache.scalar_type(),
+                                  "write_kv", [&] {
+    const scalar_t* k = key.data_ptr<scalar_t>();
+    const scalar_t* v = value.data_ptr<scalar_t>();
+    scalar_t* c = cache.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t s = slots[t];
+      if (s < 0) continue;
+      scalar_t* dst = c + ((s / bs) * 2 * bs + s % bs) * row;
+      std::memcpy(dst, k + t * ks, row * sizeof(scalar_t));
+      std::memcpy(dst + bs * row, v + t * vs, row * sizeof(scalar_t));
+    }
+  });
+}
+
+// (norm(x + residual) * weight, x + residual) or, without residual,
+// (norm(x) * weight, x): x / sqrt(mean(x^2) + eps) in fp32, cast back to the
+// model dtype before the weight multiplies (as the torch RMSNorm does).
+std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const c10::optional<torch::Tensor>& residual,
+                                    const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous(), "x [T, H] contiguous");
+  const int64_t t = x.size(0), h = x.size(1);
+  torch::Tensor sum = residual.has_value() ? x + residual.value() : x;
+  torch::Tensor out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, x.scalar_type(),
+                                  "rms_norm", [&] {
+    const scalar_t* in = sum.data_ptr<scalar_t>();
+    const scalar_t* w = weight.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, t, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) {
+        const scalar_t* xr = in + r * h;
+        float lane[kLanes] = {0.f};
+        int64_t i = 0;
+        for (; i + kLanes <= h; i += kLanes)
+          for (int64_t l = 0; l < kLanes; ++l) lane[l] += to_f(xr[i + l]) * to_f(xr[i + l]);
+        float ss = 0.f;
+        for (; i < h; ++i) ss += to_f(xr[i]) * to_f(xr[i]);
+        for (int64_t l = 0; l < kLanes; ++l) ss += lane[l];
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + static_cast<float>(eps));
+        scalar_t* orow = o + r * h;
+        for (int64_t j = 0; j < h; ++j)
+          orow[j] = static_cast<scalar_t>(to_f(w[j]) * to_f(static_cast<scalar_t>(to_f(xr[j]) * inv)));
+      }
+    });
+  });
+  return {out, sum};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_short", &paged_attention_short, "paged attention for short queries (CPU)");
+  m.def("write_kv", &write_kv, "store K/V rows at their slots (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm with the fused residual add (CPU)");
 }

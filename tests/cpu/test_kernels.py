@@ -359,3 +359,40 @@ def test_kernels_compile_for_sm90() -> None:
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env,
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_write_kv_matches_torch(dtype) -> None:
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, bs, hkv, d = 9, 16, 2, 64
+    qkv = torch.randn(40, (4 + 2 * hkv) * d, generator=gen).to(dtype)  # k/v are strided views
+    key = qkv[:, 4 * d:(4 + hkv) * d].view(40, hkv, d)
+    value = qkv[:, (4 + hkv) * d:].view(40, hkv, d)
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:40]
+    slots[::7] = -1
+    caches = [torch.full((num_blocks, 2, bs, hkv, d), float("nan"), dtype=dtype) for _ in range(2)]
+    write_kv_torch(key, value, caches[0], slots)
+    get_attention_backend("cpu", "cpu").write_kv(key, value, caches[1], slots)
+    assert torch.equal(caches[0].nan_to_num(), caches[1].nan_to_num()), f"seed={seed}"
+    assert torch.equal(caches[0].isnan(), caches[1].isnan()), f"seed={seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rms_norm_matches_torch(dtype) -> None:
+    from workers.layers.layernorm import RMSNorm
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(72, eps=1e-5, dtype=dtype)  # 72: the kernel's scalar tail too
+    norm.weight.data = torch.randn(72, generator=gen).to(dtype)
+    x, res = (torch.randn(33, 72, generator=gen).to(dtype) for _ in range(2))
+    with torch.inference_mode():
+        cpu_attention.load_extension()
+        native = norm(x, res), norm(x)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_attention, "_ext", None)  # the torch path
+            ref = norm(x, res), norm(x)
+    for (out, carried), (ref_out, ref_carried) in zip(native, ref):
+        assert torch.equal(carried, ref_carried)
+        _check(out, ref_out, dtype, seed, "rms_norm")

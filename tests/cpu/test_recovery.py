@@ -47,16 +47,17 @@ def _kill_rank_at_steps(llm: LLM, rank: int, at: set[int]) -> list[int]:
     return killed
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_killed_rank_costs_no_request(ckpt, reference, tp, pp):
+# The killed rank: TP rank 1, PP stage 1, and stage 1's TP rank 1 of a 2x2 group.
+@pytest.mark.parametrize("tp,pp,rank", [(2, 1, 1), (1, 2, 1), (2, 2, 3)])
+def test_killed_rank_costs_no_request(ckpt, reference, tp, pp, rank):
     llm = LLM(model=ckpt, executor="mp", tensor_parallel_size=tp, pipeline_parallel_size=pp,
               max_num_batched_tokens=64)
     try:
         before = llm.worker_pids()
-        killed = _kill_rank_at_steps(llm, 1, {6})
+        killed = _kill_rank_at_steps(llm, rank, {6})
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         after = llm.worker_pids()
-        assert llm.engine.num_restarts == 1 and killed == [before[1]]
+        assert llm.engine.num_restarts == 1 and killed == [before[rank]]
         assert len(after) == tp * pp and not set(after) & set(before)
         assert not pid_alive(killed[0])
     finally:
@@ -96,16 +97,19 @@ def ray_local():
     ray.shutdown()
 
 
-def test_ray_executor_rebuilds_its_group_in_a_new_placement_group(ray_local, ckpt, reference):
+@pytest.mark.parametrize("tp,pp,rank", [(2, 1, 1), (1, 2, 1), (2, 2, 3)])
+def test_ray_executor_rebuilds_its_group_in_a_new_placement_group(ray_local, ckpt, reference,
+                                                                  tp, pp, rank):
     from ray.util import placement_group_table
 
-    llm = LLM(model=ckpt, executor="ray", tensor_parallel_size=2, max_num_batched_tokens=64)
+    llm = LLM(model=ckpt, executor="ray", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+              max_num_batched_tokens=64)
     try:
         before = llm.worker_pids()
-        _kill_rank_at_steps(llm, 1, {4})
+        _kill_rank_at_steps(llm, rank, {4})
         outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         after = llm.worker_pids()
-        assert len(after) == 2 and not set(after) & set(before)
+        assert len(after) == tp * pp and not set(after) & set(before)
         live = [pg for pg in placement_group_table().values() if pg["state"] == "CREATED"]
         assert len(live) == 1  # the failed group's placement group was removed
     finally:

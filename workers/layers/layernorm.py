@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels import cpu_attention
 from parallel.layers import default_weight_loader, make_param
 
 
@@ -26,6 +27,11 @@ class RMSNorm(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return (norm(x + residual), x + residual); with no residual,
         (norm(x), x) — the second value is the residual stream to carry on."""
+        ext = cpu_attention.loaded()
+        if ext is not None and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous() \
+                and x.dtype == self.weight.dtype and (residual is None or residual.dtype == x.dtype):
+            out, x = ext.rms_norm(x, residual, self.weight, self.eps)  # one pass over each row
+            return out, x
         if residual is not None:
             x = x + residual  # in the model dtype, like the unfused HF form
         return self._norm(x), x
