@@ -72,10 +72,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from cluster.batch import init_ray
     from cluster.openai_server import model_name_of
-    from cluster.serve_app import direct_ingress_urls, enable_direct_ingress, replica_cpus, run_serve
+    from cluster.serve_app import (direct_ingress_urls, enable_direct_ingress, replica_cpus, run_serve,
+                                   wants_direct_ingress)
 
     per_replica = replica_cpus(config, use_gpu=False)  # CPU bundles; GPUs are checked below
-    if config.serve.direct_ingress and not (args.address or os.environ.get("RAY_ADDRESS")):
+    starts_ray = not (args.address or os.environ.get("RAY_ADDRESS"))
+    direct = wants_direct_ingress(config, starts_ray)
+    if direct and starts_ray:
         enable_direct_ingress()  # before the local Ray instance starts
     started = init_ray(args.address, local_cpus=int(per_replica * config.serve.replicas) + 2)
     try:
@@ -83,9 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            copies=config.serve.replicas, source=args.config)
         url = run_serve(args.config, blocking=False, overrides=overrides, device=args.device)
         print(f"Serving {model_name_of(config)!r} at {url}/v1 (OpenAI API). Ctrl-C to stop.", flush=True)
-        if config.serve.direct_ingress:
-            for direct in direct_ingress_urls("conveyor", config.serve.host):
-                print(f"Replica direct ingress (no proxy hop): {direct}/v1", flush=True)
+        if direct:
+            for d_url in direct_ingress_urls("conveyor", config.serve.host):
+                print(f"Replica direct ingress (no proxy hop): {d_url}/v1", flush=True)
         _wait_for_signal()
     finally:
         serve.shutdown()
