@@ -421,9 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 stop(s)
             rows.append((s.name, {**summary(res), "server_cpu": cpu}))
-            print("  server CPU (cores, incl. the client's start-up): " + ", ".join(
-                f"{_short(t)} {c:.2f}" for t, c in cpu[:8]), flush=True)
             r = rows[-1][1]
+            print(f"  CPU during the load (cores): client {r['client_cpu_s'] / r['duration']:.2f} "
+                  "(its start-up included), " + ", ".join(
+                f"{_short(t)} {c:.2f}" for t, c in cpu[:8]), flush=True)
             print(f"{s.name}: {r['output_throughput']:.1f} out tok/s, TPOT mean {r['mean_tpot_ms']:.1f} ms, "
                   f"TTFT p50 {r['median_ttft_ms']:.0f} ms", flush=True)
     print_table(rows)
