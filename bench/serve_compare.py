@@ -322,8 +322,8 @@ def start_profiles(a: argparse.Namespace, root: int, tag: str) -> list[threading
 
 # ---- report ----------------------------------------------------------------------------------
 
-KEYS = ("output_throughput", "duration", "client_cpu_s", "mean_tpot_ms", "median_tpot_ms", "median_ttft_ms", "p99_ttft_ms",
-        "median_itl_ms", "p99_itl_ms", "completed", "failed")
+KEYS = ("output_throughput", "duration", "client_cpu_s", "mean_tpot_ms", "median_tpot_ms",
+        "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "completed", "failed")
 
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:
