@@ -98,10 +98,12 @@ class EngineCoreActor:
             stats.update({f"executor_{k}": v for k, v in executor.data_plane_stats().items()})
         return stats
 
-    def check_health(self) -> None:
+    def check_health(self) -> str:
+        """"ok" | "recovering" (a worker group being rebuilt); on a thread of
+        its own (max_concurrency), so never behind the core loop."""
         if self._loop.error is not None:
             raise EngineDeadError(self._loop.error)
-        self.core.check_health()
+        return self.core.check_health()
 
     def worker_pids(self) -> list[int]:
         return self.core.worker_pids()
@@ -194,6 +196,7 @@ class RayCoreClient:
         self._closing = False
         self._reader: threading.Thread | None = None
         self.dead: str | None = None
+        self.status = "ok"  # the actor's last health answer
         self._sender = InputSender(in_channel, lambda: self.dead)
 
     def start(self, on_outputs: OutputHandler) -> None:
@@ -218,7 +221,7 @@ class RayCoreClient:
 
     def _actor_error(self, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
         try:
-            ray.get(self.actor.check_health.remote(), timeout=timeout_s)
+            self.status = ray.get(self.actor.check_health.remote(), timeout=timeout_s) or "ok"
             return None
         except ray.exceptions.GetTimeoutError:
             return f"engine actor did not answer a health check within {timeout_s:g}s (wedged)"
@@ -238,12 +241,13 @@ class RayCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self._send(CoreInput("abort", request_ids=list(request_ids)))
 
-    def check_health(self) -> None:
+    def check_health(self) -> str:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         err = self._actor_error()
         if err is not None:
             raise EngineDeadError(err)
+        return self.status
 
     def worker_pids(self) -> list[int]:
         return ray.get(self.actor.worker_pids.remote(), timeout=30)

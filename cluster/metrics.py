@@ -8,7 +8,10 @@ Sources:
 - gauges and cumulative counters are read from the AsyncLLM at scrape time
   (`llm.stats`: the scheduler's stats of the last engine step; `llm.counters`:
   the frontend's cumulative token/finish/prefix-cache counts);
-- latency histograms are observed by the HTTP layer through `RequestTimer`.
+- latency histograms are observed by the HTTP layer through `RequestTimer`;
+- worker-group recovery (`conveyor:engine_restarts_total`,
+  `conveyor:engine_recovery_seconds`) is cumulative in the core and carried
+  by every stats message once the first rebuild happened (`llm.stats.recovery`).
 
 Known approximation: the engine reports no per-request scheduling timestamp,
 so `request_queue_time_seconds` is the time from arrival at the replica to
@@ -24,6 +27,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from engine.contracts import RecoveryStats
+from engine.recovery import RECOVERY_BUCKETS_S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "conveyor:"
@@ -87,6 +93,21 @@ class _EngineCollector:
         for i, n in enumerate(sd.accepted_per_pos):
             pos.add_metric([self.model_name, str(i)], n)
         yield pos
+        rec = st.recovery  # cumulative, carried by every stats message once set
+        yield counter("engine_restarts", "Worker-group rebuilds after a lost rank.",
+                      rec.restarts if rec is not None else 0)
+        yield _histogram("engine_recovery_seconds", "Time to rebuild the worker group after a lost rank.",
+                         _RecoveryHistogram(rec), lab)
+
+
+class _RecoveryHistogram:
+    """RecoveryStats in the shape _histogram reads."""
+
+    buckets = RECOVERY_BUCKETS_S
+
+    def __init__(self, rec: RecoveryStats | None) -> None:
+        self.counts = rec.seconds_buckets if rec is not None else []
+        self.total = rec.seconds_sum if rec is not None else 0.0
 
 
 def _histogram(name: str, doc: str, h: Any, lab: list[str]) -> HistogramMetricFamily:

@@ -115,7 +115,7 @@ class OpenAIServer(ResponseBuilding):
         self.llm, self.config, self.stream_interval = llm, config, config.serve.stream_interval
         self.max_admitted, self.admitted = max_admitted, 0
         self._active_ids: set[str] = set()  # engine ids of admitted requests
-        self._health: asyncio.Future[None] | None = None
+        self._health: asyncio.Future[str] | None = None
         self._health_at = 0.0
         self.model_name = model_name_of(config)
         self.metrics = metrics or ServeMetrics(llm, self.model_name)
@@ -284,23 +284,25 @@ class OpenAIServer(ResponseBuilding):
         if self.draining:
             return error_response(engine_unavailable("the server is shutting down"))
         try:
-            await self.check_engine()
+            status = await self.check_engine()
         except Exception as e:  # noqa: BLE001 - any failure means unhealthy
             log.warning("health check failed: %s", e)
             return error_response(engine_unavailable())
-        return JSONResponse({"status": "ok"})
+        # 200 while a lost worker group is rebuilt: Serve must not replace us.
+        return JSONResponse({"status": status})
 
-    async def check_engine(self) -> None:
-        """Raise if the engine is unhealthy. The check is a Ray round trip when
-        the engine is an actor, so it runs off the event loop; concurrent
-        callers share one check, and its result stands for HEALTH_TTL_S."""
+    async def check_engine(self) -> str:
+        """"ok" | "recovering", or raise if the engine is unhealthy. The check
+        is a Ray round trip when the engine is an actor, so it runs off the
+        event loop; concurrent callers share one check, and its result stands
+        for HEALTH_TTL_S."""
         if self.llm.dead_error is not None:  # known locally: never hidden by a cached pass
             raise EngineDeadError(self.llm.dead_error)
         now = time.monotonic()
         if self._health is None or (self._health.done() and now - self._health_at > HEALTH_TTL_S):
             self._health = asyncio.get_running_loop().run_in_executor(None, self.llm.check_health)
             self._health_at = now
-        await asyncio.shield(self._health)
+        return await asyncio.shield(self._health) or "ok"
 
     def metrics_response(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)

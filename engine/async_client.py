@@ -158,10 +158,12 @@ class AsyncLLM:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._process, outs)
 
-    def check_health(self) -> None:
+    def check_health(self) -> str:
+        """"ok", or "recovering" while a lost worker group is rebuilt; raises
+        EngineDeadError when the engine is dead."""
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
-        self.client.check_health()
+        return self.client.check_health()
 
     def worker_pids(self) -> list[int]:
         """Live worker process ids in rank order."""

@@ -352,7 +352,7 @@ def _format_validation_error(err: str, tree: dict[str, Any], over: dict[str, Any
 # ---- value checks (one table: type errors and range errors read the same) ---------------
 
 _DTYPES = ("float32", "float16", "bfloat16", "auto")
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "torch", "cpu", "triton")
 _EXECUTORS = ("uniproc", "ray", "mp")
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -443,11 +443,11 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
         raise _fail(source, "parallel.pp_layer_partition",
                     f"a list of parallel.pipeline_parallel_size ({p.pipeline_parallel_size}) layer counts",
                     p.pp_layer_partition, over)
-    if cfg.model.attention_backend != "torch" and cfg.cache.block_size not in TRITON_BLOCK_SIZES:
+    if cfg.model.attention_backend not in ("torch", "cpu") and cfg.cache.block_size not in TRITON_BLOCK_SIZES:
         raise _fail(source, "cache.block_size",
                     f"one of {'/'.join(map(str, TRITON_BLOCK_SIZES))} with model.attention_backend "
                     f"{cfg.model.attention_backend!r} (the Triton kernels' tiles; 'auto' is Triton on "
-                    f"CUDA); other block sizes need attention_backend 'torch'", cfg.cache.block_size, over)
+                    f"CUDA); other block sizes need attention_backend 'torch' or 'cpu'", cfg.cache.block_size, over)
     _validate_speculative(cfg, source, over)
 
 

@@ -172,6 +172,15 @@ class PrefixCacheStats(msgspec.Struct, gc=False):
     hits: int = 0  # tokens found
 
 
+class RecoveryStats(msgspec.Struct, gc=False):
+    """Worker-group rebuilds since start (cumulative): how many, and a
+    histogram of their durations (per bucket of engine.recovery.RECOVERY_BUCKETS_S,
+    not cumulative, the last one +Inf)."""
+    restarts: int = 0
+    seconds_buckets: list[int] = msgspec.field(default_factory=list)
+    seconds_sum: float = 0.0
+
+
 class SchedulerStats(msgspec.Struct, gc=False):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -192,6 +201,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # Cumulative; None until the first worker-group rebuild (nothing sent before).
+    recovery: RecoveryStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -20,7 +21,7 @@ from engine.kv_cache.manager import cdiv
 from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
-from engine.recovery import RestartBudget, rebuild_executor, recovery_enabled
+from engine.recovery import RestartBudget, rebuild_executor, record_recovery, recovery_enabled
 from executors.base import EngineDeadError, Executor
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class EngineCore:
         self._restarts = RestartBudget(p.max_restarts, p.restart_window_s) if recovery_enabled(config) else None
         self.num_restarts = 0
         self.recovering = False
+        self._recovery_started = 0.0
         # Aborts may arrive from other threads while a step is in flight.
         self._aborts: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
 
@@ -106,7 +108,8 @@ class EngineCore:
 
     def has_work(self) -> bool:
         self._process_aborts()
-        return self.scheduler.has_requests() or bool(self.batch_queue)
+        return (self.scheduler.has_requests() or bool(self.batch_queue)
+                or (self._restarts is not None and self.executor.failure is not None))
 
     # ---- steps ---------------------------------------------------------------
 
@@ -114,46 +117,73 @@ class EngineCore:
         try:
             return self._step()
         except EngineDeadError as e:
-            self._recover(e)
-            return EngineCoreOutputs(), False
+            return self._recover(e), False
 
     def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
         try:
             return self._step_with_batch_queue()
         except EngineDeadError as e:
-            self._recover(e)
-            return None, False
+            return self._recover(e), False
 
-    def _recover(self, error: EngineDeadError) -> None:
+    def _recover(self, error: EngineDeadError) -> EngineCoreOutputs:
         """A rank is gone: rebuild the worker group and recompute every
         unfinished request (prompt + the tokens it already has), within the
-        restart budget; past it, or without capacity, re-raise (fail fast)."""
+        restart budget; past it, or without capacity, re-raise (fail fast).
+        Returns the stats after the rebuild (restart count, KV usage 0)."""
+        p, failure = self.config.parallel, self.executor.describe_failure()
         if self._restarts is None or not self._restarts.take():
+            why = ("no recovery with this executor" if self._restarts is None else
+                   f"restart budget spent: parallel.max_restarts={p.max_restarts} per {p.restart_window_s:g}s")
+            log.error("worker group failed: %s; %s, the engine fails", failure, why)
             raise error
-        log.warning("worker group failed (%s); rebuilding it (restart %d)", error, self.num_restarts + 1)
+        log.warning("worker group failed: %s; rebuilding it (restart %d, at most %d per %gs)",
+                    failure, self.num_restarts + 1, p.max_restarts, p.restart_window_s)
         from executors import make_executor
 
         self.recovering = True
+        self._recovery_started = start = time.monotonic()
         try:
             self.executor, self.kv_info = rebuild_executor(self.config, self.executor, make_executor)
+        except EngineDeadError as e:
+            log.error("worker group not rebuilt, the engine fails: %s", e)
+            raise
         finally:
             self.recovering = False
         if self.batch_queue is not None:
             self.batch_queue.clear()  # those steps' outputs died with the group
         self.scheduler.reset_for_new_workers(self.kv_info.num_blocks)
         self.num_restarts += 1
+        took = time.monotonic() - start
+        self.scheduler.recovery_stats = record_recovery(self.scheduler.recovery_stats, took)
+        log.warning("worker group rebuilt in %.2fs (worker pids %s); %d unfinished requests resume",
+                    took, self.executor.worker_process_ids(), len(self.scheduler.waiting))
+        return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats() if self.scheduler.log_stats
+                                 else None)
 
-    def check_health(self) -> None:
-        """Raise EngineDeadError if the engine cannot go on. A dead worker
-        group that the restart budget still covers is not: the step loop
-        rebuilds it (and, meanwhile, health stays up rather than flapping)."""
+    def _raise_if_group_failed(self) -> None:
+        """A group that died while the engine was idle is rebuilt on the next
+        step (has_work() says there is one), not on the next request."""
+        failed = self.executor.failure
+        if failed is not None and self._restarts is not None:
+            raise EngineDeadError(failed)
+
+    def check_health(self) -> str:
+        """"ok", or "recovering" while a lost worker group is rebuilt (or is
+        about to be) within the restart budget; raises EngineDeadError when
+        the engine cannot go on. Runs on the caller's thread, never behind the
+        step loop (which may be busy rebuilding)."""
         if self.recovering:
-            return
+            limit = self.config.parallel.recovery_timeout_s
+            if time.monotonic() - self._recovery_started > limit:
+                raise EngineDeadError(f"worker group not rebuilt within parallel.recovery_timeout_s={limit:g}s")
+            return "recovering"
         try:
             self.executor.check_health()
         except EngineDeadError:
             if self._restarts is None or not self._restarts.available():
                 raise
+            return "recovering"
+        return "ok"
 
     def worker_pids(self) -> list[int]:
         """Live worker process ids in rank order."""
@@ -161,6 +191,7 @@ class EngineCore:
 
     def _step(self) -> tuple[EngineCoreOutputs, bool]:
         self._process_aborts()
+        self._raise_if_group_failed()
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(), False
         so = self.scheduler.schedule()
@@ -189,6 +220,7 @@ class EngineCore:
         bq = self.batch_queue
         assert bq is not None
         self._process_aborts()
+        self._raise_if_group_failed()
         executed = False
         if self.scheduler.has_requests():
             so = self.scheduler.schedule()

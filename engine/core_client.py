@@ -29,7 +29,7 @@ class CoreClient(Protocol):
     def start(self, on_outputs: OutputHandler) -> None: ...
     def add_request(self, request: EngineCoreRequest) -> None: ...
     def abort_requests(self, request_ids: list[str]) -> None: ...
-    def check_health(self) -> None: ...
+    def check_health(self) -> str: ...  # "ok" | "recovering"; raises EngineDeadError
     def worker_pids(self) -> list[int]: ...
     def shutdown(self) -> None: ...
 
@@ -121,11 +121,11 @@ class InProcCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self._require().submit("abort", list(request_ids))
 
-    def check_health(self) -> None:
+    def check_health(self) -> str:
         loop = self._require()
         if loop.error is not None or not (self._thread and self._thread.is_alive()):
             raise EngineDeadError(f"engine is dead: {loop.error or 'core thread exited'}")
-        self.core.check_health()
+        return self.core.check_health()
 
     def worker_pids(self) -> list[int]:
         return self.core.worker_pids()

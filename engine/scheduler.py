@@ -101,6 +101,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Set by EngineCore after a worker-group rebuild; every stats message carries it.
+        self.recovery_stats: RecoveryStats | None = None
         self.prefix_cache_totals = SchedulerStats().prefix_cache_stats
         self._step_id = 0
         self.structured_output_manager = structured_output_manager
@@ -463,6 +465,7 @@ class Scheduler:
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
             num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
+            recovery=self.recovery_stats,
             **self._structured_stats(), **(self.spec.take_stats() if self.spec is not None else {}))
 
     def _structured_stats(self) -> dict:

@@ -49,5 +49,14 @@ class Executor(ABC):
         """Live worker process ids in rank order (this process for in-process workers)."""
         return [os.getpid()]
 
+    @property
+    def failure(self) -> str | None:
+        """Why the workers are dead, once the executor knows they are (cheap: no probe)."""
+        return None
+
+    def describe_failure(self) -> str:
+        """For the recovery log: which rank failed, where (node, pid) and why."""
+        return "the worker in this process"
+
     def shutdown(self) -> None:
         return None

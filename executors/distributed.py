@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 from abc import abstractmethod
@@ -55,6 +56,8 @@ class DistributedExecutor(Executor):
         self._last_step: Future | None = None
         self._last_step_id = 0
         self._dead: str | None = None
+        # The rank a failure was traced to (a subclass sets it), for the logs.
+        self.failed_rank: int | None = None
         self._closing = False
         self._receiver: threading.Thread | None = None
 
@@ -70,6 +73,16 @@ class DistributedExecutor(Executor):
 
     @abstractmethod
     def _stop_workers(self) -> None: ...
+
+    def rank_location(self, rank: int) -> str:
+        """Where a rank runs, for the logs (node and pid)."""
+        pids = self.worker_process_ids()
+        pid = pids[rank] if rank < len(pids) else "?"
+        return f"node {socket.gethostname()} (local), pid {pid}"
+
+    def _local_pids(self) -> dict[int, int]:
+        """rank -> pid of the ranks on this machine (their /proc is readable)."""
+        return dict(enumerate(self.worker_process_ids()))
 
     def _init_method(self) -> str:
         from workers.worker import free_port
@@ -160,8 +173,12 @@ class DistributedExecutor(Executor):
             late = [sid for sid, t in self._deadlines.items() if t < now]
         if not late:
             return None
+        stopped = [r for r, pid in self._local_pids().items() if process_stopped(pid)]
+        if stopped:
+            self.failed_rank = stopped[0]
+        which = f"rank {', '.join(map(str, stopped))} is stopped" if stopped else "a worker rank is wedged"
         return (f"step {min(late)} got no reply within its {self._step_timeout_s:g}s bound "
-                f"(parallel.step_timeout_s): a worker rank is wedged, treated as dead")
+                f"(parallel.step_timeout_s): {which}, treated as dead")
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False
                       ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
@@ -207,7 +224,7 @@ class DistributedExecutor(Executor):
 
     def _route(self, reply: WorkerReply) -> None:
         if reply.error is not None:
-            self._fail(reply.error)
+            self._fail(self._cause_of(reply.rank, reply.error))
             return
         with self._lock:
             fut = self._step_futures.pop(reply.step_id, None)
@@ -218,6 +235,21 @@ class DistributedExecutor(Executor):
                 return
         if fut is not None:
             fut.set_result(reply.output)
+
+    def _cause_of(self, rank: int, error: str, wait_s: float = 1.0) -> str:
+        """A rank's error is often the echo of a peer's death (a collective's
+        connection reset): the dead peer, if one shows within wait_s, is the
+        cause; else the rank that raised is."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = self._dead_workers()
+            if dead is not None:
+                first = error.strip().splitlines()[0][:200] if error.strip() else ""
+                return f"{dead}; rank {rank} failed after it ({first})"
+            if time.monotonic() > deadline or self._closing:
+                self.failed_rank = rank
+                return error
+            time.sleep(0.05)
 
     def _fail(self, message: str) -> None:
         with self._lock:
@@ -241,6 +273,15 @@ class DistributedExecutor(Executor):
             self._fail(dead)
             raise EngineDeadError(dead)
 
+    @property
+    def failure(self) -> str | None:
+        return None if self._closing else self._dead
+
+    def describe_failure(self) -> str:
+        rank = self.failed_rank
+        where = f"rank {rank} on {self.rank_location(rank)}" if rank is not None else "an unknown rank"
+        return f"{where}: {self._dead or 'no failure seen'}"
+
     def listen_addresses(self) -> list[str]:
         """Every ZMQ endpoint this executor binds (the reply socket first)."""
         return [self._replies.address, *(ch.address for ch in self._cmds)]
@@ -263,6 +304,17 @@ class DistributedExecutor(Executor):
         if self._receiver is not None:
             self._receiver.join(timeout=5)
         self._plane.close()
+
+
+def process_stopped(pid: int) -> bool:
+    """True when a local process is stopped (SIGSTOP, a debugger): alive but
+    never going to answer. False when unknown (not local, gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 def check_parallel_sizes(config: EngineConfig) -> None:

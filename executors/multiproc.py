@@ -6,6 +6,8 @@ the very same worker loop inside Ray actors."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 
 import torch
 import torch.multiprocessing as mp
@@ -17,6 +19,15 @@ from executors.worker_proc import WorkerSpec, run_worker_loop
 
 def _entry(config: EngineConfig, spec: WorkerSpec) -> None:
     run_worker_loop(config, spec)
+
+
+def exit_cause(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            pass
+    return f"exit code {exitcode}"
 
 
 class MultiprocExecutor(DistributedExecutor):
@@ -34,8 +45,11 @@ class MultiprocExecutor(DistributedExecutor):
             self._procs.append(p)
 
     def _dead_workers(self) -> str | None:
-        dead = [f"rank {i} (exit code {p.exitcode})" for i, p in enumerate(self._procs) if not p.is_alive()]
-        return f"worker process died: {', '.join(dead)}" if dead else None
+        dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
+        if not dead:
+            return None
+        self.failed_rank = dead[0]
+        return f"worker process died: {', '.join(f'rank {i} ({exit_cause(self._procs[i].exitcode)})' for i in dead)}"
 
     @property
     def pids(self) -> list[int]:
@@ -44,9 +58,19 @@ class MultiprocExecutor(DistributedExecutor):
     def worker_process_ids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None and p.is_alive()]
 
+    def rank_location(self, rank: int) -> str:
+        pid = self._procs[rank].pid if rank < len(self._procs) else "?"
+        return f"node {socket.gethostname()} (local), pid {pid}"
+
+    def _local_pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in enumerate(self._procs) if p.pid is not None}
+
     def _stop_workers(self) -> None:
+        # After a failure the survivors may sit in a collective with the dead
+        # rank: no grace period, so recovery does not wait on them.
+        grace = 0.0 if self._dead is not None else 5.0
         for p in self._procs:
-            p.join(timeout=5)
+            p.join(timeout=grace)
         for p in self._procs:
             if p.is_alive():
                 p.kill()

@@ -94,6 +94,7 @@ class RayExecutor(DistributedExecutor):
         self._run_refs: list[Any] = []
         self.bundle_nodes: list[str] = []
         self.rank_order: list[int] = []
+        self.rank_infos: list[tuple[str, str, int]] = []  # (node id, ip, pid) per rank
 
     # ---- placement ------------------------------------------------------------------
 
@@ -129,11 +130,22 @@ class RayExecutor(DistributedExecutor):
         specs = self._specs(f"tcp://{host}:{port}", local_ranks)
         cfg = msgspec.msgpack.encode(self.config)
         self.worker_pids = [pid for _, _, pid in infos]
+        self.rank_infos = infos
         self._run_refs = [a.run.remote(cfg, msgspec.msgpack.encode(s), env)
                           for a, s, env in zip(self._actors, specs, envs)]
 
     def worker_process_ids(self) -> list[int]:
         return list(self.worker_pids)
+
+    def rank_location(self, rank: int) -> str:
+        if rank >= len(self.rank_infos):
+            return "an unknown node"
+        node, ip, pid = self.rank_infos[rank]
+        return f"node {node[:12]} ({ip}), pid {pid}"
+
+    def _local_pids(self) -> dict[int, int]:
+        here = ray.get_runtime_context().get_node_id()
+        return {r: pid for r, (node, _, pid) in enumerate(self.rank_infos) if node == here}
 
     def _host_is_local(self) -> bool:
         return self._replies.address.startswith("tcp://127.0.0.1")
@@ -157,6 +169,7 @@ class RayExecutor(DistributedExecutor):
         if not done:
             return None
         rank = self._run_refs.index(done[0])
+        self.failed_rank = rank
         try:
             ray.get(done[0])
             why = "exited"
@@ -165,7 +178,7 @@ class RayExecutor(DistributedExecutor):
         return f"worker actor of rank {rank} died ({why})"
 
     def _stop_workers(self) -> None:
-        if self._run_refs:
+        if self._run_refs and self._dead is None:  # after a failure: no grace (see multiproc)
             ray.wait(self._run_refs, num_returns=len(self._run_refs), timeout=5)
         for a in self._actors:
             ray.kill(a, no_restart=True)

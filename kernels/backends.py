@@ -11,6 +11,7 @@ CPU) can be set by the caller before any kernel is defined.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -18,7 +19,9 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-BACKEND_CHOICES: tuple[str, ...] = ("torch", "triton", "auto")
+logger = logging.getLogger(__name__)
+
+BACKEND_CHOICES: tuple[str, ...] = ("torch", "cpu", "triton", "auto")
 
 
 @dataclass
@@ -84,10 +87,21 @@ def _triton_usable_on(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _cpu_or_torch() -> str:
+    from . import cpu_attention
+
+    if cpu_attention.available():
+        return "cpu"
+    logger.warning("falling back to the torch attention backend (slower decode): %s",
+                   cpu_attention.build_error())
+    return "torch"
+
+
 def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Return the backend called ``name`` for tensors on ``device``.
 
-    ``"auto"`` is ``"triton"`` on CUDA and ``"torch"`` everywhere else.
+    ``"auto"`` is ``"triton"`` on CUDA, and elsewhere ``"cpu"`` (the C++ kernel) when it
+    builds, else ``"torch"`` with a warning.
     ``"triton"`` on a non-CUDA device needs ``TRITON_INTERPRET=1`` set before
     the first kernel module import (tests only: the interpreter is slow).
     """
@@ -98,7 +112,13 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
             f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_CHOICES)}"
         )
     if key == "auto":
-        key = "triton" if device.type == "cuda" else "torch"
+        key = "triton" if device.type == "cuda" else _cpu_or_torch()
+    if key == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"the cpu attention backend runs on CPU tensors only (got {device})")
+        from .cpu_attention import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if key == "torch":
         from .torch_attention import TorchAttentionBackend
 

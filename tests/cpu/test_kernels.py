@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import torch_attention  # noqa: E402
+from kernels import cpu_attention, torch_attention  # noqa: E402
 from kernels.backends import AttentionBackend, AttentionMetadata, get_attention_backend  # noqa: E402
 from kernels.cache_write import write_kv, write_kv_ref  # noqa: E402
 from kernels.paged_attention import (  # noqa: E402
@@ -215,7 +215,40 @@ def _meta(b: Batch, slot_mapping: torch.Tensor) -> AttentionMetadata:
         query_start_loc_cpu=b.qsl_cpu, seq_lens_cpu=b.seq_lens_cpu)
 
 
-@pytest.mark.parametrize("name", ["torch", "triton"])
+# (dtype, hq, hkv, head_size, block_size): head size 40 takes the kernel's scalar tail.
+CPU_CASES = [
+    (torch.float32, 8, 2, 64, 16),
+    (torch.float16, 4, 4, 128, 32),
+    (torch.bfloat16, 8, 1, 80, 16),
+    (torch.float32, 6, 2, 40, 8),
+    (torch.float32, 4, 4, 64, 128),
+]
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,bs", CPU_CASES)
+def test_cpu_backend_matches_loop_reference(dtype, hq, hkv, d, bs) -> None:
+    """Decode rows, short (draft-sized) queries and prefill chunks in one batch."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    short = [(q, int(rng.integers(q, MAX_LEN + 1))) for q in range(2, cpu_attention._SHORT_QUERY + 1)]
+    specs = _random_specs(rng, 6) + _random_specs(rng, 6, decode_only=True) + short
+    b = Batch(seed, specs, hq, hkv, d, bs, dtype)
+    out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu,
+                                            b.seq_lens_cpu, b.scale)
+    _check(out, b.ref(), dtype, seed, f"cpu backend specs={specs}")
+
+
+def test_cpu_backend_reads_a_strided_query_and_int64_table() -> None:
+    seed = _seed()
+    b = Batch(seed, [(1, 37), (3, 90), (1, 5)], 8, 2, 64, 16, torch.float32)
+    wide = torch.randn(b.num_tokens, 12, 64)
+    wide[:, 2:10] = b.query  # q as a view with a token stride of 12 heads
+    out = cpu_attention.paged_attention_cpu(wide[:, 2:10], b.cache, b.block_table.long(), b.qsl_cpu,
+                                            b.seq_lens_cpu, b.scale)
+    _check(out, b.ref(), torch.float32, seed, "strided query")
+
+
+@pytest.mark.parametrize("name", ["torch", "cpu", "triton"])
 def test_backend_write_then_forward(name) -> None:
     """write_kv this step's K/V (with padding tokens), then forward over the cache."""
     seed = _seed()
@@ -266,10 +299,23 @@ def test_cache_write_matches_reference(src_dtype, cache_dtype, bs) -> None:
 
 
 def test_registry() -> None:
-    with pytest.raises(ValueError, match="torch.*triton.*auto"):
+    with pytest.raises(ValueError, match="torch.*cpu.*triton.*auto"):
         get_attention_backend("flash", torch.device("cpu"))
-    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("auto", torch.device("cpu")).name == "cpu"  # the kernel builds here
     assert get_attention_backend("torch", "cpu").name == "torch"
+    assert get_attention_backend("cpu", "cpu").name == "cpu"
+    with pytest.raises(RuntimeError, match="CPU tensors only"):
+        get_attention_backend("cpu", "cuda")
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_does_not_build(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(cpu_attention, "_ext", None)
+    monkeypatch.setattr(cpu_attention, "_error", "the CPU attention kernel did not build: no gcc")
+    with caplog.at_level("WARNING"):
+        assert get_attention_backend("auto", "cpu").name == "torch"
+    assert "no gcc" in caplog.text
+    with pytest.raises(RuntimeError, match="no gcc"):
+        get_attention_backend("cpu", "cpu")
     assert get_attention_backend("triton", "cpu").name == "triton"  # interpreter is on
 
 

@@ -1,0 +1,127 @@
+"""CPU paged attention: a C++ kernel for short queries, SDPA for prefill.
+
+Decode rows and speculative drafts (query_len <= _SHORT_QUERY) go to
+``csrc/paged_attention_cpu.cpp``, which reads K/V in place through the block
+table (the torch backend gathers a padded copy and masks it every step: about
+half the decode step on CPU). Longer prefill chunks are compute-bound and stay
+on the torch backend's SDPA path. ``torch_attention.paged_attention_ref`` is the
+reference both are tested against.
+
+The extension is compiled on first use with ``torch.utils.cpp_extension``
+(gcc + ninja; about 30 s once, then cached under ``TORCH_EXTENSIONS_DIR`` or
+``~/.cache/torch_extensions``); ``available()`` says whether that worked.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from .backends import AttentionMetadata
+from .torch_attention import _SHORT_QUERY, _prefill_one, write_kv_torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention_cpu.cpp")
+_EXT_NAME = "conveyor_paged_attention_cpu"
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+_error: str | None = None
+
+
+def load_extension() -> ModuleType:
+    """Build (once per source/flags) and import the C++ kernel; raises RuntimeError on failure."""
+    global _ext, _error
+    with _lock:
+        if _ext is not None:
+            return _ext
+        if _error is not None:
+            raise RuntimeError(_error)
+        t0 = time.perf_counter()
+        try:
+            from torch.utils.cpp_extension import load
+
+            _ext = load(name=_EXT_NAME, sources=[_SOURCE],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as e:  # compiler missing, headers missing, ...
+            _error = f"the CPU attention kernel did not build: {type(e).__name__}: {e}"
+            raise RuntimeError(_error) from e
+        logger.info("CPU attention kernel ready in %.1f s", time.perf_counter() - t0)
+        return _ext
+
+
+def available() -> bool:
+    try:
+        load_extension()
+    except RuntimeError:
+        return False
+    return True
+
+
+def build_error() -> str | None:
+    return _error
+
+
+def _as_long(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc_cpu: np.ndarray,
+    seq_lens_cpu: np.ndarray,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as ``paged_attention_torch``: ``[T, Hq, D]``, padding rows zero."""
+    ext = load_extension()
+    out = torch.zeros(query.shape, dtype=query.dtype)
+    qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
+    lens = np.asarray(seq_lens_cpu, dtype=np.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    short = np.nonzero((q_lens >= 1) & (q_lens <= _SHORT_QUERY))[0]
+    if short.size:
+        table = block_table if block_table.dtype == torch.int32 else block_table.int()
+        ext.paged_attention_short(query.contiguous(), kv_cache, table.contiguous(), _as_long(short),
+                                  _as_long(qsl[short]), _as_long(q_lens[short]),
+                                  _as_long(lens[short]), float(scale), out)
+    for r in np.nonzero(q_lens > _SHORT_QUERY)[0]:
+        _prefill_one(query, kv_cache, block_table[r], int(qsl[r]), int(q_lens[r]), int(lens[r]),
+                     scale, out)
+    return out
+
+
+class CpuAttentionBackend:
+    """The CPU default when the kernel builds (see ``get_attention_backend``)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        load_extension()
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv_torch(key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return paged_attention_cpu(
+            query, kv_cache, meta.block_table, meta.query_start_loc_cpu, meta.seq_lens_cpu, scale
+        )

@@ -1,0 +1,19 @@
+"""What tests/cpu/test_node_loss.py and its driver process share: the requests
+and the engine's config."""
+from __future__ import annotations
+
+from engine import SamplingParams
+from llm_utils import random_prompts
+
+PROMPTS = random_prompts(4, 5, 40, seed=44)
+PARAMS = ([SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)] * 2
+          + [SamplingParams(max_tokens=64, temperature=0.8, seed=90 + i, ignore_eos=True) for i in range(2)])
+
+
+def engine_config(ckpt: str) -> dict:
+    # step_timeout_s: a lost node's ranks stop answering; placement_timeout_s: a
+    # rebuild that Ray tries on the dead node (not yet declared dead) retries soon.
+    return {"model": {"path": ckpt, "max_model_len": 512},
+            "parallel": {"executor": "ray", "tensor_parallel_size": 2, "step_timeout_s": 5.0,
+                         "placement_timeout_s": 5.0, "recovery_timeout_s": 90.0},
+            "scheduler": {"max_num_batched_tokens": 64}}

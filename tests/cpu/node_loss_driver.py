@@ -1,0 +1,69 @@
+"""The driver of tests/cpu/test_node_loss.py, run as its own process so that
+Ray's token authentication (read once per process) never meets the test
+process's other Ray instances. Connects to the two-node cluster, starts the
+engine with its workers on the second node, SIGKILLs that node's raylet
+mid-generation and prints one JSON line: the tokens and finish reasons, the
+workers' nodes before and after, the restart count.
+
+usage: node_loss_driver.py ADDRESS CHECKPOINT RAYLET_PID"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ray  # noqa: E402
+from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+
+from engine.async_client import AsyncLLM  # noqa: E402
+from engine.config import build_config  # noqa: E402
+from engine.core_client import InProcCoreClient  # noqa: E402
+from node_loss_case import PARAMS, PROMPTS, engine_config  # noqa: E402
+
+
+async def generate_and_lose_node(llm: AsyncLLM, raylet_pid: int) -> list[tuple[list[int], str | None]]:
+    streams = [llm.generate(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    firsts = [await s.__anext__() for s in streams]
+    os.kill(raylet_pid, signal.SIGKILL)  # the node is gone, its workers with it
+
+    async def rest(first, stream):
+        tokens, reason = list(first.outputs[0].token_ids), first.outputs[0].finish_reason
+        async for out in stream:
+            tokens += out.outputs[0].token_ids
+            reason = out.outputs[0].finish_reason
+        return tokens, reason
+    return await asyncio.wait_for(asyncio.gather(*(rest(f, s) for f, s in zip(firsts, streams))), 180)
+
+
+def main(address: str, ckpt: str, raylet_pid: int) -> None:
+    ray.init(address=address, include_dashboard=False)
+    head = ray.get_runtime_context().get_node_id()
+    # All of the head's CPUs, while the engine starts: its workers can only go to the second node.
+    blocker = placement_group([{"CPU": 2, "head_cpu": 2}], strategy="STRICT_PACK")
+    ray.get(blocker.ready(), timeout=60)
+    cfg = build_config(engine_config(ckpt))
+    client = InProcCoreClient(cfg)  # the core in this process, on the head
+    try:
+        before = [n for n, _, _ in client.core.executor.rank_infos]
+        remove_placement_group(blocker)  # room on the head again, for the rebuild
+
+        async def scenario():
+            return await generate_and_lose_node(AsyncLLM(cfg, client=client), raylet_pid)
+        outs = asyncio.run(scenario())
+        after = [n for n, _, _ in client.core.executor.rank_infos]
+        restarts = client.core.num_restarts
+    finally:
+        client.shutdown()
+        ray.shutdown()
+    print(json.dumps({"head": head, "before": before, "after": after, "restarts": restarts,
+                      "tokens": [t for t, _ in outs], "reasons": [r for _, r in outs]}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
