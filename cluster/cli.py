@@ -3,7 +3,7 @@
     conveyor serve CONFIG [--port 8001 ...]           OpenAI API on Ray Serve (blocks)
     conveyor generate CONFIG --prompt "Hello" [...]   offline generation, prints the text
     conveyor batch --config CONFIG --input in.jsonl --output out.jsonl
-    conveyor bench {scheduler,offline,serve,attention} [ARGS...]
+    conveyor bench {scheduler,offline,serve,attention,spec,serve-compare} [ARGS...]
     conveyor config validate CONFIG [CONFIG...]
 
 Every option that changes the engine names the config key it overrides in
@@ -30,7 +30,7 @@ from engine.config import ConfigError, check_cluster_fits, load_config
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {"scheduler": "bench/scheduler.py", "offline": "bench/offline_throughput.py",
            "serve": "bench/serve_load.py", "attention": "bench/attention.py",
-           "spec": "bench/spec_decode.py"}
+           "spec": "bench/spec_decode.py", "serve-compare": "bench/serve_compare.py"}
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 
@@ -72,10 +72,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from cluster.batch import init_ray
     from cluster.openai_server import model_name_of
-    from cluster.serve_app import direct_ingress_urls, enable_direct_ingress, replica_cpus, run_serve
+    from cluster.serve_app import (direct_ingress_urls, enable_direct_ingress, replica_cpus, run_serve,
+                                   wants_direct_ingress)
 
     per_replica = replica_cpus(config, use_gpu=False)  # CPU bundles; GPUs are checked below
-    if config.serve.direct_ingress and not (args.address or os.environ.get("RAY_ADDRESS")):
+    starts_ray = not (args.address or os.environ.get("RAY_ADDRESS"))
+    direct = wants_direct_ingress(config, starts_ray)
+    if direct and starts_ray:
         enable_direct_ingress()  # before the local Ray instance starts
     started = init_ray(args.address, local_cpus=int(per_replica * config.serve.replicas) + 2)
     try:
@@ -83,9 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            copies=config.serve.replicas, source=args.config)
         url = run_serve(args.config, blocking=False, overrides=overrides, device=args.device)
         print(f"Serving {model_name_of(config)!r} at {url}/v1 (OpenAI API). Ctrl-C to stop.", flush=True)
-        if config.serve.direct_ingress:
-            for direct in direct_ingress_urls("conveyor", config.serve.host):
-                print(f"Replica direct ingress (no proxy hop): {direct}/v1", flush=True)
+        if direct:
+            for d_url in direct_ingress_urls("conveyor", config.serve.host):
+                print(f"Replica direct ingress (no proxy hop): {d_url}/v1", flush=True)
         _wait_for_signal()
     finally:
         serve.shutdown()

@@ -229,6 +229,15 @@ def replica_cpus(config: EngineConfig, use_gpu: bool) -> float:
     return float(opts["ray_actor_options"].get("num_cpus", 1))
 
 
+def wants_direct_ingress(config: EngineConfig, starts_ray: bool) -> bool:
+    """serve.direct_ingress resolved: None (auto) is on exactly when this
+    process starts Ray itself, the only place RAY_SERVE_ENABLE_DIRECT_INGRESS
+    can still reach every Ray process (measured: the proxy hop costs the 30M
+    model ~10-25% of its served throughput on 2 cores, BENCHMARKS.md)."""
+    d = config.serve.direct_ingress
+    return starts_ray if d is None else d
+
+
 def enable_direct_ingress() -> None:
     """Turn on Ray Serve's direct ingress for a Ray instance this process is
     about to start (its processes inherit the environment; Serve reads these
@@ -259,26 +268,29 @@ def run_serve(config_path: str, *, blocking: bool = True, app_name: str = "conve
               route_prefix: str = "/", **app_args: Any) -> str:
     """Start Serve on the configured host/port, deploy the app, return its URL.
     Used by `conveyor serve CONFIG`; blocking=True serves until Ctrl-C.
-    With serve.direct_ingress the replicas' own URLs are logged too (see
-    direct_ingress_urls)."""
+    With direct ingress (serve.direct_ingress; auto: on when this call starts
+    Ray) the replicas' own URLs are logged too (see direct_ingress_urls)."""
     import ray
 
     config = load_config(config_path, **dict(app_args.get("overrides") or {}))
     if not ray.is_initialized():
-        if config.serve.direct_ingress:
+        direct = wants_direct_ingress(config, starts_ray=not os.environ.get("RAY_ADDRESS"))
+        if direct:
             enable_direct_ingress()
         ray.init()
-    elif config.serve.direct_ingress and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
-        log.warning("serve.direct_ingress needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in every Ray "
-                    "process: export it before `ray start`")
+    else:
+        direct = os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+        if config.serve.direct_ingress and not direct:
+            log.warning("serve.direct_ingress needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in every Ray "
+                        "process: export it before `ray start`")
     serve.start(http_options={"host": config.serve.host, "port": config.serve.port})
     serve.run(build_app({"config": config_path, **app_args}), name=app_name,
               route_prefix=route_prefix, blocking=False)
     url = f"http://{config.serve.host}:{config.serve.port}{route_prefix.rstrip('/')}"
     log.info("serving %s at %s/v1", app_name, url)
-    if config.serve.direct_ingress:
-        for direct in direct_ingress_urls(app_name, config.serve.host):
-            log.info("replica direct ingress at %s/v1", direct)
+    if direct:
+        for d_url in direct_ingress_urls(app_name, config.serve.host):
+            log.info("replica direct ingress at %s/v1", d_url)
     if blocking:
         try:
             while True:

@@ -107,9 +107,11 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     engine_actor: bool = True
     # Ray Serve's direct ingress (experimental in Ray 2.60): each replica also
     # serves the API on its own port (30000+), and clients there skip the
-    # proxy hop. Every Ray process needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1:
-    # `conveyor serve` sets it when it starts Ray itself.
-    direct_ingress: bool = False
+    # proxy hop. Every Ray process needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1,
+    # which only a process that starts Ray can set. None (the default): on
+    # where Conveyor starts Ray itself (`conveyor serve`, run_serve without a
+    # running Ray), off on an existing cluster; true/false: always / never.
+    direct_ingress: bool | None = None
     # How "auto" tool_choice finds calls in generated text, and the format
     # "required"/named tool_choice constrain output to (cluster/tool_parsers/):
     # hermes (<tool_call>{...}</tool_call>, Qwen) or llama3_json (bare JSON).
@@ -414,7 +416,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.stream_interval": _at_least(1),
     "serve.stream_batching_interval_ms": ("float in [0, 10000]", lambda v: 0.0 <= v <= 10000.0),
     "serve.engine_actor": ("bool", lambda v: True),
-    "serve.direct_ingress": ("bool", lambda v: True),
+    "serve.direct_ingress": ("true, false or null (auto)", lambda v: True),
     "serve.tool_call_parser": _one_of(_TOOL_CALL_PARSERS),
     "serve.allow_client_priority": ("bool", lambda v: True),
     "structured_outputs.backend": _one_of(("llguidance",)),

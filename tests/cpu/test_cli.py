@@ -149,12 +149,12 @@ def _post_chat(url: str, max_tokens: int = 4) -> dict:
 
 
 def test_serve_prints_the_url_and_stops_on_sigint(tiny):
-    """`conveyor serve` with serve.direct_ingress: the proxy URL and the replica's own
-    URL (Ray Serve direct ingress, no proxy hop) both answer."""
+    """`conveyor serve` starts Ray itself, so direct ingress is on by default
+    (serve.direct_ingress null): the proxy URL and the replica's own URL (no proxy
+    hop) both answer."""
     _, cfg = tiny
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", cfg, "--port", str(port),
-                             "--set", "serve.direct_ingress=true"],
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", cfg, "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     try:

@@ -137,6 +137,20 @@ def test_replica_resources_and_sizing():
                                                 "max_queued_requests": 3}})) == 10
 
 
+def test_direct_ingress_defaults_on_only_where_conveyor_starts_ray():
+    from cluster.serve_app import wants_direct_ingress
+    from engine.config import build_config
+
+    auto = build_config()
+    assert auto.serve.direct_ingress is None
+    assert wants_direct_ingress(auto, starts_ray=True) is True
+    assert wants_direct_ingress(auto, starts_ray=False) is False  # Ray already up: too late
+    for value in (True, False):
+        cfg = build_config({"serve": {"direct_ingress": value}})
+        assert wants_direct_ingress(cfg, starts_ray=True) is value
+        assert wants_direct_ingress(cfg, starts_ray=False) is value
+
+
 async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> list[int]:
     """Tokens per SSE event of one streamed completion from a server whose
     serve.* config has `serve_fields` replaced."""

@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Ray Serve LLM (vLLM behind Ray Serve) on CPU, for bench/serve_compare.py's
+optional third column. Runs in the venv of ../shared/peers/vllm_cpu/README.md
+("Ray Serve LLM on CPU"), not in the project's: it imports ray.serve.llm and vLLM.
+
+  /tmp/rayllmpeer/bin/python bench/ray_serve_llm_app.py MODEL_DIR --port 8300
+
+Serves /v1 on 127.0.0.1:PORT through Serve's proxy until SIGINT/SIGTERM."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("model")
+    p.add_argument("--port", type=int, default=8300)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    a = p.parse_args()
+    os.environ.update(ENV)
+    import ray
+    from ray import serve
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    ray.init(address="local", include_dashboard=False)
+    cfg = LLMConfig(model_loading_config={"model_id": "m30", "model_source": os.path.abspath(a.model)},
+                    accelerator_config={"kind": "cpu"},
+                    placement_group_config={"bundles": [{"CPU": 1}]},
+                    deployment_config={"num_replicas": 1},
+                    engine_kwargs={"dtype": "float32", "max_model_len": a.max_model_len,
+                                   "max_num_seqs": a.max_num_seqs, "gpu_memory_utilization": 0.5},
+                    runtime_env={"env_vars": dict(ENV)})
+    serve.start(http_options={"host": "127.0.0.1", "port": a.port})
+    serve.run(build_openai_app({"llm_configs": [cfg]}), blocking=False)
+    print(f"Ray Serve LLM at http://127.0.0.1:{a.port}/v1", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
