@@ -3,7 +3,7 @@
     conveyor serve CONFIG [--port 8001 ...]           OpenAI API on Ray Serve (blocks)
     conveyor generate CONFIG --prompt "Hello" [...]   offline generation, prints the text
     conveyor batch --config CONFIG --input in.jsonl --output out.jsonl
-    conveyor bench {scheduler,offline,serve,attention,spec,serve-compare} [ARGS...]
+    conveyor bench {scheduler,offline,offline-compare,serve,attention,spec,serve-compare} [ARGS...]
     conveyor config validate CONFIG [CONFIG...]
 
 Every option that changes the engine names the config key it overrides in
@@ -30,7 +30,8 @@ from engine.config import ConfigError, check_cluster_fits, load_config
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {"scheduler": "bench/scheduler.py", "offline": "bench/offline_throughput.py",
            "serve": "bench/serve_load.py", "attention": "bench/attention.py",
-           "spec": "bench/spec_decode.py", "serve-compare": "bench/serve_compare.py"}
+           "spec": "bench/spec_decode.py", "serve-compare": "bench/serve_compare.py",
+           "offline-compare": "bench/compare_vllm.py"}
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 

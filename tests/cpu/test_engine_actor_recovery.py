@@ -259,8 +259,10 @@ def test_past_the_restart_budget_streams_end_in_error(ray_local, ckpt):
 
 # ---- through the OpenAI HTTP app on Serve ------------------------------------------------
 
-SERVE_PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend builds", "Rain falls on",
-                 "Seven blue birds", "Under the old bridge", "She said that", "Numbers like"]
+_SERVE_BASE = ["The cat runs", "A dog sees the ball today.", "My friend builds", "Rain falls on",
+               "Seven blue birds", "Under the old bridge", "She said that", "Numbers like"]
+# 24 concurrent streams (the count), all generating when the actor dies.
+SERVE_PROMPTS = [f"{p} {w}".strip() for w in ("", "now", "again") for p in _SERVE_BASE]
 SERVE_TOKENS = 48
 
 
@@ -305,7 +307,7 @@ def serve_config(ray_local, ckpt, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("cfg") / "engine.json")
     with open(path, "w") as f:
         json.dump({"model": {"path": ckpt, "max_model_len": 512},
-                   "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 256},
+                   "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 256},
                    "cache": {"num_gpu_blocks": 512},
                    "serve": {"host": "127.0.0.1", "port": port, "served_model_name": "tiny"}}, f)
     try:
