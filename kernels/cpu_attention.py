@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 import time
 from types import ModuleType
@@ -34,6 +35,18 @@ _ext: ModuleType | None = None
 _error: str | None = None
 
 
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pip package's binary is not
+    there when the venv is used without activating it."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 def load_extension() -> ModuleType:
     """Build (once per source/flags) and import the C++ kernel; raises RuntimeError on failure."""
     global _ext, _error
@@ -44,6 +57,7 @@ def load_extension() -> ModuleType:
             raise RuntimeError(_error)
         t0 = time.perf_counter()
         try:
+            _put_ninja_on_path()
             from torch.utils.cpp_extension import load
 
             _ext = load(name=_EXT_NAME, sources=[_SOURCE],
