@@ -16,6 +16,7 @@ import socket
 import httpx
 import pytest
 
+from bench.chaos import worker_pids as chaos_worker_pids
 from llm_utils import make_checkpoint
 
 NUM_STREAMS, MAX_TOKENS = 24, 48
@@ -56,27 +57,7 @@ def server(tmp_path_factory):
 
 def _worker_pids() -> set[int]:
     """RayWorkerActor processes of this test's Ray (descendants of this process)."""
-    parent: dict[int, int] = {}
-    workers = set()
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                parent[int(p)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::RayWorkerActor"):
-                    workers.add(int(p))
-        except (OSError, ValueError, IndexError):
-            continue
-
-    def ours(pid: int) -> bool:
-        while pid > 1:
-            if pid == os.getpid():
-                return True
-            pid = parent.get(pid, 0)
-        return False
-    return {p for p in workers if ours(p)}
+    return set(chaos_worker_pids())
 
 
 def _metric(text: str, name: str) -> float:
