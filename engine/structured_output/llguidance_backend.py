@@ -46,31 +46,38 @@ class LLGuidanceBackend:
         with open(path) as f:
             text = f.read()
         self.tokenizer = llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id)
-        # One Rust thread: it runs beside the forward (which holds the cores'
-        # torch threads) and, unlike per-matcher calls, without the GIL.
-        self._executor = llg.LLExecutor(num_threads=1)
+        self._executor: llg.LLExecutor | None = None  # drafts only; see fill_bitmasks
 
     def fill_bitmasks(self, grammars: list[LLGuidanceGrammar], bitmask: np.ndarray,
                       drafts: list[list[int]] | None = None) -> None:
-        """All rows in one executor call: bitmask[i] for grammars[i], or with
-        drafts each grammar's row per draft position (llguidance advances the
-        matcher through the drafts and rolls it back). A row after a draft
-        that ends the grammar (EOS) is left as it was."""
+        """bitmask[i] for grammars[i], or with drafts each grammar's row per
+        draft position (llguidance advances the matcher through the drafts and
+        rolls it back). A row after a draft that ends the grammar (EOS) is left
+        as it was.
+
+        Plain rows are computed matcher by matcher on the calling (step)
+        thread: measured on the 2-core CPU bench (64 rows, vocab 512), the
+        LLExecutor's pool threads made the mask 2.4x slower (37 against 15 µs
+        a row) and the next forward slower too, its idle threads competing
+        with torch's for the cores; the GIL is no cost here, as the step
+        thread would only wait for the pool."""
         rows, words = bitmask.shape
-        ptr = bitmask.ctypes.data
+        ptr, stride = bitmask.ctypes.data, words * 4
         if drafts is None:
-            self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
-                                                   ptr, words * 4, rows)
+            for i, g in enumerate(grammars):
+                g.matcher.unsafe_compute_mask_ptr(ptr + i * stride, stride)
             return
+        if self._executor is None:
+            self._executor = llg.LLExecutor(num_threads=1)
         plain, drafted, row = [], [], 0
         for g, d in zip(grammars, drafts):
             # llguidance refuses an empty draft list: those rows go in a plain call.
             (drafted.append((g.matcher, row, d)) if d else plain.append((g.matcher, row)))
             row += len(d) + 1
-        if plain:
-            self._executor.unsafe_compute_mask_ptr(plain, ptr, words * 4, rows)
+        for m, r in plain:
+            m.unsafe_compute_mask_ptr(ptr + r * stride, stride)
         if drafted:
-            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, words * 4, rows)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, stride, rows)
 
     @staticmethod
     def grammar_text(params: StructuredOutputsParams) -> str:
