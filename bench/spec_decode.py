@@ -114,18 +114,29 @@ def serve_side(cfg: dict) -> None:
                                           ignore_eos=True, seed=r.get("seed"))) for r in cfg["runs"]]
     for prompts, sp in runs:
         llm.generate(prompts, sp, use_tqdm=False)
+    sched = llm.engine.scheduler
+    spec_part = sched.spec
+    if cfg.get("toggle"):  # the plain calls run this engine too: warm its plain path up
+        sched.spec = None
+        for prompts, sp in runs:
+            llm.generate(prompts, sp, use_tqdm=False)
     print("READY", flush=True)
     for line in sys.stdin:
         if line.strip() == "quit":
             break
-        prompts, sp = runs[int(line)]
+        i, _, side = line.partition(" ")
+        # "plain" on a speculative engine: its scheduler's speculative part off,
+        # the one place config.speculative reaches, so the step is the plain
+        # engine's (same tokens: equal digests).
+        sched.spec = None if side.strip() == "plain" else spec_part
+        prompts, sp = runs[int(i)]
         before = llm.get_metrics()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         after = llm.get_metrics()
-        print("RESULT " + json.dumps(_result(wall, outs, {k: after[k] - before.get(k, 0.0) for k in after},
-                                             "conveyor:")), flush=True)
+        r = _result(wall, outs, {k: after[k] - before.get(k, 0.0) for k in after}, "conveyor:")
+        print("RESULT " + json.dumps({**r, "cpu_s": cpu}), flush=True)
     llm.shutdown()
 
 
@@ -146,7 +157,8 @@ class SideProcess:
     """A long-lived engine process (serve_side, or the peer script's) that
     times one generate() per request; idle, it blocks on its stdin."""
 
-    def __init__(self, cfg: dict, python: str = sys.executable, script: str | None = None) -> None:
+    def __init__(self, cfg: dict, python: str = sys.executable, script: str | None = None,
+                 peer_cores: str = "0-1") -> None:
         self._tmp = tempfile.TemporaryDirectory()
         cfg_path = os.path.join(self._tmp.name, "cfg.json")
         with open(cfg_path, "w") as f:
@@ -154,7 +166,7 @@ class SideProcess:
         env = {**os.environ, "PYTHONPATH": REPO}
         if script is not None:
             env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                       VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                       VLLM_CPU_OMP_THREADS_BIND=peer_cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                        VLLM_LOGGING_LEVEL="WARNING")
         self._err = open(os.path.join(self._tmp.name, "stderr.txt"), "w+")
         self.cmd = [python, script or os.path.abspath(__file__), "_serve", cfg_path]
@@ -164,9 +176,9 @@ class SideProcess:
     def wait_ready(self) -> None:
         self._read("READY")
 
-    def run(self, i: int) -> dict:
+    def run(self, i: int, side: str = "") -> dict:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{i}\n")
+        self.proc.stdin.write(f"{i} {side}\n")
         self.proc.stdin.flush()
         return json.loads(self._read("RESULT "))
 
@@ -209,7 +221,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     max_seqs = max(args.batch_sizes)
     if "ours" in args.engines:
         cfg = dict(model_dir=model_dir, runs=runs, threads=args.threads, max_num_seqs=max_seqs)
-        interleave(args, rows, "", lambda sc: SideProcess({**cfg, "spec": sc}))
+        if args.ours_toggle:
+            one = SideProcess({**cfg, "spec": spec_config(args), "toggle": True})
+            interleave(args, rows, "", lambda sc: one, toggle=True)
+        else:
+            interleave(args, rows, "", lambda sc: SideProcess({**cfg, "spec": sc}))
         _write_json(args, rows)  # ours survive a failed peer run
     if "peer" in args.engines:
         peer_py = os.path.join(os.environ.get("VLLM_PEER", "/tmp/vllmpeer"), "bin", "python")
@@ -217,29 +233,34 @@ def cmd_run(args: argparse.Namespace) -> int:
         # Generator does not use offset"); no-repeat samples unseeded there.
         cfg = dict(model_dir=model_dir, runs=[{**r, "seed": None} for r in runs],
                    max_num_seqs=max_seqs, gpu_memory_utilization=args.peer_memory)
-        interleave(args, rows, "peer_", lambda sc: SideProcess({**cfg, "spec": sc}, peer_py, PEER_SCRIPT))
+        interleave(args, rows, "peer_", lambda sc: SideProcess({**cfg, "spec": sc}, peer_py, PEER_SCRIPT,
+                                                               args.peer_cores))
         _write_json(args, rows)
     for row in rows:
         _print_row(row)
     return 0
 
 
-def interleave(args: argparse.Namespace, rows: list[dict], prefix: str, start) -> None:
-    """One engine process per side (plain, spec), both alive; each round times
-    every row once on each side, alternating which side goes first, with a
-    pause between calls (an OpenMP pool that just ran spins for a while)."""
-    sides = {"plain": start(None), "spec": start(spec_config(args))}
+def interleave(args: argparse.Namespace, rows: list[dict], prefix: str, start,
+               toggle: bool = False) -> None:
+    """One engine process per side (plain, spec), both alive, or with toggle
+    one speculative engine whose speculation is switched off for "plain";
+    each round times every row once on each side, alternating which side goes
+    first, with a pause between calls (an OpenMP pool that just ran spins for
+    a while)."""
+    sides = {"plain": start(None), "spec": start(None if args.aa else spec_config(args))}
     try:
-        for side in sides.values():
+        for side in {id(s): s for s in sides.values()}.values():
             side.wait_ready()
         for r in range(args.rounds):
             for i, row in enumerate(rows):
                 order = ("plain", "spec") if (r + i) % 2 == 0 else ("spec", "plain")
                 for name in order:
                     time.sleep(args.pause)
-                    row.setdefault(prefix + name + "_calls", []).append(sides[name].run(i))
+                    row.setdefault(prefix + name + "_calls", []).append(
+                        sides[name].run(i, name if toggle else ""))
     finally:
-        for side in sides.values():
+        for side in {id(s): s for s in sides.values()}.values():
             side.close()
     for row in rows:
         _summarise(row, prefix)
@@ -258,6 +279,9 @@ def _summarise(row: dict, prefix: str) -> None:
     ratios = sorted(s["tok_s"] / p["tok_s"] for p, s in zip(plain, spec))
     row[prefix + "speedup"] = statistics.median(ratios)
     row[prefix + "speedup_range"] = [ratios[0], ratios[-1]]
+    if "cpu_s" in plain[0]:  # ours: the same ratio in process CPU time
+        row[prefix + "speedup_cpu"] = statistics.median(
+            p["cpu_s"] / s["cpu_s"] for p, s in zip(plain, spec))
 
 
 def _write_json(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -277,7 +301,9 @@ def _print_row(row: dict) -> None:
         p, s = row[prefix + "plain"], row[prefix + "spec"]
         lo, hi = row[prefix + "speedup_range"]
         line += (f" | {label} plain {p['tok_s']:7.1f} spec {s['tok_s']:7.1f} tok/s, "
-                 f"x{row[prefix + 'speedup']:.2f} [{lo:.2f}..{hi:.2f}], acceptance "
+                 f"x{row[prefix + 'speedup']:.2f} [{lo:.2f}..{hi:.2f}]"
+                 + (f" (CPU time x{row[prefix + 'speedup_cpu']:.2f})" if prefix + "speedup_cpu" in row else "")
+                 + ", acceptance "
                  f"{s['acceptance_rate']:.2f} ({s['draft_tokens']:.0f}), mean length "
                  f"{s['mean_acceptance_length']:.2f}")
     print(line, flush=True)
@@ -335,6 +361,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.add_argument("--rounds", type=int, default=10,
                            help="timed calls per side and row, interleaved")
             p.add_argument("--pause", type=float, default=0.25, help="seconds before each call")
+            p.add_argument("--ours-toggle", action="store_true",
+                           help="ours in one process: a speculative engine, speculation "
+                                "switched off for the plain calls (no process-to-process bias)")
+            p.add_argument("--aa", action="store_true",
+                           help="A/A check: the 'spec' side is a second plain engine process")
+            p.add_argument("--peer-cores", default="0-1",
+                           help="VLLM_CPU_OMP_THREADS_BIND: 0-1 both cores, 0 one thread like ours")
             p.add_argument("--peer-memory", type=float, default=0.1,
                            help="vLLM gpu_memory_utilization (RAM share of its KV cache, per engine)")
             p.add_argument("--json", default=None)
