@@ -88,8 +88,8 @@ def _draws(rows: list[_DraftRow], has_draft: list[bool], vocab: int, device: tor
     seeded = [row.generator is not None and row.sampling_params.temperature >= _GREEDY_EPS
               for row in rows]
     if all(seeded):  # every row draws from its own generator: no batched draw
-        u = torch.empty(num_rows, device=device)
-        q = torch.empty(num_rows, vocab, device=device)
+        u = torch.zeros(num_rows, device=device)  # read only where a row has a draft
+        q = torch.empty(num_rows, vocab, device=device)  # every row is overwritten
     else:
         u = torch.rand(num_rows, device=device)
         q = torch.empty(num_rows, vocab, device=device).exponential_()
