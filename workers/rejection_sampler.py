@@ -18,7 +18,8 @@ its tokens never depend on the rest of the batch or on its history; a row withou
 would (one exponential vector, same race on the same unnormalised probs), so
 a seeded request gets the same tokens whether or not its batch speculates.
 Unseeded rows share one batched draw from the global generator (the same on
-every TP rank).
+every TP rank); a step whose random rows are all seeded makes none (as the
+plain Sampler).
 
 A batch whose rows are all plain greedy (no penalties, min_tokens met, no
 logprobs) skips the per-row expansion: one argmax over the step's logits.
@@ -84,11 +85,18 @@ def _draws(rows: list[_DraftRow], has_draft: list[bool], vocab: int, device: tor
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(uniform [N], exponential [N, V]); see the module doc for the order."""
     num_rows = len(rows)
-    u = torch.rand(num_rows, device=device)
-    q = torch.empty(num_rows, vocab, device=device).exponential_()
+    seeded = [row.generator is not None and row.sampling_params.temperature >= _GREEDY_EPS
+              for row in rows]
+    if all(seeded):  # every row draws from its own generator: no batched draw
+        u = torch.zeros(num_rows, device=device)  # read only where a row has a draft
+        q = torch.empty(num_rows, vocab, device=device)  # every row is overwritten
+    else:
+        u = torch.rand(num_rows, device=device)
+        q = torch.empty(num_rows, vocab, device=device).exponential_()
     for r, row in enumerate(rows):
-        gen = row.generator
-        if gen is not None and row.sampling_params.temperature >= _GREEDY_EPS:
+        if seeded[r]:
+            gen = row.generator
+            assert gen is not None
             # As in the plain sampler: the draws of an output position depend
             # only on (seed, position), never on what was drawn before.
             gen.manual_seed(position_seed(row.sampling_params.seed, len(row.output_token_ids)))

@@ -75,20 +75,27 @@ class SpecDecodeScheduling:
             self.accepted_per_pos[j] += 1
 
     def propose(self, request: Request) -> None:
-        wait = self._backoff.get(request.request_id)
-        if wait is not None and wait[1] > 0:
-            self._backoff[request.request_id] = (wait[0], wait[1] - 1)
-            request.spec_token_ids = []
-            return
+        """Runs for every running request every step, drafts or not: the
+        common no-draft path is a few attribute reads and the proposer's miss."""
+        rid = request.request_id
+        backoff = self._backoff
+        if backoff:
+            wait = backoff.get(rid)
+            if wait is not None and wait[1] > 0:
+                backoff[rid] = (wait[0], wait[1] - 1)
+                request.spec_token_ids = []
+                return
+        tokens = request.all_token_ids
         # Drafts + the bonus token must fit both length caps.
         room = min(request.max_tokens - len(request.output_token_ids),
-                   self.max_model_len - len(request.all_token_ids)) - 1
-        drafts = self.proposer.propose(request.request_id, request.all_token_ids, room)
-        sor = request.structured_output
-        if drafts and sor is not None:
-            # A token the grammar rejects could never be accepted, and the mask
-            # after it is undefined: the draft ends before it.
-            drafts = drafts[:sor.grammar.valid_prefix(drafts)]
+                   self.max_model_len - len(tokens)) - 1
+        drafts = self.proposer.propose(rid, tokens, room)
+        if drafts:
+            sor = request.structured_output
+            if sor is not None:
+                # A token the grammar rejects could never be accepted, and the
+                # mask after it is undefined: the draft ends before it.
+                drafts = drafts[:sor.grammar.valid_prefix(drafts)]
         request.spec_token_ids = drafts
 
     def drop(self, request_id: str) -> None:

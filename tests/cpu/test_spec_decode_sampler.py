@@ -235,3 +235,22 @@ def test_short_query_attention_matches_reference(q_lens):
     got = paged_attention_torch(query, cache, table, qsl, np.array(seq), 0.3)
     ref = paged_attention_ref(query, cache, table, qsl, np.array(seq), 0.3)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_proposer_index_misses_allocate_nothing_the_gc_tracks():
+    """The proposer runs for every request every step: on text that does not
+    repeat, its index must not grow by GC-tracked objects (tuple keys and list
+    values made the collector run every few steps of a batch-32 decode)."""
+    import gc
+
+    prop = NgramProposer(k=4, n_min=2, n_max=4)
+    toks = list(range(3, 203))  # no 2-gram repeats
+    assert prop.propose("a", toks, 4) == []
+    for t in range(203, 263):
+        toks.append(t)
+        assert prop.propose("a", toks, 4) == []
+    index = prop._index["a"].grams
+    assert len(index) == len(toks) - 2  # every gram but the suffix's is indexed
+    assert not any(gc.is_tracked(k) or gc.is_tracked(v) for k, v in index.items())
+    toks += [5, 6]  # a repeat: 5, 6 occurred at ends 4 and now; drafts what followed
+    assert prop.propose("a", toks, 4) == [7, 8, 9, 10]
