@@ -1,9 +1,10 @@
 """Node loss (issue 13, item 4): two Ray nodes on one machine, a head started
 with `ray start --head` and a second raylet joined with `ray start --address`.
-The worker group (TP=2) is placed on the second node; that node's raylet is
-SIGKILLed (by its pid) mid-generation; the engine rebuilds the group on the
-head, in a new placement group, and every request finishes with the tokens of
-an undisturbed run.
+The worker group (TP=2) is placed on the second node; that node (its raylet
+and the processes the raylet started, the workers among them) is SIGKILLed by
+pid mid-generation; the engine rebuilds the group on the head, in a new
+placement group, and every request finishes with the tokens of an undisturbed
+run.
 
 Placement is steered without an engine knob: while the engine starts, a
 placement group holding all of the head's CPUs leaves Ray only the second node
@@ -29,12 +30,6 @@ import pytest
 from engine import LLM
 from llm_utils import make_checkpoint
 from node_loss_case import PARAMS, PROMPTS
-
-# Opt-in: under a loaded 2-core CI run the rebuilt group once landed on a node id that was
-# neither the head nor accepted (1 failure in 2 fresh-clone runs, 2026-12-01); until that
-# placement race is understood it runs only when asked for.
-pytestmark = pytest.mark.skipif(os.environ.get("CONVEYOR_NODE_LOSS_TEST") != "1",
-                                reason="set CONVEYOR_NODE_LOSS_TEST=1 (flaky under load: see comment)")
 
 BIN = os.path.dirname(sys.executable)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -159,8 +154,10 @@ def test_lost_node_group_is_rebuilt_on_the_head(ckpt, reference, two_nodes):
                         str(_raylet_pid(second))], env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    head = res["head"]
-    assert len(set(res["before"])) == 1 and res["before"][0] != head  # on the second node
-    assert res["after"] == [head, head] and res["restarts"] == 1  # rebuilt on the head
+    head, where = res["head"], {k: res[k] for k in ("head", "before", "after", "restarts")}
+    assert len(set(res["before"])) == 1 and res["before"][0] != head, where  # on the second node
+    # 0 restarts: the old group finished before the node was gone, so no recovery was seen.
+    assert res["restarts"] == 1, where
+    assert res["after"] == [head, head], where  # rebuilt on the head
     assert res["reasons"] == ["length"] * 4
     assert res["tokens"] == reference
