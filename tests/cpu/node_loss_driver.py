@@ -26,6 +26,7 @@ from engine.async_client import AsyncLLM  # noqa: E402
 from engine.config import build_config  # noqa: E402
 from engine.core_client import InProcCoreClient  # noqa: E402
 from node_loss_case import PARAMS, PROMPTS, engine_config  # noqa: E402
+from recovery_utils import drain_all  # noqa: E402
 
 
 def _parent_pid(pid: int) -> int:
@@ -60,14 +61,7 @@ async def generate_and_lose_node(llm: AsyncLLM, raylet_pid: int, worker_pids: li
     streams = [llm.generate(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
     firsts = [await s.__anext__() for s in streams]
     kill_node(raylet_pid, worker_pids)  # the node is gone, its workers with it
-
-    async def rest(first, stream):
-        tokens, reason = list(first.outputs[0].token_ids), first.outputs[0].finish_reason
-        async for out in stream:
-            tokens += out.outputs[0].token_ids
-            reason = out.outputs[0].finish_reason
-        return tokens, reason
-    return await asyncio.wait_for(asyncio.gather(*(rest(f, s) for f, s in zip(firsts, streams))), 180)
+    return await drain_all(firsts, streams, timeout_s=180)
 
 
 def main(address: str, ckpt: str, raylet_pid: int) -> None:
