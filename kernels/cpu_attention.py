@@ -36,13 +36,19 @@ _error: str | None = None
 
 
 def _put_ninja_on_path() -> None:
-    """torch's builder runs `ninja` from PATH; the pip package's binary is not
-    there when the venv is used without activating it."""
-    if shutil.which("ninja") is not None:
-        return
+    """torch's builder runs `ninja` from PATH: make that the pip package's
+    binary whenever it is installed, also ahead of a system ninja. Two ninja
+    versions (here 1.11 in /usr/bin, 1.13 from pip) each read the other's
+    .ninja_log as invalid and rebuild the kernel, about 30 s, whenever a
+    process with the other one loads it: a driver without the venv's bin on
+    PATH and Ray workers with it did so on every test run."""
     try:
         import ninja
     except ImportError:
+        return
+    pip_ninja = os.path.join(ninja.BIN_DIR, "ninja")
+    found = shutil.which("ninja")
+    if not os.path.exists(pip_ninja) or (found and os.path.samefile(found, pip_ninja)):
         return
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 

@@ -2,12 +2,11 @@
 and the engine's config."""
 from __future__ import annotations
 
-from engine import SamplingParams
 from llm_utils import random_prompts
+from recovery_utils import greedy_and_seeded
 
 PROMPTS = random_prompts(4, 5, 40, seed=44)
-PARAMS = ([SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)] * 2
-          + [SamplingParams(max_tokens=64, temperature=0.8, seed=90 + i, ignore_eos=True) for i in range(2)])
+PARAMS = greedy_and_seeded(4, max_tokens=64, temperature=0.8, seed=90)
 
 
 def engine_config(ckpt: str) -> dict:

@@ -1,9 +1,10 @@
 """The driver of tests/cpu/test_node_loss.py, run as its own process so that
 Ray's token authentication (read once per process) never meets the test
 process's other Ray instances. Connects to the two-node cluster, starts the
-engine with its workers on the second node, SIGKILLs that node's raylet
-mid-generation and prints one JSON line: the tokens and finish reasons, the
-workers' nodes before and after, the restart count.
+engine with its workers on the second node, SIGKILLs that node (its raylet and
+every process the raylet started, the workers among them) mid-generation and
+prints one JSON line: the tokens and finish reasons, the workers' nodes before
+and after, the restart count.
 
 usage: node_loss_driver.py ADDRESS CHECKPOINT RAYLET_PID"""
 from __future__ import annotations
@@ -25,20 +26,42 @@ from engine.async_client import AsyncLLM  # noqa: E402
 from engine.config import build_config  # noqa: E402
 from engine.core_client import InProcCoreClient  # noqa: E402
 from node_loss_case import PARAMS, PROMPTS, engine_config  # noqa: E402
+from recovery_utils import drain_all  # noqa: E402
 
 
-async def generate_and_lose_node(llm: AsyncLLM, raylet_pid: int) -> list[tuple[list[int], str | None]]:
+def _parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])  # field 4; comm may hold spaces
+
+
+def kill_node(raylet_pid: int, worker_pids: list[int]) -> None:
+    """SIGKILL the node at once: its raylet and the processes it started.
+
+    Killing the raylet alone is not a lost node: Ray's workers run in their own
+    sessions and notice their raylet's death only seconds later (the raylet
+    death check), and meanwhile they go on answering the ZMQ data plane. The
+    tiny model finishes the remaining tokens in about a second, so the old
+    group sometimes completed every request and no rebuild happened."""
+    children = []
+    for p in os.listdir("/proc"):
+        try:
+            if p.isdigit() and _parent_pid(int(p)) == raylet_pid:
+                children.append(int(p))
+        except OSError:  # exited meanwhile
+            continue
+    missing = set(worker_pids) - set(children)
+    if missing:
+        raise RuntimeError(f"worker pids {sorted(missing)} are not the raylet's children {children}")
+    for pid in [*children, raylet_pid]:
+        os.kill(pid, signal.SIGKILL)
+
+
+async def generate_and_lose_node(llm: AsyncLLM, raylet_pid: int, worker_pids: list[int]
+                                 ) -> list[tuple[list[int], str | None]]:
     streams = [llm.generate(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
     firsts = [await s.__anext__() for s in streams]
-    os.kill(raylet_pid, signal.SIGKILL)  # the node is gone, its workers with it
-
-    async def rest(first, stream):
-        tokens, reason = list(first.outputs[0].token_ids), first.outputs[0].finish_reason
-        async for out in stream:
-            tokens += out.outputs[0].token_ids
-            reason = out.outputs[0].finish_reason
-        return tokens, reason
-    return await asyncio.wait_for(asyncio.gather(*(rest(f, s) for f, s in zip(firsts, streams))), 180)
+    kill_node(raylet_pid, worker_pids)  # the node is gone, its workers with it
+    return await drain_all(firsts, streams, timeout_s=180)
 
 
 def main(address: str, ckpt: str, raylet_pid: int) -> None:
@@ -54,7 +77,8 @@ def main(address: str, ckpt: str, raylet_pid: int) -> None:
         remove_placement_group(blocker)  # room on the head again, for the rebuild
 
         async def scenario():
-            return await generate_and_lose_node(AsyncLLM(cfg, client=client), raylet_pid)
+            return await generate_and_lose_node(AsyncLLM(cfg, client=client), raylet_pid,
+                                                client.core.executor.worker_process_ids())
         outs = asyncio.run(scenario())
         after = [n for n, _, _ in client.core.executor.rank_infos]
         restarts = client.core.num_restarts

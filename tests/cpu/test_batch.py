@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ import time
 import pytest
 
 from llm_utils import make_checkpoint
+from ray_nodes import free_port, start_node, stop_node, token_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
@@ -31,12 +31,6 @@ COMPLETION_PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend b
                       "The scheduler", "every token", "Our model reads", "The GPU eats",
                       "Her brother visits", "A small bird", "The teacher writes", "This request"]
 CHAT_PROMPTS = ["hello there", "what is a garden?", "tell me a story", "the river", "😀", "again"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_config(path: str, ckpt: str, executor: str) -> str:
@@ -245,13 +239,6 @@ def test_killed_run_resumes_without_repeats(tmp_path, ckpt):
 
 # ---- ray job submit against a token-authenticated cluster of our own -----------------------
 
-def _ray_env(token: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}:{env.get('PATH', '')}",
-               PYTHONUNBUFFERED="1")
-    return env
-
-
 def _wait_for_job_server(url: str, token: str, proc: subprocess.Popen, timeout: float = 90) -> None:
     import urllib.error
     import urllib.request
@@ -282,32 +269,15 @@ def _submit_when_agent_is_up(submit: list[str], env: dict[str, str],
         time.sleep(2)
 
 
-def _stop_ray(proc: subprocess.Popen) -> None:
-    """Stop exactly the instance we started: `ray start --block` shuts its
-    own processes down on SIGTERM (`ray stop` would stop every Ray on the machine)."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # our own session: only its processes
-            proc.wait(timeout=30)
-
-
 def test_ray_job_submit(tmp_path, ckpt, refs):
     token = secrets.token_hex(32)
-    env = _ray_env(token)
+    env = token_env(token)
     temp_dir = tempfile.mkdtemp(prefix="cvray", dir="/tmp")  # short: Unix socket paths
-    dash = _free_port()
-    ports = {"--port": _free_port(), "--dashboard-port": dash, "--ray-client-server-port": _free_port(),
-             "--dashboard-agent-listen-port": _free_port(), "--dashboard-agent-grpc-port": _free_port(),
-             "--runtime-env-agent-port": _free_port(), "--metrics-export-port": _free_port()}
-    cmd = [os.path.join(BIN, "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
-           "--dashboard-host", "127.0.0.1", "--num-cpus", "4", "--include-dashboard", "true",
-           "--temp-dir", temp_dir, "--disable-usage-stats",
-           *[x for k, v in ports.items() for x in (k, str(v))]]
-    head = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    dash = free_port()
+    ports = {"--port": free_port(), "--dashboard-port": dash, "--ray-client-server-port": free_port()}
+    head = start_node(env, ["--head", "--dashboard-host", "127.0.0.1", "--num-cpus", "4",
+                            "--include-dashboard", "true", "--temp-dir", temp_dir,
+                            *[x for k, v in ports.items() for x in (k, str(v))]], cwd=ROOT)
     address = f"http://127.0.0.1:{dash}"
     try:
         _wait_for_job_server(address, token, head)
@@ -328,7 +298,7 @@ def test_ray_job_submit(tmp_path, ckpt, refs):
             pytest.fail(f"job {job_id} ended {status}:\n{logs[-4000:]}")
         _check_results(out, refs)
     finally:
-        _stop_ray(head)
+        stop_node(head)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

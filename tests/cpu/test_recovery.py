@@ -9,14 +9,14 @@ import signal
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.recovery import RestartBudget
 from executors.base import EngineDeadError
 from llm_utils import make_checkpoint, pid_alive, random_prompts
+from recovery_utils import greedy_and_seeded, undisturbed_tokens
 
 PROMPTS = random_prompts(6, 5, 70, seed=31)
-PARAMS = ([SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 3
-          + [SamplingParams(max_tokens=24, temperature=1.0, seed=40 + i, ignore_eos=True) for i in range(3)])
+PARAMS = greedy_and_seeded(6, max_tokens=24, temperature=1.0, seed=40)
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +26,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    llm = LLM(model=ckpt, max_num_batched_tokens=64)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    return undisturbed_tokens(ckpt, PROMPTS, PARAMS, max_num_batched_tokens=64)
 
 
 def _kill_rank_at_steps(llm: LLM, rank: int, at: set[int]) -> list[int]:

@@ -23,12 +23,12 @@ import httpx
 import pytest
 
 import engine.core
-from engine import LLM, SamplingParams
+from engine import LLM
 from llm_utils import make_checkpoint, pid_alive, random_prompts
+from recovery_utils import drain_all, greedy_and_seeded, undisturbed_tokens
 
 PROMPTS = random_prompts(4, 5, 40, seed=13)
-PARAMS = ([SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)] * 2
-          + [SamplingParams(max_tokens=48, temperature=0.8, seed=70 + i, ignore_eos=True) for i in range(2)])
+PARAMS = greedy_and_seeded(4, max_tokens=48, temperature=0.8, seed=70)
 
 
 @pytest.fixture(scope="module")
@@ -38,25 +38,12 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    llm = LLM(model=ckpt, max_num_batched_tokens=64, max_model_len=512)
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
-    finally:
-        llm.shutdown()
+    return undisturbed_tokens(ckpt, PROMPTS, PARAMS, max_num_batched_tokens=64, max_model_len=512)
 
 
 def _metric(text: str, name: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                if ln.startswith(name + "{") or ln.startswith(name + " "))
-
-
-async def _rest(first, stream) -> tuple[list[int], str | None]:
-    tokens, reason = list(first.outputs[0].token_ids), first.outputs[0].finish_reason
-    async for out in stream:
-        for c in out.outputs:
-            tokens += c.token_ids
-            reason = c.finish_reason
-    return tokens, reason
 
 
 class _Gate:
@@ -109,8 +96,7 @@ def test_health_metrics_and_logs_during_and_after_recovery(ckpt, reference, monk
                     "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}))
                 await asyncio.sleep(0)
                 gate.release.set()
-                seen["outs"] = await asyncio.wait_for(
-                    asyncio.gather(*(_rest(f, s) for f, s in zip(firsts, streams))), 120)
+                seen["outs"] = await drain_all(firsts, streams, timeout_s=120)
                 r = await late
                 seen["late"] = (r.status_code, r.json()["choices"][0]["finish_reason"])
                 r = await c.get("/health")
@@ -122,8 +108,7 @@ def test_health_metrics_and_logs_during_and_after_recovery(ckpt, reference, monk
                 streams = [llm.generate(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
                 firsts = [await s.__anext__() for s in streams]
                 os.kill(llm.worker_pids()[0], signal.SIGKILL)
-                seen["failed"] = await asyncio.wait_for(
-                    asyncio.gather(*(_rest(f, s) for f, s in zip(firsts, streams))), 30)
+                seen["failed"] = await drain_all(firsts, streams, timeout_s=30)
                 r = await c.get("/health")
                 seen["dead"] = r.status_code
         finally:

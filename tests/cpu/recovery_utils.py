@@ -1,0 +1,61 @@
+"""What the recovery tests share: the greedy + seeded request mix, its tokens
+from an undisturbed run, and draining streams that a lost rank, engine actor
+or node interrupts (to their end, or to "error" past the restart budget)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.async_client import EngineDeadError as FrontendDeadError
+
+Drained = tuple[list[int], str | None]  # a stream's tokens and its last finish reason
+
+
+def greedy_and_seeded(n: int, max_tokens: int, temperature: float, seed: int) -> list[SamplingParams]:
+    """n // 2 greedy requests, then seeded ones at `temperature` (seeds seed,
+    seed + 1, ...), EOS ignored: the mix whose tokens a recovery must not change."""
+    half = n // 2
+    return ([SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)] * half
+            + [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i, ignore_eos=True)
+               for i in range(n - half)])
+
+
+def undisturbed_tokens(ckpt: str, prompts: list[list[int]], params: list[SamplingParams],
+                       **llm_kwargs) -> list[list[int]]:
+    """Token ids of an in-process run that nothing disturbs (the reference)."""
+    llm = LLM(model=ckpt, **llm_kwargs)
+    try:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+async def drain(first, stream) -> Drained:
+    """A stream's tokens from its first output on, and its last finish reason."""
+    tokens, reason = list(first.outputs[0].token_ids), first.outputs[0].finish_reason
+    async for out in stream:
+        tokens += out.outputs[0].token_ids
+        reason = out.outputs[0].finish_reason
+    return tokens, reason
+
+
+async def drain_all(firsts: list, streams: list, timeout_s: float) -> list[Drained]:
+    """drain() every stream. A bound, not a measurement: a stream must end, not hang."""
+    return await asyncio.wait_for(asyncio.gather(*(drain(f, s) for f, s in zip(firsts, streams))), timeout_s)
+
+
+async def expect_fail_fast(llm, firsts: list, streams: list, max_tokens: int,
+                           timeout_s: float = 30.0) -> list[Drained]:
+    """Past the restart budget: every in-flight stream ends "error" within
+    timeout_s, short of max_tokens; then the engine fails its health check and
+    refuses new requests."""
+    outs = await drain_all(firsts, streams, timeout_s)
+    assert [r for _, r in outs] == ["error"] * len(outs), [r for _, r in outs]
+    assert all(len(t) < max_tokens for t, _ in outs)
+    with pytest.raises(FrontendDeadError):
+        llm.check_health()
+    with pytest.raises(FrontendDeadError):
+        llm.prepare([1, 2, 3], SamplingParams(max_tokens=2))  # new requests refused
+    return outs
