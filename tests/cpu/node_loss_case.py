@@ -6,7 +6,9 @@ from llm_utils import random_prompts
 from recovery_utils import greedy_and_seeded
 
 PROMPTS = random_prompts(4, 5, 40, seed=44)
-PARAMS = greedy_and_seeded(4, max_tokens=64, temperature=0.8, seed=90)
+# 160 tokens: the old group needs ~3 s to finish them, so the kill, sent right after the
+# first token, always lands mid-generation even when the driver is slow to send it.
+PARAMS = greedy_and_seeded(4, max_tokens=160, temperature=0.8, seed=90)
 
 
 def engine_config(ckpt: str) -> dict:
