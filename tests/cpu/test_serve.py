@@ -637,6 +637,40 @@ def test_ray_executor_inside_the_replica_placement_group(server, ckpt, refs, tmp
 
 
 
+def _thread_cpus(pid: int) -> list[set[int]]:
+    """Each thread's allowed cores (Linux affinity is per thread)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.append(os.sched_getaffinity(int(tid)))
+        except OSError:  # a thread that just ended
+            continue
+    return out
+
+
+def test_cpu_replica_pins_engine_step_thread_and_replica_threads(server):
+    """serve.frontend_cpus auto (1 here): the engine actor's step thread sits on
+    all but the last core, every replica thread on the last one."""
+    from cluster.cpu_layout import split_cpus
+
+    split = split_cpus(os.sched_getaffinity(0), 1)
+    if split is None:
+        pytest.skip("one core: nothing to split")
+    engines = [_thread_cpus(p) for p in _engine_actor_pids()]
+    assert any(set(split.engine) in threads for threads in engines), engines
+    replicas = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, b"OpenAIDeployment")]
+    assert replicas
+    assert any(all(c == set(split.frontend) for c in _thread_cpus(int(p))) for p in replicas)
+
+
+def _cmdline_has(pid: str, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return needle in f.read()
+    except OSError:
+        return False
+
+
 def _engine_actor_pids() -> set[int]:
     pids = set()
     for p in os.listdir("/proc"):
