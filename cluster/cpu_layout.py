@@ -5,7 +5,8 @@ vLLM's CPU backend does the same when it serves: compute threads bound to all
 but one core, that core left to the frontend. Measured on 2 cores through
 Serve's proxy (BENCHMARKS.md, "Served against vLLM"): unpinned, the engine
 actor got 0.86 of a core, preempted by the proxy's and the replica's per-event
-wake-ups on whichever core it was on; pinned, 0.90 and +12-15% output tok/s.
+wake-ups on whichever core it was on; pinned runs gave 692-770 output tok/s
+against 671-705 unpinned (single runs, +-10%).
 
 Invariants:
 - Only where the model runs in the EngineCoreActor's step thread on CPU
