@@ -22,13 +22,20 @@ def main() -> int:
     p.add_argument("--port", type=int, default=8300)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-cpus", type=int, default=4, help="Ray's logical CPUs (see below)")
+    p.add_argument("--temp-dir", default="/tmp/ray_llm_peer",
+                   help="this Ray instance's own temp dir (never the default /tmp/ray others use)")
     a = p.parse_args()
     os.environ.update(ENV)
     import ray
     from ray import serve
     from ray.serve.llm import LLMConfig, build_openai_app
 
-    ray.init(address="local", include_dashboard=False)
+    # Logical CPUs only (vLLM binds its own compute thread to core 0 and reserves
+    # core 1, whatever Ray counts): the LLM server's placement group takes 2 (its
+    # bundle plus the replica actor), and the OpenAI ingress needs one more, so
+    # with Ray's default of nproc=2 the ingress never schedules.
+    ray.init(address="local", num_cpus=a.num_cpus, include_dashboard=False, _temp_dir=a.temp_dir)
     cfg = LLMConfig(model_loading_config={"model_id": "m30", "model_source": os.path.abspath(a.model)},
                     accelerator_config={"kind": "cpu"},
                     placement_group_config={"bundles": [{"CPU": 1}]},

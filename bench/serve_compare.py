@@ -51,6 +51,9 @@ class Server:
     env: dict[str, str]
     url: str | None = None  # known up front, else found in the log by `url_from_log`
     prefer_direct: bool = True  # conveyor: load the replica's own URL when it prints one
+    # A log line the server prints once it can serve: Ray Serve LLM's ingress answers
+    # /v1/models a minute before its vLLM engine is up, so the models list is not enough.
+    ready_pattern: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     log_path: str = ""
     notes: list[str] = field(default_factory=list)
@@ -116,7 +119,8 @@ def ray_llm_server(a: argparse.Namespace, port: int) -> Server:
     script = os.path.join(REPO, "bench", "ray_serve_llm_app.py")
     argv = [os.path.join(a.ray_llm_venv, "bin", "python"), script, a.model, "--port", str(port),
             "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.max_model_len)]
-    return Server("Ray Serve LLM", argv, dict(PEER_ENV), url=f"http://127.0.0.1:{port}")
+    return Server("Ray Serve LLM", argv, dict(PEER_ENV), url=f"http://127.0.0.1:{port}",
+                  ready_pattern="Ray Serve LLM at http://")
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:
@@ -179,7 +183,7 @@ def start(s: Server, out_dir: str, timeout_s: float) -> str:
             raise RuntimeError(f"{s.name} exited ({s.proc.returncode}); log: {s.log_path}\n"
                                + _log_text(s)[-3000:])
         url = _find_url(s)
-        if url is not None:
+        if url is not None and (s.ready_pattern is None or s.ready_pattern in _log_text(s)):
             try:
                 _get_json(f"{url}/v1/models")
                 return url

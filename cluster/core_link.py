@@ -73,6 +73,7 @@ class CoreActorSpec:
     Ray options (resources, and the placement group the client was made in)."""
     config: EngineConfig
     options: dict[str, Any] = field(default_factory=dict)
+    engine_cpus: tuple[int, ...] = ()  # the actor's step thread's cores (): unpinned
 
     @classmethod
     def here(cls, config: EngineConfig, placement: CoreActorPlacement | None) -> CoreActorSpec:
@@ -85,7 +86,7 @@ class CoreActorSpec:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=place.bundle_index)
-        return cls(config, opts)
+        return cls(config, opts, place.engine_cpus)
 
 
 class CoreLink:
@@ -107,7 +108,8 @@ class CoreLink:
     def start(cls, spec: CoreActorSpec) -> CoreLink:
         keys = PlaneKeys.generate()
         actor = EngineCoreActor.options(**spec.options).remote(msgspec.msgpack.encode(spec.config),
-                                                              msgspec.msgpack.encode(keys))
+                                                              msgspec.msgpack.encode(keys),
+                                                              spec.engine_cpus)
         try:
             in_addr, out_addr, kv = ray.get(actor.addresses.remote(), timeout=STARTUP_TIMEOUT_S)
         except BaseException:

@@ -45,7 +45,8 @@ TO_FRONTEND = Route("core->frontend", "EngineCoreOutputs")
 # One call (wait_closed) stays pending for the actor's life: room for the rest beside it.
 @ray.remote(num_cpus=0, max_concurrency=6)
 class EngineCoreActor:
-    def __init__(self, config_bytes: bytes, keys_bytes: bytes) -> None:
+    def __init__(self, config_bytes: bytes, keys_bytes: bytes,
+                 engine_cpus: tuple[int, ...] = ()) -> None:
         from engine.core import EngineCore
         from executors import make_executor
 
@@ -60,8 +61,16 @@ class EngineCoreActor:
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_inputs, daemon=True, name="core-inputs")
         self._reader.start()
-        self._runner = threading.Thread(target=self._loop.run, daemon=True, name="core-loop")
+        self._runner = threading.Thread(target=self._run, args=(tuple(engine_cpus),), daemon=True,
+                                        name="core-loop")
         self._runner.start()
+
+    def _run(self, engine_cpus: tuple[int, ...]) -> None:
+        if engine_cpus:  # before the first step, so torch's threads inherit the cores
+            from cluster.cpu_layout import pin_this_thread
+
+            pin_this_thread(engine_cpus)
+        self._loop.run()
 
     def addresses(self) -> tuple[str, str, bytes]:
         return self._in.address, self._out.address, msgspec.msgpack.encode(self.core.kv_info)
@@ -140,3 +149,4 @@ class CoreActorPlacement:
     bundle_index: int = 0
     num_cpus: float = 0.0
     num_gpus: float = 0.0
+    engine_cpus: tuple[int, ...] = ()  # cores for its step thread (): unpinned

@@ -26,6 +26,7 @@ deployment config.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
+from cluster import cpu_layout
 from cluster.engine_actor import CoreActorPlacement
 from cluster.ray_core_client import RayCoreClient
 from engine.config import EngineConfig, check_model_dir, load_config
@@ -142,6 +144,12 @@ class OpenAIDeployment:
         check_model_dir(self.config, source=config_path)
         t0 = time.monotonic()
         place = core_actor_placement(self.config, use_gpu)
+        split = cpu_layout.plan(self.config, use_gpu) if place is not None else None
+        if split is not None and place is not None:
+            place = dataclasses.replace(place, engine_cpus=split.engine)
+            cpu_layout.pin_process(split.frontend)
+            log.info("replica threads on cores %s, engine step thread on %s",
+                     split.frontend, split.engine)
         client = RayCoreClient(self.config, place) if place is not None else None
         try:
             self.llm = AsyncLLM(self.config, client)

@@ -112,6 +112,12 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # where Conveyor starts Ray itself (`conveyor serve`, run_serve without a
     # running Ray), off on an existing cluster; true/false: always / never.
     direct_ingress: bool | None = None
+    # CPU replicas (engine_actor, executor not "ray", no GPU): the last this
+    # many cores of the node run the replica's threads (HTTP, Serve, output
+    # processing), the others the engine's step thread, as vLLM's CPU backend
+    # reserves a core for its frontend (cluster/cpu_layout.py). 0: no pinning.
+    # None (the default): 1 for a single CPU replica, else 0.
+    frontend_cpus: int | None = None
     # How "auto" tool_choice finds calls in generated text, and the format
     # "required"/named tool_choice constrain output to (cluster/tool_parsers/):
     # hermes (<tool_call>{...}</tool_call>, Qwen) or llama3_json (bare JSON).
@@ -417,6 +423,8 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "serve.stream_batching_interval_ms": ("float in [0, 10000]", lambda v: 0.0 <= v <= 10000.0),
     "serve.engine_actor": ("bool", lambda v: True),
     "serve.direct_ingress": ("true, false or null (auto)", lambda v: True),
+    "serve.frontend_cpus": ("null (auto) or an int in 0..64",
+                            lambda v: v is None or 0 <= v <= 64),
     "serve.tool_call_parser": _one_of(_TOOL_CALL_PARSERS),
     "serve.allow_client_priority": ("bool", lambda v: True),
     "structured_outputs.backend": _one_of(("llguidance",)),

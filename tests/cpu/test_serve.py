@@ -151,6 +151,25 @@ def test_direct_ingress_defaults_on_only_where_conveyor_starts_ray():
         assert wants_direct_ingress(cfg, starts_ray=False) is value
 
 
+def test_frontend_cpus_split_only_for_one_cpu_replica_running_its_model():
+    from cluster.cpu_layout import CpuSplit, frontend_cpus, split_cpus
+    from engine.config import ConfigError, build_config
+
+    assert frontend_cpus(build_config(), use_gpu=False) == 1  # the default: auto
+    assert frontend_cpus(build_config(), use_gpu=True) == 0
+    assert frontend_cpus(build_config({"serve": {"replicas": 2}}), use_gpu=False) == 0
+    assert frontend_cpus(build_config(executor="ray"), use_gpu=False) == 0  # model in workers
+    assert frontend_cpus(build_config({"serve": {"engine_actor": False}}), use_gpu=False) == 0
+    assert frontend_cpus(build_config({"serve": {"frontend_cpus": 3}}), use_gpu=True) == 3
+    assert frontend_cpus(build_config({"serve": {"frontend_cpus": 0}}), use_gpu=False) == 0
+    assert split_cpus({0, 1}, 1) == CpuSplit((0,), (1,))
+    assert split_cpus({4, 2, 7, 5}, 2) == CpuSplit((2, 4), (5, 7))
+    assert split_cpus({0}, 1) is None and split_cpus({0, 1}, 2) is None  # a side with no core
+    assert split_cpus({0, 1}, 0) is None
+    with pytest.raises(ConfigError, match="serve.frontend_cpus"):
+        build_config({"serve": {"frontend_cpus": -1}})
+
+
 async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> list[int]:
     """Tokens per SSE event of one streamed completion from a server whose
     serve.* config has `serve_fields` replaced."""
@@ -616,6 +635,40 @@ def test_ray_executor_inside_the_replica_placement_group(server, ckpt, refs, tmp
     finally:
         serve.delete("rayexec")
 
+
+
+def _thread_cpus(pid: int) -> list[set[int]]:
+    """Each thread's allowed cores (Linux affinity is per thread)."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.append(os.sched_getaffinity(int(tid)))
+        except OSError:  # a thread that just ended
+            continue
+    return out
+
+
+def test_cpu_replica_pins_engine_step_thread_and_replica_threads(server):
+    """serve.frontend_cpus auto (1 here): the engine actor's step thread sits on
+    all but the last core, every replica thread on the last one."""
+    from cluster.cpu_layout import split_cpus
+
+    split = split_cpus(os.sched_getaffinity(0), 1)
+    if split is None:
+        pytest.skip("one core: nothing to split")
+    engines = [_thread_cpus(p) for p in _engine_actor_pids()]
+    assert any(set(split.engine) in threads for threads in engines), engines
+    replicas = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, b"OpenAIDeployment")]
+    assert replicas
+    assert any(all(c == set(split.frontend) for c in _thread_cpus(int(p))) for p in replicas)
+
+
+def _cmdline_has(pid: str, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return needle in f.read()
+    except OSError:
+        return False
 
 
 def _engine_actor_pids() -> set[int]:
