@@ -144,8 +144,7 @@ class OpenAIDeployment:
         check_model_dir(self.config, source=config_path)
         t0 = time.monotonic()
         place = core_actor_placement(self.config, use_gpu)
-        split = cpu_layout.plan(self.config, use_gpu) if place is not None else None
-        if split is not None and place is not None:
+        if place is not None and (split := cpu_layout.plan(self.config, use_gpu)) is not None:
             place = dataclasses.replace(place, engine_cpus=split.engine)
             cpu_layout.pin_process(split.frontend)
             log.info("replica threads on cores %s, engine step thread on %s",

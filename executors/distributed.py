@@ -76,9 +76,7 @@ class DistributedExecutor(Executor):
 
     def rank_location(self, rank: int) -> str:
         """Where a rank runs, for the logs (node and pid)."""
-        pids = self.worker_process_ids()
-        pid = pids[rank] if rank < len(pids) else "?"
-        return f"node {socket.gethostname()} (local), pid {pid}"
+        return f"node {socket.gethostname()} (local), pid {self._local_pids().get(rank, '?')}"
 
     def _local_pids(self) -> dict[int, int]:
         """rank -> pid of the ranks on this machine (their /proc is readable)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 
 import torch
 import torch.multiprocessing as mp
@@ -57,10 +56,6 @@ class MultiprocExecutor(DistributedExecutor):
 
     def worker_process_ids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None and p.is_alive()]
-
-    def rank_location(self, rank: int) -> str:
-        pid = self._procs[rank].pid if rank < len(self._procs) else "?"
-        return f"node {socket.gethostname()} (local), pid {pid}"
 
     def _local_pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in enumerate(self._procs) if p.pid is not None}

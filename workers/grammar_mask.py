@@ -1,10 +1,11 @@
 """Applies the core's grammar bitmask to a step's logits, before the sampler
 (so penalties, temperature, top-k/p and min-p act on the allowed tokens only).
 
-The mask is unpacked with one table lookup per byte (bytes of the little-endian
-int32 words, in token order) and applied with one masked_fill over all rows:
-a handful of torch ops per step whatever the batch, instead of bit shifts over
-a [rows, words, 32] tensor plus a gather and a scatter of the logits rows.
+The mask is turned into 0 / -inf penalties with one table lookup per byte
+(bytes of the little-endian int32 words, in token order) and added to the
+logits in place (index_add_ for scattered rows): a handful of torch ops per
+step whatever the batch, instead of bit shifts over a [rows, words, 32] tensor
+plus a gather, a masked_fill and a scatter of the logits rows.
 """
 from __future__ import annotations
 

@@ -72,7 +72,10 @@ class LLGuidanceBackend:
         plain, drafted, row = [], [], 0
         for g, d in zip(grammars, drafts):
             # llguidance refuses an empty draft list: those rows go in a plain call.
-            (drafted.append((g.matcher, row, d)) if d else plain.append((g.matcher, row)))
+            if d:
+                drafted.append((g.matcher, row, d))
+            else:
+                plain.append((g.matcher, row))
             row += len(d) + 1
         for m, r in plain:
             m.unsafe_compute_mask_ptr(ptr + r * stride, stride)
