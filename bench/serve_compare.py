@@ -35,6 +35,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.serve_load import parse_sets  # noqa: E402
 OUT = os.path.join(REPO, "bench", "out", "serve_compare")
 PEER_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 MODEL_NAME = "m30"
@@ -98,9 +102,7 @@ def serve_run_server(a: argparse.Namespace, port: int, workdir: str) -> Server:
     overrides = {"model": os.path.abspath(a.model), "serve.served_model_name": MODEL_NAME,
                  "scheduler.max_num_seqs": a.max_num_seqs,
                  "scheduler.max_num_batched_tokens": 4096, "model.max_model_len": a.max_model_len}
-    for kv in a.conveyor_set:
-        k, _, v = kv.partition("=")
-        overrides[k] = _yaml_scalar(v)
+    overrides.update(parse_sets(a.conveyor_set))
     app = {"name": "conveyor", "route_prefix": "/", "import_path": "cluster.serve_app:build_app",
            "args": {"config": os.path.abspath(a.config), "overrides": overrides}}
     doc = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
@@ -131,12 +133,6 @@ def _env_pairs(items: list[str]) -> dict[str, str]:
             raise SystemExit(f"--conveyor-env expects NAME=VALUE, got {kv!r}")
         out[k] = v
     return out
-
-
-def _yaml_scalar(text: str) -> Any:
-    import yaml
-
-    return yaml.safe_load(text)
 
 
 # ---- running one server --------------------------------------------------------------------

@@ -230,7 +230,7 @@ def _run(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-def _parse_sets(items: list[str]) -> dict[str, Any]:
+def parse_sets(items: list[str]) -> dict[str, Any]:
     """--set KEY=VALUE ... -> overrides; values are YAML scalars (50, false, 1.5)."""
     import yaml
 
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts(a.num_prompts, a.input_len, a.vocab_size, a.seed)
     rates = [float(r) for r in a.rates.split(",")]
     serve_overrides = {**overrides, **({"serve.port": a.port} if a.port else {}),
-                       **_parse_sets(a.set),
+                       **parse_sets(a.set),
                        **({"serve.stream_interval": a.stream_interval} if a.stream_interval else {})}
     url = a.url or start_server(a.config, serve_overrides, a.direct_ingress)
     runs = []
