@@ -67,7 +67,7 @@ def load_extension() -> ModuleType:
             from torch.utils.cpp_extension import load
 
             _ext = load(name=_EXT_NAME, sources=[_SOURCE],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
                         extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # compiler missing, headers missing, ...
             _error = f"the CPU attention kernel did not build: {type(e).__name__}: {e}"

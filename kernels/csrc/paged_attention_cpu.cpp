@@ -12,7 +12,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -96,6 +101,154 @@ void attend_request(const T* query, const T* cache, const int32_t* blocks, int64
   }
 }
 
+
+#if defined(__AVX512F__)
+// fp32 with head size 16 * NV, AVX-512 (the reference dtype on x86 servers).
+// Same three passes as attend_request, with the K/V rows of a position held
+// in NV registers and shared by the GQA group, one exp per 16 scores, and
+// per-thread scratch (no allocation per request).
+
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r), x = n ln2 + r,
+// |r| <= ln2/2, p the degree-7 Taylor polynomial (relative error < 1e-8,
+// under fp32's rounding); below -87.3 the result is 0, as expf's.
+inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// Row r's scores 0..last become exp(s - max), the rest 0; returns their sum.
+inline float softmax_row(float* sc, int64_t last, int64_t seq_len) {
+  __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t p = 0; p <= last; p += 16) {
+    const __mmask16 m = tail_mask(last + 1 - p);  // masked lanes are not read
+    mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, sc + p));
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t p = 0; p <= last; p += 16) {
+    const __mmask16 m = tail_mask(last + 1 - p);
+    const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + p), mx)));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_mask_storeu_ps(sc + p, m, e);
+  }
+  for (int64_t p = last + 1; p < seq_len; ++p) sc[p] = 0.f;
+  return _mm512_reduce_add_ps(sum);
+}
+
+// Blocks sit anywhere in the cache, so the hardware prefetcher loses the
+// stream at every block edge: each position asks for the row kAhead
+// positions on (one position's K or V row, all kv heads, 64-byte lines).
+constexpr int64_t kAhead = 8;
+
+inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
+
+template <int NV>
+void attend_request_avx512(const float* query, const float* cache, const int32_t* blocks,
+                           int64_t start, int64_t q_len, int64_t seq_len, float scale,
+                           const Shape& s, float* out) {
+  constexpr int64_t D = NV * 16;
+  const int64_t hkv = s.hkv, g = s.group, hq = hkv * g, rows = q_len * hq;
+  const int64_t off_stride = hkv * D, kv_stride = s.block_size * off_stride;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(rows * (2 * D + seq_len)));
+  float* q = scratch.data();
+  float* acc = q + rows * D;
+  float* score = acc + rows * D;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {  // row r = query token r / hq, head r % hq
+    const float* src = query + (start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
+    for (int j = 0; j < NV; ++j) {
+      _mm512_storeu_ps(q + r * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(src + 16 * j), sv));
+      _mm512_storeu_ps(acc + r * D + 16 * j, _mm512_setzero_ps());
+    }
+  }
+  for (int64_t p = 0; p < seq_len; ++p) {
+    const float* kp = cache + int64_t(blocks[p / s.block_size]) * 2 * kv_stride + (p % s.block_size) * off_stride;
+    if (p + kAhead < seq_len)
+      prefetch_row(cache + int64_t(blocks[(p + kAhead) / s.block_size]) * 2 * kv_stride +
+                   ((p + kAhead) % s.block_size) * off_stride, off_stride);
+    for (int64_t h = 0; h < hkv; ++h) {
+      __m512 k[NV];
+      for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(kp + h * D + 16 * j);
+      for (int64_t i = 0; i < q_len; ++i)
+        for (int64_t x = 0; x < g; ++x) {
+          const int64_t r = i * hq + h * g + x;
+          const float* qr = q + r * D;
+          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), k[0]);
+          for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * j), k[j], a);
+          score[r * seq_len + p] = _mm512_reduce_add_ps(a);
+        }
+    }
+  }
+  std::vector<float> denom(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r)
+    denom[r] = softmax_row(score + r * seq_len, seq_len - q_len + r / hq, seq_len);
+  for (int64_t p = 0; p < seq_len; ++p) {  // weights past a row's last position are 0
+    const float* vp = cache + int64_t(blocks[p / s.block_size]) * 2 * kv_stride + kv_stride +
+                      (p % s.block_size) * off_stride;
+    if (p + kAhead < seq_len)
+      prefetch_row(cache + int64_t(blocks[(p + kAhead) / s.block_size]) * 2 * kv_stride + kv_stride +
+                   ((p + kAhead) % s.block_size) * off_stride, off_stride);
+    for (int64_t h = 0; h < hkv; ++h) {
+      __m512 v[NV];
+      for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vp + h * D + 16 * j);
+      for (int64_t i = 0; i < q_len; ++i)
+        for (int64_t x = 0; x < g; ++x) {
+          const int64_t r = i * hq + h * g + x;
+          const __m512 w = _mm512_set1_ps(score[r * seq_len + p]);
+          float* ar = acc + r * D;
+          for (int j = 0; j < NV; ++j)
+            _mm512_storeu_ps(ar + 16 * j, _mm512_fmadd_ps(w, v[j], _mm512_loadu_ps(ar + 16 * j)));
+        }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + (start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
+    const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
+    for (int j = 0; j < NV; ++j)
+      _mm512_storeu_ps(dst + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), inv));
+  }
+}
+#endif
+
+// The fp32 AVX-512 path for its head sizes, else nullptr (the portable loop).
+template <typename T>
+using RequestFn = void (*)(const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, float,
+                           const Shape&, T*);
+
+template <typename T>
+RequestFn<T> fast_path(int64_t dim) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (dim == 64) return &attend_request_avx512<4>;
+    if (dim == 128) return &attend_request_avx512<8>;
+    if (dim == 32) return &attend_request_avx512<2>;
+  }
+#endif
+  (void)dim;
+  return nullptr;
+}
+
 template <typename T>
 void run(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
          const int64_t* reqs, const int64_t* starts, const int64_t* q_lens, const int64_t* seq_lens,
@@ -106,11 +259,12 @@ void run(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch:
   const T* c = kv_cache.data_ptr<T>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   T* o = out.data_ptr<T>();
+  const RequestFn<T> request = fast_path<T>(s.dim);
   // Dynamic schedule: request lengths differ a lot, a static split would idle a core.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t b = 0; b < n; ++b)
-    attend_request<T>(q, c, bt + reqs[b] * s.max_blocks, starts[b], q_lens[b], seq_lens[b],
-                      static_cast<float>(scale), s, o);
+    (request ? request : &attend_request<T>)(q, c, bt + reqs[b] * s.max_blocks, starts[b], q_lens[b],
+                                              seq_lens[b], static_cast<float>(scale), s, o);
 }
 
 }  // namespace
@@ -201,8 +355,50 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const c10::optional<
   return {out, sum};
 }
 
+
+// Neox rotary embedding in place on fp32 query [T, Hq*D] and key [T, Hkv*D]
+// (each row's heads contiguous; rows may be strided views of the qkv output):
+// the first rd = cos_sin.size(1) dims of each head, (x1, x2) ->
+// (x1 c - x2 s, x2 c + x1 s), c|s = cos_sin[position]. Built with
+// -ffp-contract=off, so each product is rounded as the torch form rounds it.
+void rotary_neox(const torch::Tensor& positions, torch::Tensor query, torch::Tensor key,
+                 const torch::Tensor& cos_sin, int64_t head_size) {
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.dim() == 1,
+              "positions int64 [T]");
+  TORCH_CHECK(cos_sin.scalar_type() == torch::kFloat32 && cos_sin.is_contiguous() && cos_sin.dim() == 2,
+              "cos_sin fp32 [P, rd]");
+  const int64_t t = positions.numel(), rd = cos_sin.size(1), half = rd / 2, max_pos = cos_sin.size(0);
+  TORCH_CHECK(rd % 2 == 0 && rd <= head_size, "rotary dim must be even and at most the head size");
+  for (const torch::Tensor* x : {&query, &key}) {
+    TORCH_CHECK(x->scalar_type() == torch::kFloat32 && x->dim() == 2 && x->size(0) == t && x->stride(1) == 1 &&
+                x->size(1) % head_size == 0, "query/key fp32 [T, H*D], D contiguous");
+  }
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "position out of range");
+  const float* table = cos_sin.data_ptr<float>();
+  float* xs[2] = {query.data_ptr<float>(), key.data_ptr<float>()};
+  const int64_t strides[2] = {query.stride(0), key.stride(0)};
+  const int64_t heads[2] = {query.size(1) / head_size, key.size(1) / head_size};
+  at::parallel_for(0, t, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* c = table + pos[r] * rd;
+      const float* sn = c + half;
+      for (int w = 0; w < 2; ++w)
+        for (int64_t h = 0; h < heads[w]; ++h) {
+          float* x = xs[w] + r * strides[w] + h * head_size;
+          for (int64_t i = 0; i < half; ++i) {
+            const float a = x[i], b = x[i + half];
+            x[i] = a * c[i] - b * sn[i];
+            x[i + half] = b * c[i] + a * sn[i];
+          }
+        }
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_short", &paged_attention_short, "paged attention for short queries (CPU)");
   m.def("write_kv", &write_kv, "store K/V rows at their slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the fused residual add (CPU)");
+  m.def("rotary_neox", &rotary_neox, "neox rotary embedding in place, fp32 (CPU)");
 }

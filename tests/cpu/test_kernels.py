@@ -396,3 +396,29 @@ def test_cpu_rms_norm_matches_torch(dtype) -> None:
     for (out, carried), (ref_out, ref_carried) in zip(native, ref):
         assert torch.equal(carried, ref_carried)
         _check(out, ref_out, dtype, seed, "rms_norm")
+
+
+@pytest.mark.parametrize("head,rotary_dim", [(64, 64), (40, 20)])
+def test_cpu_rotary_matches_torch_bit_for_bit(head, rotary_dim) -> None:
+    """The native neox rotary (in place, on the strided q/k views a qkv split
+    gives) rounds every product as the torch form does: equal, not close."""
+    from workers.layers.rotary import RotaryEmbedding
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(head, rotary_dim, max_position=512, base=10000.0)
+    hq, hkv, t = 6, 2, 37
+    qkv = torch.randn(t, (hq + 2 * hkv) * head, generator=gen)
+    positions = torch.randint(0, 512, (t,), generator=gen)
+    with torch.inference_mode():
+        cpu_attention.load_extension()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_attention, "_ext", None)  # the torch path
+            ref_q, ref_k = rope(positions, *qkv.split([hq * head, hkv * head, hkv * head], dim=-1)[:2])
+        q, k, v = qkv.clone().split([hq * head, hkv * head, hkv * head], dim=-1)
+        out_q, out_k = rope(positions, q, k)
+        assert out_q.data_ptr() == q.data_ptr(), "the native path rotates in place"
+        assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k), f"seed={seed}"
+        assert torch.equal(v, qkv[:, (hq + hkv) * head:]), "v is left as it was"
+        with pytest.raises(RuntimeError, match="position out of range"):
+            rope(torch.tensor([0] * (t - 1) + [512]), q, k)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernels import cpu_attention
+
 
 def rope_params_from_config(hf_config: Any) -> tuple[float, dict[str, Any] | None, int]:
     """(rope_theta, scaling dict or None, rotary_dim) from an HF config.
@@ -86,9 +88,21 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, Hq*D], key [T, Hkv*D] -> rotated, same shapes."""
+        """positions [T]; query [T, Hq*D], key [T, Hkv*D] -> rotated, same shapes.
+        With the CPU kernels loaded, fp32 rows are rotated in place by one
+        native pass (same roundings as the torch form below)."""
+        ext = cpu_attention.loaded()
+        if ext is not None and self._native_ok(positions, query, key):
+            ext.rotary_neox(positions, query, key, self.cos_sin_cache, self.head_size)
+            return query, key
         cos, sin = self._cos_sin(positions, query.dtype)
         return self._apply(query, cos, sin), self._apply(key, cos, sin)
+
+    def _native_ok(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
+        return (query.device.type == "cpu" and query.dtype == key.dtype == torch.float32
+                and positions.dtype == torch.int64 and positions.is_contiguous()
+                and query.dim() == key.dim() == 2 and query.stride(1) == key.stride(1) == 1
+                and self.cos_sin_cache.dtype == torch.float32)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a step passes the same positions tensor: look up once.
