@@ -19,6 +19,7 @@ its PID (SIGINT, then SIGTERM, then SIGKILL of its own process group).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -98,7 +99,7 @@ def conveyor_server(a: argparse.Namespace, port: int, proxy: bool = False) -> Se
 
 def serve_run_server(a: argparse.Namespace, port: int, workdir: str) -> Server:
     """A Serve config run by `serve run`: every request goes through Serve's proxy."""
-    path = os.path.join(workdir, "serve-compare.yaml")
+    path = os.path.join(workdir, f"serve-compare-{port}.yaml")  # one per server: a list may repeat it
     overrides = {"model": os.path.abspath(a.model), "serve.served_model_name": MODEL_NAME,
                  "scheduler.max_num_seqs": a.max_num_seqs,
                  "scheduler.max_num_batched_tokens": 4096, "model.max_model_len": a.max_model_len}
@@ -168,7 +169,9 @@ def _find_url(s: Server) -> str | None:
 
 def start(s: Server, out_dir: str, timeout_s: float) -> str:
     """Start the server in its own session; return its base URL once /v1/models answers."""
-    s.log_path = os.path.join(out_dir, re.sub(r"\W+", "_", s.name).strip("_") + ".log")
+    base = os.path.join(out_dir, re.sub(r"\W+", "_", s.name).strip("_"))
+    s.log_path = next(p for p in (f"{base}{'' if n == 0 else f'_{n}'}.log" for n in itertools.count())
+                      if not os.path.exists(p))  # a repeated server keeps its first log
     env = {**os.environ, **s.env}
     with open(s.log_path, "wb") as log:
         s.proc = subprocess.Popen(s.argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,

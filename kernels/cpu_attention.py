@@ -5,7 +5,13 @@ Decode rows and speculative drafts (query_len <= _SHORT_QUERY) go to
 table (the torch backend gathers a padded copy and masks it every step: about
 half the decode step on CPU). Longer prefill chunks are compute-bound and stay
 on the torch backend's SDPA path. ``torch_attention.paged_attention_ref`` is the
-reference both are tested against.
+reference both are tested against. fp32 with head size 32/64/128 on an AVX-512
+build takes an intrinsics path (decode attention is bound by reading K/V from
+memory: the portable loop reached 7-12 GB/s of one core's ~27, this one 11-27);
+every other dtype and head size the portable loop. The same extension holds the
+model's CPU-native ops: fused residual + RMSNorm and in-place neox rotary.
+It is compiled with ``-ffp-contract=off``: no product is fused into an FMA
+behind the source's back, so the rotary rounds exactly as its torch form.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension``
 (gcc + ninja; about 30 s once, then cached under ``TORCH_EXTENSIONS_DIR`` or
