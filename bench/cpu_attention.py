@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""CPU decode attention: the `cpu` backend's kernel against the `torch` backend.
+
+The engine's case, not a cache-resident toy: one KV cache per layer (`--layers`,
+each `--blocks` blocks, together far past L3), decode rows of `--batch`
+requests whose blocks are scattered at random, every layer read in turn as a
+forward does. Reports per layer the median time over `--rounds`, the K/V bytes
+read per second, and a sequential read of a large tensor (`sum`) on the same
+threads as the ceiling. Shapes default to bench/offline_throughput.py's 30M
+Llama (8 query / 4 KV heads, head size 64, block 16), fp32.
+
+Usage:
+  .venv/bin/python bench/cpu_attention.py                 # one thread, ctx 96/160/256
+  .venv/bin/python bench/cpu_attention.py --threads 2 --ctx 512
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from kernels import cpu_attention, torch_attention  # noqa: E402
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--ctx", default="96,160,256", help="comma list of context lengths")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=2048, help="blocks per layer's cache")
+    p.add_argument("--heads", default="8,4", help="query,kv heads")
+    p.add_argument("--head-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=7)
+    return p.parse_args()
+
+
+def _median_s(fn: Callable[[], None], rounds: int, calls: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def main() -> None:
+    a = _args()
+    torch.set_num_threads(a.threads)
+    hq, hkv = (int(x) for x in a.heads.split(","))
+    d, bs = a.head_size, a.block_size
+    caches = [torch.randn(a.blocks, 2, bs, hkv, d) for _ in range(a.layers)]
+    big = torch.randn(100_000_000)
+    seq_gbs = big.numel() * 4 / _median_s(lambda: big.sum(), 3, 1) / 1e9
+    del big
+    print(f"{a.threads} thread(s); sequential read (sum of 400 MB): {seq_gbs:.1f} GB/s; "
+          f"{a.layers} layers x {a.blocks} blocks ({a.layers * caches[0].numel() * 4 / 2**20:.0f} MiB)")
+    rng = np.random.default_rng(0)
+    for ctx in (int(c) for c in a.ctx.split(",")):
+        nblk = -(-ctx // bs)
+        if a.batch * nblk > a.blocks:
+            raise SystemExit(f"--blocks {a.blocks} < batch x blocks per request ({a.batch * nblk})")
+        table = torch.from_numpy(rng.permutation(a.blocks)[: a.batch * nblk].reshape(a.batch, nblk)
+                                 .astype(np.int32))
+        query = torch.randn(a.batch, hq, d)
+        qsl = np.arange(a.batch + 1, dtype=np.int64)
+        lens = np.full(a.batch, ctx, dtype=np.int64)
+        plan = cpu_attention._StepPlan(table, qsl, lens)
+        gb = a.batch * ctx * hkv * d * 4 * 2 / 1e9
+        row = [f"ctx {ctx}:"]
+        for name, attend in (
+            ("cpu", lambda c: cpu_attention.paged_attention_cpu(query, c, table, qsl, lens, 0.125, plan)),
+            ("torch", lambda c: torch_attention.paged_attention_torch(query, c, table, qsl, lens, 0.125)),
+        ):
+            s = _median_s(lambda: [attend(c) for c in caches], a.rounds, a.layers)
+            row.append(f"{name} {s * 1e3:.3f} ms/layer {gb / s:.1f} GB/s")
+        print("  ".join(row))
+
+
+if __name__ == "__main__":
+    main()
