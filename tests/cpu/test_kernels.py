@@ -238,6 +238,21 @@ def test_cpu_backend_matches_loop_reference(dtype, hq, hkv, d, bs) -> None:
     _check(out, b.ref(), dtype, seed, f"cpu backend specs={specs}")
 
 
+@pytest.mark.parametrize("temperature", [50.0, 1e-3])
+def test_cpu_kernel_softmax_extremes(temperature) -> None:
+    """Scores spread past exp's fp32 range (a near one-hot softmax: the
+    kernel's exp must flush to 0, not overflow) and squeezed together (all
+    weights ~equal): fp32 heads of 64 take the vectorised path."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    specs = _random_specs(rng, 6, decode_only=True) + [(q, int(rng.integers(q, MAX_LEN + 1))) for q in (2, 5, 9)]
+    b = Batch(seed, specs, 8, 2, 64, 16, torch.float32)
+    b.scale *= temperature
+    out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu,
+                                            b.seq_lens_cpu, b.scale)
+    _check(out, b.ref(), torch.float32, seed, f"cpu backend, scale x{temperature}")
+
+
 def test_cpu_backend_reads_a_strided_query_and_int64_table() -> None:
     seed = _seed()
     b = Batch(seed, [(1, 37), (3, 90), (1, 5)], 8, 2, 64, 16, torch.float32)
