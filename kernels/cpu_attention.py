@@ -7,7 +7,8 @@ half the decode step on CPU). Longer prefill chunks are compute-bound and stay
 on the torch backend's SDPA path. ``torch_attention.paged_attention_ref`` is the
 reference both are tested against. fp32 with head size 32/64/128 on an AVX-512
 build takes an intrinsics path (decode attention is bound by reading K/V from
-memory: the portable loop reached 7-12 GB/s of one core's ~27, this one 11-27);
+memory: with every layer's cache past L3 the portable loop read 7.5 GB/s of one
+core's 29, this path 15-16; bench/cpu_attention.py);
 every other dtype and head size the portable loop. The same extension holds the
 model's CPU-native ops: fused residual + RMSNorm and in-place neox rotary.
 It is compiled with ``-ffp-contract=off``: no product is fused into an FMA
