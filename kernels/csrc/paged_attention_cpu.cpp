@@ -29,6 +29,15 @@ struct Shape {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
+// Position p's K row (every kv head's D values) through the block table; its
+// V row is kv_stride(s) further on (a block holds its K rows, then its V rows).
+inline int64_t kv_stride(const Shape& s) { return s.block_size * s.hkv * s.dim; }
+
+template <typename T>
+inline const T* k_row(const T* cache, const int32_t* blocks, int64_t p, const Shape& s) {
+  return cache + int64_t(blocks[p / s.block_size]) * 2 * kv_stride(s) + (p % s.block_size) * s.hkv * s.dim;
+}
+
 // Sums kept in 16 explicit lanes so the compiler vectorizes without
 // reassociating (d % 16 == 0 takes this path; other head sizes the scalar tail).
 constexpr int64_t kLanes = 16;
@@ -57,8 +66,7 @@ template <typename T>
 void attend_request(const T* query, const T* cache, const int32_t* blocks, int64_t start,
                     int64_t q_len, int64_t seq_len, float scale, const Shape& s, T* out) {
   const int64_t hq = s.hkv * s.group, rows = q_len * hq, d = s.dim;
-  const int64_t off_stride = s.hkv * d;                 // one position, all kv heads
-  const int64_t kv_stride = s.block_size * off_stride;  // K rows, then V rows, of a block
+  const int64_t vs = kv_stride(s);
   std::vector<float> q(rows * d), acc(rows * d, 0.f), score(rows * seq_len), denom(rows);
   std::vector<int64_t> last(rows), head_off(rows);
   for (int64_t r = 0; r < rows; ++r) {
@@ -69,10 +77,9 @@ void attend_request(const T* query, const T* cache, const int32_t* blocks, int64
     head_off[r] = (qh / s.group) * d;
   }
   for (int64_t p = 0; p < seq_len; ++p) {
-    const T* blk = cache + int64_t(blocks[p / s.block_size]) * 2 * kv_stride;
-    const T* k = blk + (p % s.block_size) * off_stride;
+    const T* k = k_row(cache, blocks, p, s);
     if (p % s.block_size == 0 && p + s.block_size < seq_len)
-      __builtin_prefetch(cache + int64_t(blocks[p / s.block_size + 1]) * 2 * kv_stride);
+      __builtin_prefetch(k_row(cache, blocks, p + s.block_size, s));
     for (int64_t r = 0; r < rows; ++r)
       score[r * seq_len + p] = p <= last[r] ? dot(&q[r * d], k + head_off[r], d) : 0.f;
   }
@@ -88,8 +95,7 @@ void attend_request(const T* query, const T* cache, const int32_t* blocks, int64
     denom[r] = sum;
   }
   for (int64_t p = 0; p < seq_len; ++p) {
-    const T* v = cache + int64_t(blocks[p / s.block_size]) * 2 * kv_stride + kv_stride +
-                 (p % s.block_size) * off_stride;
+    const T* v = k_row(cache, blocks, p, s) + vs;
     for (int64_t r = 0; r < rows; ++r)
       if (p <= last[r]) axpy(score[r * seq_len + p], v + head_off[r], &acc[r * d], d);
   }
@@ -171,12 +177,13 @@ void attend_request_avx512(const float* query, const float* cache, const int32_t
                            const Shape& s, float* out) {
   constexpr int64_t D = NV * 16;
   const int64_t hkv = s.hkv, g = s.group, hq = hkv * g, rows = q_len * hq;
-  const int64_t off_stride = hkv * D, kv_stride = s.block_size * off_stride;
+  const int64_t off_stride = hkv * D, vs = kv_stride(s);
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(rows * (2 * D + seq_len)));
+  scratch.resize(static_cast<size_t>(rows * (2 * D + seq_len + 1)));
   float* q = scratch.data();
   float* acc = q + rows * D;
   float* score = acc + rows * D;
+  float* denom = score + rows * seq_len;
   const __m512 sv = _mm512_set1_ps(scale);
   for (int64_t r = 0; r < rows; ++r) {  // row r = query token r / hq, head r % hq
     const float* src = query + (start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
@@ -186,10 +193,8 @@ void attend_request_avx512(const float* query, const float* cache, const int32_t
     }
   }
   for (int64_t p = 0; p < seq_len; ++p) {
-    const float* kp = cache + int64_t(blocks[p / s.block_size]) * 2 * kv_stride + (p % s.block_size) * off_stride;
-    if (p + kAhead < seq_len)
-      prefetch_row(cache + int64_t(blocks[(p + kAhead) / s.block_size]) * 2 * kv_stride +
-                   ((p + kAhead) % s.block_size) * off_stride, off_stride);
+    const float* kp = k_row(cache, blocks, p, s);
+    if (p + kAhead < seq_len) prefetch_row(k_row(cache, blocks, p + kAhead, s), off_stride);
     for (int64_t h = 0; h < hkv; ++h) {
       __m512 k[NV];
       for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(kp + h * D + 16 * j);
@@ -203,15 +208,11 @@ void attend_request_avx512(const float* query, const float* cache, const int32_t
         }
     }
   }
-  std::vector<float> denom(static_cast<size_t>(rows));
   for (int64_t r = 0; r < rows; ++r)
     denom[r] = softmax_row(score + r * seq_len, seq_len - q_len + r / hq, seq_len);
   for (int64_t p = 0; p < seq_len; ++p) {  // weights past a row's last position are 0
-    const float* vp = cache + int64_t(blocks[p / s.block_size]) * 2 * kv_stride + kv_stride +
-                      (p % s.block_size) * off_stride;
-    if (p + kAhead < seq_len)
-      prefetch_row(cache + int64_t(blocks[(p + kAhead) / s.block_size]) * 2 * kv_stride + kv_stride +
-                   ((p + kAhead) % s.block_size) * off_stride, off_stride);
+    const float* vp = k_row(cache, blocks, p, s) + vs;
+    if (p + kAhead < seq_len) prefetch_row(k_row(cache, blocks, p + kAhead, s) + vs, off_stride);
     for (int64_t h = 0; h < hkv; ++h) {
       __m512 v[NV];
       for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vp + h * D + 16 * j);
