@@ -78,39 +78,50 @@ def tiny_corpus() -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+def train_tokenizer_on(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `texts`, special tokens at ids 0-3."""
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     # Llama-style: BOS is prepended by the post-processor, never EOS.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
         special_tokens=[(BOS, tok.token_to_id(BOS))])
-    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != [0, 1, 2, 3]:
+        raise RuntimeError("special tokens did not get ids 0-3")
     return tok
 
 
-def train_tiny_tokenizer(path: str, vocab_size: int = 512,
-                         chat_template: str | None = CHAT_TEMPLATE) -> None:
-    """Train and save into directory `path` (created if missing)."""
+def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    return train_tokenizer_on(tiny_corpus(), vocab_size)
+
+
+def save_tokenizer(tok: Tokenizer, path: str, chat_template: str | None = CHAT_TEMPLATE,
+                   model_max_length: int = 2048) -> None:
+    """tokenizer.json + tokenizer_config.json + special_tokens_map.json into `path`."""
     os.makedirs(path, exist_ok=True)
-    tok = build_tiny_tokenizer(vocab_size)
     tok.save(os.path.join(path, "tokenizer.json"))
     special_map = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special_map,
-        "model_max_length": 2048,
+        "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
     if chat_template is not None:
         config["chat_template"] = chat_template
     _write_json(os.path.join(path, "tokenizer_config.json"), config)
     _write_json(os.path.join(path, "special_tokens_map.json"), special_map)
+
+
+def train_tiny_tokenizer(path: str, vocab_size: int = 512,
+                         chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Train and save into directory `path` (created if missing)."""
+    save_tokenizer(build_tiny_tokenizer(vocab_size), path, chat_template)
 
 
 def _write_json(path: str, obj: dict) -> None:
