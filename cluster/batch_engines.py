@@ -25,7 +25,6 @@ from executors.ray_placement import worker_bundle
 log = logging.getLogger("conveyor.batch")
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-PG_TIMEOUT_S = float(os.environ.get("CONVEYOR_PG_TIMEOUT_S", "120"))
 
 
 class EngineFailure(RuntimeError):
@@ -195,6 +194,7 @@ class ActorEngine:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.index, self.max_in_flight = index, max_in_flight
+        self.placement_timeout_s = config.parallel.placement_timeout_s
         bundles, gpus = engine_bundles(config, ray.cluster_resources().get("GPU", 0) > 0)
         self.pg = placement_group(bundles, strategy=config.parallel.placement_strategy,
                                   name=f"conveyor-batch-{os.getpid()}-{index}")
@@ -211,10 +211,10 @@ class ActorEngine:
         import ray
 
         try:
-            await asyncio.wait_for(self.pg.ready(), timeout=PG_TIMEOUT_S)
+            await asyncio.wait_for(self.pg.ready(), timeout=self.placement_timeout_s)
         except asyncio.TimeoutError:
             raise EngineFailure(f"engine {self.index}: placement group {self.pg.bundle_specs} not ready "
-                                f"after {PG_TIMEOUT_S:.0f}s; available: {ray.available_resources()}") from None
+                                f"after {self.placement_timeout_s:g}s (parallel.placement_timeout_s); available: {ray.available_resources()}") from None
         await self.actor.ready.remote()
 
     async def run(self, obj: dict[str, Any]) -> dict[str, Any]:
