@@ -70,7 +70,7 @@ def place_workers(pg: PlacementGroup, first: int, world: int, tp: int, start_tim
     bundle = pg.bundle_specs[first]
     gpus = bundle.get("GPU", 0)
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-    actors = [RayWorkerActor.options(
+    actors = [RayWorkerActor.options(  # type: ignore[attr-defined]  # added by @ray.remote
         num_cpus=0 if gpus else bundle.get("CPU", 1), num_gpus=gpus,
         runtime_env={"env_vars": env},
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + i),
