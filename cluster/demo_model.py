@@ -1,5 +1,7 @@
-"""The bundled demo checkpoint: a small random-weight Llama with a byte-level
-BPE tokenizer trained on the spot (nothing is downloaded, ever).
+"""The demo checkpoint and the tiny tokenizer: `make run` serves the trained demo
+model committed in cluster/demo_assets/ (see cluster/train_demo.py); tests build
+small random-weight Llamas with a byte-level BPE tokenizer trained on the spot
+(nothing is downloaded, ever).
 
     python -m cluster.demo_model demo_model     # what `make run` builds if missing
 
@@ -173,10 +175,28 @@ def make_demo_model(path: str, seed: int = 0) -> str:
     return path
 
 
+# The trained demo model (cluster/train_demo.py: a small Llama trained on the
+# docstrings of Python's standard library), committed so `make run` answers in
+# sentences without a training run.
+TRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_assets")
+
+
 def ensure_demo_model(path: str) -> bool:
-    """Build the demo checkpoint unless it is already there; True if built."""
+    """Put the demo checkpoint at `path` unless one is already there; True if
+    it was put there. The trained checkpoint when the repository has it, else a
+    random-weight one (the text is then noise)."""
     if is_checkpoint(path):
         return False
+    if is_checkpoint(TRAINED_DIR):
+        import shutil
+
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        tmp = path.rstrip("/") + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(TRAINED_DIR, tmp)
+        os.replace(tmp, path)  # never a half checkpoint at `path`
+        return True
     make_demo_model(path)
     return True
 

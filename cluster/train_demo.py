@@ -161,7 +161,7 @@ def train(out: str, minutes: float, threads: int, seq_len: int = 256, batch: int
             print(f"step {step}/{total} loss {loss.item():.3f}", flush=True)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
-    save_tokenizer(tok, out)
+    save_tokenizer(tok, out, model_max_length=MODEL_CONFIG["max_position_embeddings"])
 
 
 def main() -> None:
