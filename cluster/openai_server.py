@@ -40,7 +40,7 @@ from cluster.tool_response import ToolSession
 from cluster.tools import ToolPlan, template_input, tool_plan
 from engine.async_client import AsyncLLM
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, UnsendableRequestError
 from engine.frontend import ContextLengthError, PreparedRequest
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -344,10 +344,13 @@ class OpenAIServer(ResponseBuilding):
         for eid in job.engine_ids:
             await self.llm.abort(eid)
 
-    def _check_delta(self, reason: str | None) -> None:
+    def _check_delta(self, reason: str | None, detail: Any = None, req: Any = None) -> None:
         if reason in ("error", "abort"):
             if self.llm.dead_error is not None:
                 raise engine_unavailable()
+            if isinstance(detail, str) and detail.startswith("structured output grammar"):
+                # The client's constraint failed (a limit it forced the matcher past).
+                raise P.bad_request(detail, _constraint_param(req), "grammar_error")
             raise internal_error()
 
     async def _guarded_sse(self, job: _Job) -> AsyncIterator[bytes]:
@@ -360,12 +363,22 @@ class OpenAIServer(ResponseBuilding):
             yield P.sse(e.body())
         except EngineDeadError:
             yield P.sse(engine_unavailable().body())
+        except UnsendableRequestError as e:
+            yield P.sse(P.bad_request(str(e)).body())
         except Exception:  # noqa: BLE001 - our bug: generic message, details logged
             log.exception("stream %s failed", job.rid)
             yield P.sse(internal_error().body())
         finally:
             await self._abort_all(job)
         yield P.SSE_DONE
+
+def _constraint_param(req: Any) -> str | None:
+    """The request field the engine's grammar came from."""
+    for name in ("structured_outputs", "response_format", "tool_choice"):
+        if getattr(req, name, None) is not None:
+            return name
+    return None
+
 
 # ---- the ASGI app ----------------------------------------------------------------------
 
@@ -418,6 +431,8 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
             return error_response(e)
         except EngineDeadError:  # it died under a running request
             return error_response(engine_unavailable())
+        except UnsendableRequestError as e:  # this request alone: the engine goes on
+            return error_response(P.bad_request(str(e)))
         except Exception:  # noqa: BLE001 - our bug: generic message, details logged
             log.exception("request failed")
             return error_response(internal_error())

@@ -61,6 +61,8 @@ def check_engine_limits(ids: list[int], sp: SamplingFields, config: EngineConfig
             f"have (max_tokens, or max_model_len {max_len} minus the {n}-token prompt)")
     if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
+    if vocab_size and sp.stop_token_ids and max(sp.stop_token_ids) >= vocab_size:
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {max(sp.stop_token_ids)}")
 
 
 class Frontend:

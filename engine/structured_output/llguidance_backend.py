@@ -34,6 +34,11 @@ class LLGuidanceGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
+    def error(self) -> str | None:
+        """The matcher's error (a resource limit hit mid-generation), first line."""
+        m = self.matcher
+        return (m.get_error() or "error").splitlines()[0][:300] if m.is_error() else None
+
     def valid_prefix(self, tokens: list[int]) -> int:
         return self.matcher.validate_tokens(tokens)
 
