@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 import logging
 import os
 import re
@@ -77,6 +78,27 @@ def internal_error() -> P.APIError:
     return P.APIError(500, "internal server error", type="internal_error", code="internal_error")
 
 
+# Texts below this many characters are tokenized inline (well under a millisecond).
+_INLINE_CHARS = 8192
+
+
+def _heavy(req: Any) -> bool:
+    """Whether building `req`'s job may take long enough to stall the loop."""
+    if getattr(req, "structured_outputs", None) or getattr(req, "response_format", None) \
+            or getattr(req, "tools", None):
+        return True
+    prompt = getattr(req, "prompt", None)
+    if isinstance(prompt, str):
+        return len(prompt) >= _INLINE_CHARS
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str)) >= _INLINE_CHARS or len(prompt) > 64
+    chars = 0
+    for m in getattr(req, "messages", None) or ():
+        c = m.content
+        chars += len(c) if isinstance(c, str) else sum(len(p.text) for p in c or ())
+    return chars >= _INLINE_CHARS
+
+
 @dataclass
 class _Job:
     """A validated request, ready to run: one engine request per prompt."""
@@ -121,6 +143,9 @@ class OpenAIServer(ResponseBuilding):
         self.metrics = metrics or ServeMetrics(llm, self.model_name)
         self.fmt = P.LogprobFormatter(llm.tokenizer)
         self.draining = False
+        # Builds heavy jobs (_off_loop); its own pool, so health checks (the
+        # default executor) never queue behind a tokenization.
+        self._prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-prep")
 
     async def start(self) -> None:
         """Start the engine's output pump on the loop that serves requests.
@@ -142,9 +167,20 @@ class OpenAIServer(ResponseBuilding):
             raise engine_unavailable()
 
     def _tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        if self.llm.tokenizer is None:
+        tok = self.llm.tokenizer
+        if tok is None:
             raise P.bad_request("this model has no tokenizer: send token ids", param)
-        return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        # Never tokenize what cannot fit: each token covers at most
+        # max_token_chars characters (x2: normalizers may drop some).
+        limit = self.config.max_model_len * tok.max_token_chars * 2
+        if len(text) > limit:
+            raise P.bad_request(
+                f"the prompt has {len(text)} characters: more than the {limit} that this model's "
+                f"context of {self.config.max_model_len} tokens could ever hold", param,
+                "context_length_exceeded")
+        if len(text) < _INLINE_CHARS:
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        return tok.encode_nogil(text, add_special_tokens=add_special_tokens)
 
     def _check_cost(self, cost: int) -> None:
         """A request that could never be admitted fails before any work."""
@@ -183,7 +219,7 @@ class OpenAIServer(ResponseBuilding):
         except ValueError as e:
             raise P.bad_request(str(e), "messages") from None
         # The template already holds the special tokens it wants (vLLM's default).
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = self._tokenize(text, False, "messages")
         if not ids:
             raise P.bad_request("the rendered chat prompt is empty", "messages")
         return ids
@@ -259,21 +295,34 @@ class OpenAIServer(ResponseBuilding):
 
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
         """req: validated by FastAPI (the route's body model) or validate_model."""
+        return await self._respond(await self._off_loop(req, self._completion_job, req, request))
+
+    async def chat(self, req: P.ChatRequest, request: Request) -> Response:
+        return await self._respond(await self._off_loop(req, self._chat_job, req, request))
+
+    def _completion_job(self, req: P.CompletionRequest, request: Request) -> _Job:
         P.check_unsupported(req)
         self._check_model(req.model)
         sp = self._params(req, req.max_tokens)
         prompts = self._completion_prompts(req.prompt, sp.n)
-        job = self._job("completion", request, req, prompts, sp, "prompt")
-        return await self._respond(job)
+        return self._job("completion", request, req, prompts, sp, "prompt")
 
-    async def chat(self, req: P.ChatRequest, request: Request) -> Response:
+    def _chat_job(self, req: P.ChatRequest, request: Request) -> _Job:
         P.check_unsupported(req)
         self._check_model(req.model)
         plan = tool_plan(req, self.config.serve.tool_call_parser,
                          self.llm.frontend.validate_structured_outputs)
         sp = self._params(req, P.chat_max_tokens(req)[0], plan)
-        job = self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan)
-        return await self._respond(job)
+        return self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan)
+
+    async def _off_loop(self, req: Any, build: Callable[..., _Job], *args: Any) -> _Job:
+        """Build the job inline when it is cheap; a large text (tokenizing a
+        2 MB prompt takes seconds) or a grammar to compile-check (bounded by
+        llguidance's fuel, still milliseconds) is built on the prep pool, so
+        the event loop keeps serving every other request meanwhile."""
+        if not _heavy(req):
+            return build(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._prep_pool, build, *args)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -316,7 +365,10 @@ class OpenAIServer(ResponseBuilding):
 
     def _admit(self, job: _Job) -> None:
         """Take the job's slots (one per engine request: prompts x n) and its
-        engine ids (checked free in _job, with no await in between)."""
+        engine ids (checked free in _job, and again here: a job built on the
+        prep pool was built while the loop ran others)."""
+        if not self._active_ids.isdisjoint(job.engine_ids):
+            raise P.bad_request(f"request id {job.rid!r} is already in use", "X-Request-Id")
         if self.max_admitted is not None and self.admitted + job.cost > self.max_admitted:
             raise at_capacity(self.max_admitted)
         self.admitted += job.cost
