@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import WebSocketRoute
 
 from cluster import openai_protocol as P
+from cluster import request_prep as RP
 from cluster.metrics import CONTENT_TYPE, ServeMetrics
 from cluster.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from cluster.openai_responses import ResponseBuilding
@@ -76,27 +77,6 @@ def too_many_sequences(cost: int, limit: int) -> P.APIError:
 
 def internal_error() -> P.APIError:
     return P.APIError(500, "internal server error", type="internal_error", code="internal_error")
-
-
-# Texts below this many characters are tokenized inline (well under a millisecond).
-_INLINE_CHARS = 8192
-
-
-def _heavy(req: Any) -> bool:
-    """Whether building `req`'s job may take long enough to stall the loop."""
-    if getattr(req, "structured_outputs", None) or getattr(req, "response_format", None) \
-            or getattr(req, "tools", None):
-        return True
-    prompt = getattr(req, "prompt", None)
-    if isinstance(prompt, str):
-        return len(prompt) >= _INLINE_CHARS
-    if isinstance(prompt, list):
-        return sum(len(p) for p in prompt if isinstance(p, str)) >= _INLINE_CHARS or len(prompt) > 64
-    chars = 0
-    for m in getattr(req, "messages", None) or ():
-        c = m.content
-        chars += len(c) if isinstance(c, str) else sum(len(p.text) for p in c or ())
-    return chars >= _INLINE_CHARS
 
 
 @dataclass
@@ -167,20 +147,10 @@ class OpenAIServer(ResponseBuilding):
             raise engine_unavailable()
 
     def _tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
-        tok = self.llm.tokenizer
-        if tok is None:
+        if self.llm.tokenizer is None:
             raise P.bad_request("this model has no tokenizer: send token ids", param)
-        # Never tokenize what cannot fit: each token covers at most
-        # max_token_chars characters (x2: normalizers may drop some).
-        limit = self.config.max_model_len * tok.max_token_chars * 2
-        if len(text) > limit:
-            raise P.bad_request(
-                f"the prompt has {len(text)} characters: more than the {limit} that this model's "
-                f"context of {self.config.max_model_len} tokens could ever hold", param,
-                "context_length_exceeded")
-        if len(text) < _INLINE_CHARS:
-            return tok.encode(text, add_special_tokens=add_special_tokens)
-        return tok.encode_nogil(text, add_special_tokens=add_special_tokens)
+        return RP.tokenize_bounded(self.llm.tokenizer, text, add_special_tokens, param,
+                                   self.config.max_model_len)
 
     def _check_cost(self, cost: int) -> None:
         """A request that could never be admitted fails before any work."""
@@ -320,7 +290,7 @@ class OpenAIServer(ResponseBuilding):
         2 MB prompt takes seconds) or a grammar to compile-check (bounded by
         llguidance's fuel, still milliseconds) is built on the prep pool, so
         the event loop keeps serving every other request meanwhile."""
-        if not _heavy(req):
+        if not RP.heavy(req):
             return build(*args)
         return await asyncio.get_running_loop().run_in_executor(self._prep_pool, build, *args)
 
@@ -402,7 +372,7 @@ class OpenAIServer(ResponseBuilding):
                 raise engine_unavailable()
             if isinstance(detail, str) and detail.startswith("structured output grammar"):
                 # The client's constraint failed (a limit it forced the matcher past).
-                raise P.bad_request(detail, _constraint_param(req), "grammar_error")
+                raise P.bad_request(detail, RP.constraint_param(req), "grammar_error")
             raise internal_error()
 
     async def _guarded_sse(self, job: _Job) -> AsyncIterator[bytes]:
@@ -423,14 +393,6 @@ class OpenAIServer(ResponseBuilding):
         finally:
             await self._abort_all(job)
         yield P.SSE_DONE
-
-def _constraint_param(req: Any) -> str | None:
-    """The request field the engine's grammar came from."""
-    for name in ("structured_outputs", "response_format", "tool_choice"):
-        if getattr(req, name, None) is not None:
-            return name
-    return None
-
 
 # ---- the ASGI app ----------------------------------------------------------------------
 

@@ -261,10 +261,10 @@ def test_a_prompt_past_any_context_is_refused_without_tokenizing(ckpt, monkeypat
 def test_a_large_prompt_is_tokenized_off_the_event_loop(ckpt, monkeypatch):
     """The big prompt's tokenization waits until a small request has been
     answered: on the event loop it would deadlock (the wait_for fails)."""
-    import cluster.openai_server as S
+    import cluster.request_prep as S
     from engine.tokenizer import Tokenizer
 
-    monkeypatch.setattr(S, "_INLINE_CHARS", 100)
+    monkeypatch.setattr(S, "INLINE_CHARS", 100)
     entered, small_done = threading.Event(), threading.Event()
     real = Tokenizer.encode_nogil
 
