@@ -123,8 +123,7 @@ class OpenAIServer(ResponseBuilding):
         self.metrics = metrics or ServeMetrics(llm, self.model_name)
         self.fmt = P.LogprobFormatter(llm.tokenizer)
         self.draining = False
-        # Builds heavy jobs (_off_loop); its own pool, so health checks (the
-        # default executor) never queue behind a tokenization.
+        # Heavy jobs (RP.off_loop); not the default executor, which health checks use.
         self._prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-prep")
 
     async def start(self) -> None:
@@ -265,12 +264,13 @@ class OpenAIServer(ResponseBuilding):
 
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
         """req: validated by FastAPI (the route's body model) or validate_model."""
-        return await self._respond(await self._off_loop(req, self._completion_job, req, request))
+        job = await RP.off_loop(self._prep_pool, self._completion_job, req, request)
+        return await self._respond(job)
 
     async def chat(self, req: P.ChatRequest, request: Request) -> Response:
-        return await self._respond(await self._off_loop(req, self._chat_job, req, request))
+        return await self._respond(await RP.off_loop(self._prep_pool, self._chat_job, req, request))
 
-    def _completion_job(self, req: P.CompletionRequest, request: Request) -> _Job:
+    def _completion_job(self, req: P.CompletionRequest, request: Request) -> _Job:  # sync: any thread
         P.check_unsupported(req)
         self._check_model(req.model)
         sp = self._params(req, req.max_tokens)
@@ -284,15 +284,6 @@ class OpenAIServer(ResponseBuilding):
                          self.llm.frontend.validate_structured_outputs)
         sp = self._params(req, P.chat_max_tokens(req)[0], plan)
         return self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan)
-
-    async def _off_loop(self, req: Any, build: Callable[..., _Job], *args: Any) -> _Job:
-        """Build the job inline when it is cheap; a large text (tokenizing a
-        2 MB prompt takes seconds) or a grammar to compile-check (bounded by
-        llguidance's fuel, still milliseconds) is built on the prep pool, so
-        the event loop keeps serving every other request meanwhile."""
-        if not RP.heavy(req):
-            return build(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._prep_pool, build, *args)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -335,8 +326,7 @@ class OpenAIServer(ResponseBuilding):
 
     def _admit(self, job: _Job) -> None:
         """Take the job's slots (one per engine request: prompts x n) and its
-        engine ids (checked free in _job, and again here: a job built on the
-        prep pool was built while the loop ran others)."""
+        engine ids (checked free in _job, again here: the prep pool built it off the loop)."""
         if not self._active_ids.isdisjoint(job.engine_ids):
             raise P.bad_request(f"request id {job.rid!r} is already in use", "X-Request-Id")
         if self.max_admitted is not None and self.admitted + job.cost > self.max_admitted:
@@ -371,7 +361,6 @@ class OpenAIServer(ResponseBuilding):
             if self.llm.dead_error is not None:
                 raise engine_unavailable()
             if isinstance(detail, str) and detail.startswith("structured output grammar"):
-                # The client's constraint failed (a limit it forced the matcher past).
                 raise P.bad_request(detail, RP.constraint_param(req), "grammar_error")
             raise internal_error()
 

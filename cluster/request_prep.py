@@ -3,7 +3,10 @@ event loop: which jobs are built off the loop, and tokenization bounded by
 characters before it starts (cluster/openai_server.py)."""
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
 
 from cluster import openai_protocol as P
 from engine.tokenizer import Tokenizer
@@ -27,6 +30,17 @@ def heavy(req: Any) -> bool:
         c = m.content
         chars += len(c) if isinstance(c, str) else sum(len(p.text) for p in c or ())
     return chars >= INLINE_CHARS
+
+
+T = TypeVar("T")
+
+
+async def off_loop(pool: Executor, build: Callable[[Any, Any], T], req: Any, request: Any) -> T:
+    """build(req, request) inline when cheap, else (a large text, a grammar to
+    check) on `pool`: the event loop serves every other request meanwhile."""
+    if not heavy(req):
+        return build(req, request)
+    return await asyncio.get_running_loop().run_in_executor(pool, build, req, request)
 
 
 def tokenize_bounded(tok: Tokenizer, text: str, add_special_tokens: bool, param: str,
