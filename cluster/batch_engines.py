@@ -86,8 +86,13 @@ class LineRunner:
 
     async def run(self, obj: dict[str, Any]) -> dict[str, Any]:
         """The output record of one input line; raises EngineFailure if the engine died."""
-        from cluster.openai_protocol import (APIError, ChatRequest, CompletionRequest, bad_request,
-                                             validate_model)
+        from cluster.openai_protocol import (
+            APIError,
+            ChatRequest,
+            CompletionRequest,
+            bad_request,
+            validate_model,
+        )
 
         await self.server.start()
         rid = f"batch-{uuid.uuid4().hex}"
@@ -109,7 +114,7 @@ class LineRunner:
             status, body = 400, bad_request(str(e)).body()
         except EngineDeadError as e:  # never a line's own error: the line is not done
             raise EngineFailure(f"engine failed: {self.llm.dead_error or e}") from None
-        except Exception:  # noqa: BLE001 - our bug: this line fails, the job goes on
+        except Exception:
             log.exception("line %r failed", obj.get("custom_id"))
             status, body = 500, {"error": {"message": "internal error", "type": "internal_error",
                                            "param": None, "code": "internal_error"}}
@@ -219,7 +224,7 @@ class ActorEngine:
 
         try:
             await asyncio.wait_for(self.pg.ready(), timeout=self.placement_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EngineFailure(f"engine {self.index}: placement group {self.pg.bundle_specs} not ready "
                                 f"after {self.placement_timeout_s:g}s (parallel.placement_timeout_s); available: {ray.available_resources()}") from None
         await self.actor.ready.remote()

@@ -13,13 +13,20 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import ray
 
-from cluster.engine_actor import TO_CORE, TO_FRONTEND, CoreActorPlacement, CoreInput, EngineCoreActor
+from cluster.engine_actor import (
+    TO_CORE,
+    TO_FRONTEND,
+    CoreActorPlacement,
+    CoreInput,
+    EngineCoreActor,
+)
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, KVCacheInfo
 from engine.errors import UnsendableRequestError

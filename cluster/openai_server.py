@@ -17,12 +17,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 import logging
 import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -376,7 +376,7 @@ class OpenAIServer(ResponseBuilding):
             yield P.sse(engine_unavailable().body())
         except UnsendableRequestError as e:
             yield P.sse(P.bad_request(str(e)).body())
-        except Exception:  # noqa: BLE001 - our bug: generic message, details logged
+        except Exception:
             log.exception("stream %s failed", job.rid)
             yield P.sse(internal_error().body())
         finally:
@@ -436,7 +436,7 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
             return error_response(engine_unavailable())
         except UnsendableRequestError as e:  # this request alone: the engine goes on
             return error_response(P.bad_request(str(e)))
-        except Exception:  # noqa: BLE001 - our bug: generic message, details logged
+        except Exception:
             log.exception("request failed")
             return error_response(internal_error())
 

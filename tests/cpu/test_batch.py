@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import pytest
-
 from llm_utils import make_checkpoint
 from ray_nodes import free_port, start_node, stop_node, token_env
 

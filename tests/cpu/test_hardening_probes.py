@@ -12,11 +12,16 @@ from typing import Any
 
 import msgspec
 import pytest
+from test_hardening_requests import PROMPT, FakeCore, _client, _error, _llm, _run
 
-from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from engine.contracts import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
 from engine.errors import EngineDeadError, UnsendableRequestError
 from engine.sampling_params import SamplingFields, SamplingParams
-from test_hardening_requests import PROMPT, FakeCore, _client, _error, _llm, _run
 
 LONE = "\udc00"
 
@@ -228,8 +233,9 @@ def test_a_grammar_that_fails_mid_generation_is_a_400_naming_the_field(ckpt):
 
 
 def test_a_matcher_error_ends_the_request_with_its_reason():
-    from engine.scheduler import _grammar_done
     from sched_utils import make_request
+
+    from engine.scheduler import _grammar_done
 
     req = make_request("r", [1, 2])
     grammar = SimpleNamespace(accept_tokens=lambda _t: False, error=lambda: "Too many items")

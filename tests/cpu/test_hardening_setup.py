@@ -11,13 +11,13 @@ import os
 import msgspec
 import pytest
 import torch
+from llm_utils import make_checkpoint
 
 from engine import LLM, SamplingParams
 from engine.async_client import AsyncLLM, collect
 from engine.async_client import EngineDeadError as FrontendDeadError
 from engine.config import TRITON_BLOCK_SIZES, ConfigError, ParallelConfig, build_config
 from executors.base import EngineDeadError
-from llm_utils import make_checkpoint
 
 SLOW_STEP = {"parallel.step_timeout_s": 2.0, "parallel.first_step_extra_s": 0.0}
 
@@ -106,7 +106,7 @@ def test_uniproc_health_fails_on_an_overrunning_step(tmp_path):
 
 
 class _SilentActor:
-    class check_health:  # noqa: N801 - mimics actor.check_health.remote()
+    class check_health:
         @staticmethod
         def remote() -> object:
             return object()

@@ -15,11 +15,10 @@ import time
 
 import httpx
 import pytest
-
 from llm_utils import make_checkpoint
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402 - after the importorskip
+from hypothesis import HealthCheck, given, settings
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
