@@ -73,6 +73,7 @@ class Frontend:
         self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
         self._grammar_backend: StructuredOutputBackend | None = None
         self._valid_specs: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._invalid_specs: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> the error
 
     def prepare(self, prompt: Prompt, sp: SamplingFields, request_id: str,
                 priority: int = 0, id_suffix: str = "") -> PreparedRequest:
@@ -106,6 +107,9 @@ class Frontend:
         if key in self._valid_specs:
             self._valid_specs.move_to_end(key)
             return
+        refused = self._invalid_specs.get(key)
+        if refused is not None:  # a grammar bomb sent again costs a lookup, not a compile
+            raise ValueError(refused)
         if self._grammar_backend is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer.json")
@@ -113,7 +117,13 @@ class Frontend:
             self._grammar_backend = make_backend(self.config.structured_outputs.backend,
                                                  self.config.model.tokenizer or self.config.model.path,
                                                  vocab, self.eos_token_id)
-        self._grammar_backend.validate(params)
+        try:
+            self._grammar_backend.validate(params)
+        except ValueError as e:
+            self._invalid_specs[key] = str(e)
+            if len(self._invalid_specs) > _VALID_SPECS_CACHED:
+                self._invalid_specs.popitem(last=False)
+            raise
         self._valid_specs[key] = None
         if len(self._valid_specs) > _VALID_SPECS_CACHED:
             self._valid_specs.popitem(last=False)
