@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class Frontend:
         self._grammar_backend: StructuredOutputBackend | None = None
         self._valid_specs: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._invalid_specs: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> the error
+        self._specs_lock = threading.Lock()
 
     def prepare(self, prompt: Prompt, sp: SamplingFields, request_id: str,
                 priority: int = 0, id_suffix: str = "") -> PreparedRequest:
@@ -102,7 +104,13 @@ class Frontend:
 
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile-check the constraint before anything is queued (ValueError).
-        Specs that passed are remembered (LRU), so each is checked once."""
+        Specs that passed are remembered (LRU), so each is checked once.
+        Thread-safe: the HTTP server checks on its prep pool (one at a time:
+        each check is bounded by the backend's limits)."""
+        with self._specs_lock:
+            self._validate_structured(params)
+
+    def _validate_structured(self, params: StructuredOutputsParams) -> None:
         key = (params.kind, params.spec_text())
         if key in self._valid_specs:
             self._valid_specs.move_to_end(key)
