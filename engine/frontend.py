@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
+from engine.json_limits import utf8_problem
 from engine.sampling_params import SamplingFields, child_seed
 from engine.structured_output.backend import StructuredOutputBackend, make_backend
 from engine.structured_output.params import StructuredOutputsParams
@@ -85,6 +86,9 @@ class Frontend:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer.json: pass token ids")
+            problem = utf8_problem(prompt)
+            if problem is not None:  # the tokenizer would raise TypeError
+                raise ValueError(f"prompt {problem}")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)

@@ -293,3 +293,9 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(ckpt, monkeypatch):
             assert r.status_code == 200, r.text
 
     _run(run())
+
+
+def test_offline_prompts_with_lone_surrogates_are_value_errors(ckpt):
+    llm = _llm(FakeCore(), model=ckpt)
+    with pytest.raises(ValueError, match="^prompt string holds a lone surrogate|^prompt holds a lone"):
+        llm.frontend.prepare("a" + LONE, SamplingParams(), "r")
