@@ -106,12 +106,14 @@ def read_config_tree(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     try:
         with open(p) as f:
-            tree = yaml.safe_load(f) or {}
+            tree = yaml.safe_load(f)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(e, "problem", None) or str(e).replace("\n", " ")
         raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    if tree is None:  # an empty file (or only comments) is a mistake, not "all defaults"
+        raise ConfigError(f"{path}: the file is empty: write at least `model: {{path: CHECKPOINT_DIR}}`")
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level: expected a mapping of sections, got {type(tree).__name__}")
     return tree
