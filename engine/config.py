@@ -37,6 +37,9 @@ class ModelConfig(msgspec.Struct, **_FROZEN):
 class ParallelConfig(msgspec.Struct, **_FROZEN):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Independent engine replicas behind one frontend and the router
+    # (serve.router); each has its own TP x PP worker group.
+    data_parallel_size: int = 1
     executor: str = "uniproc"
     placement_strategy: str = "PACK"
     pp_layer_partition: list[int] | None = None
@@ -126,6 +129,10 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # off by default, so one client cannot jump every other client's queue.
     # Off, a request that sends a non-default priority gets 400.
     allow_client_priority: bool = False
+    # Which engine serves a request when parallel.data_parallel_size > 1
+    # (engine/router/policy.py): kv_aware | session | least_loaded |
+    # power_of_two | round_robin. Offline LLM(...) and batch jobs too.
+    router: str = "kv_aware"
 
 
 class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
@@ -177,6 +184,8 @@ _KWARG_MAP: dict[str, tuple[str, str]] = {
     "attention_backend": ("model", "attention_backend"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
+    "router": ("serve", "router"),
     "executor": ("parallel", "executor"),
     "placement_strategy": ("parallel", "placement_strategy"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
@@ -391,6 +400,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "model.max_n": _at_least(1),
     "parallel.tensor_parallel_size": _at_least(1),
     "parallel.pipeline_parallel_size": _at_least(1),
+    "parallel.data_parallel_size": ("int in 1..1024", lambda v: 1 <= v <= 1024),
     "parallel.executor": _one_of(_EXECUTORS),
     "parallel.placement_strategy": _one_of(_STRATEGIES),
     "parallel.pp_layer_partition": ("null or a list of ints >= 1, one per pipeline stage",
@@ -427,6 +437,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
                             lambda v: v is None or 0 <= v <= 64),
     "serve.tool_call_parser": _one_of(_TOOL_CALL_PARSERS),
     "serve.allow_client_priority": ("bool", lambda v: True),
+    "serve.router": _one_of(("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")),
     "structured_outputs.backend": _one_of(("llguidance",)),
     "structured_outputs.compile_threads": ("int in 1..64", lambda v: 1 <= v <= 64),
     "speculative.method": ("null or ngram", lambda v: v in (None, "ngram")),
