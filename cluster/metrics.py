@@ -52,15 +52,18 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Any]:
         st, c, lab = self.llm.stats, self.llm.counters, [self.model_name]
+        # Per-engine series carry an `engine` label (data parallel: which
+        # replica; a replica with one engine is engine "0").
+        eng = [self.model_name, str(getattr(self.llm, "engine_index", 0))]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            g.add_metric(lab, value)
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "engine"])
+            g.add_metric(eng, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            m.add_metric(lab, value)
+            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "engine"])
+            m.add_metric(eng, value)
             return m
 
         yield gauge("num_requests_running", "Requests in the running batch.", st.num_running_reqs)

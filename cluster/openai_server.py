@@ -89,6 +89,7 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolSession | None = None  # chat with tools whose calls may come back
     prepared: list[PreparedRequest] = field(default_factory=list)  # one per prompt
+    cached: dict[int, int] = field(default_factory=dict)  # prompt -> its prefix-cache hit
 
     @property
     def n(self) -> int:

@@ -64,13 +64,25 @@ def test_one_hot_engine_spills_without_turning_cache_routing_off() -> None:
 
 def test_shared_system_prompt_does_not_pull_everything_to_one_engine() -> None:
     """production-stack #957: a system prompt every request shares (cached on
-    one engine) must not send every request there."""
+    one engine at first) must not send every request there. Each routed
+    prompt is cached where it went (as the engine's events would say) and a
+    request finishes 40 decisions later."""
     r = _router(4)
     system = _toks(9, 512)
     _cache_on(r, 0, system)
-    picks = [_route(r, f"r{i}", system + _toks(100 + i, 128), 64).engine for i in range(40)]
+    picks, reasons = [], []
+    for i in range(400):
+        toks = system + _toks(100 + i, 128)
+        d = _route(r, f"r{i}", toks, 64)
+        picks.append(d.engine)
+        reasons.append(d.reason)
+        _cache_on(r, d.engine, toks)
+        if i >= 40:
+            r.finish(f"r{i - 40}")
     counts = [picks.count(e) for e in range(4)]
-    assert max(counts) / (sum(counts) / 4) <= 1.25, counts
+    assert max(counts) / (sum(counts) / 4) <= 1.1, counts
+    assert max(r.inflight) <= 1.25 * r.inflight.mean() + 2
+    assert reasons[200:].count("cache_hit") == 200  # prefix routing stays on
 
 
 def test_chat_routes_on_the_whole_prompt_not_its_first_message() -> None:

@@ -342,6 +342,19 @@ def test_batch_prompts_index_and_usage(client, refs):
     assert r.usage.completion_tokens == 2 * sum(len(x.token_ids) for x in refs["completion"][:2])
 
 
+def test_usage_reports_the_engines_cached_tokens(client):
+    """usage.prompt_tokens_details.cached_tokens is the engine's own prefix-cache
+    hit (whole 16-token blocks, at most prompt - 1), streamed with include_usage too."""
+    prompt = [5 + (i * 37) % 400 for i in range(70)]
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0.0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0.0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+
+
 def test_chat_greedy_equals_llm(client, refs):
     msgs = [{"role": "user", "content": PROMPTS[0]}]
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS,
