@@ -237,6 +237,16 @@ def remote_core_factory(config: EngineConfig) -> CoreClientFactory | None:
 
 
 def make_core_client(config: EngineConfig) -> CoreClient:
+    """The client of the config's engine; with parallel.data_parallel_size > 1,
+    of its N engines behind the router (engine/dp_engine.py)."""
+    if config.parallel.data_parallel_size > 1:
+        from engine.dp_engine import DataParallelClient
+
+        return DataParallelClient(config)
+    return make_single_core_client(config)
+
+
+def make_single_core_client(config: EngineConfig) -> CoreClient:
     factory = remote_core_factory(config)
     return factory(config) if factory is not None else InProcCoreClient(config)
 

@@ -43,9 +43,9 @@ class LLM:
     @staticmethod
     def _make_engine(config: EngineConfig) -> Any:
         if config.parallel.data_parallel_size > 1:  # N cores behind the router
-            from engine.dp_engine import DataParallelEngine
+            from engine.dp_engine import DataParallelClient
 
-            return DataParallelEngine(config)
+            return SyncCoreEngine(DataParallelClient(config))
         remote = remote_core_factory(config)
         if remote is not None:
             return SyncCoreEngine(remote(config))
@@ -130,8 +130,9 @@ class LLM:
         conveyor:spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens,
         ..._num_accepted_tokens_per_pos{position="i"})."""
         out = self._spec_counters.as_dict()
-        if hasattr(self.engine, "metrics"):  # data parallel: per-engine and router series
-            out.update(self.engine.metrics())
+        client = getattr(self.engine, "client", None)
+        if hasattr(client, "metrics"):  # data parallel: per-engine and router series
+            out.update(client.metrics())
         return out
 
     def get_tokenizer(self) -> Tokenizer | None:

@@ -263,7 +263,7 @@ def test_data_parallel_two_engines_match_one(ckpts, prompts, refs):
         assert [o.outputs[0].token_ids for o in greedy] == refs["llama"]
         two = llm.generate(prompts, seeded, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
-        router = llm.engine.router
+        router = llm.engine.client.router
         per_engine = [sum(v for (_, _, e), v in router.decisions.items() if e == i) for i in range(2)]
         assert min(per_engine) > 0, per_engine
         # The second round found every prompt's blocks where the first left them.

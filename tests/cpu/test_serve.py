@@ -649,6 +649,43 @@ def test_ray_executor_inside_the_replica_placement_group(server, ckpt, refs, tmp
         serve.delete("rayexec")
 
 
+def test_data_parallel_app_matches_one_engine_over_http(server, client, ckpt, refs, tmp_path):
+    """data_parallel_size=2 behind one ingress replica: two EngineCoreActors and
+    the kv_aware router give the single engine's tokens (greedy = LLM.generate,
+    seeded = the module's one-engine app), a repeated prompt is routed to its
+    cached blocks (usage.cached_tokens), and /metrics has per-engine series."""
+    from ray import serve
+
+    from cluster.serve_app import build_app
+
+    cfg = _write_config(str(tmp_path / "dp.yaml"), ckpt, 1)
+    serve.run(build_app({"config": cfg, "name": "DP", "overrides": {
+        "data_parallel_size": 2, "parallel.num_cpus_per_worker": 0.5}}),
+        name="dp", route_prefix="/dp", blocking=False)
+    try:
+        def post(body: dict) -> dict:
+            r = httpx.post(f"{server}/dp/v1/completions", headers=AUTH, timeout=120,
+                           json={"model": "tiny", **body})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        for prompt, ref in zip(PROMPTS, refs["completion"]):
+            out = post({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0})
+            assert out["choices"][0]["text"] == ref.text
+        seeded = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.9, "seed": 5}
+        one = client.completions.create(model="tiny", **seeded).choices[0].text
+        assert post(seeded)["choices"][0]["text"] == one
+        long_prompt = [7 + (i * 53) % 400 for i in range(70)]
+        post({"prompt": long_prompt, "max_tokens": 2, "temperature": 0.0})
+        again = post({"prompt": long_prompt, "max_tokens": 2, "temperature": 0.0})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        m = _metrics(f"{server}/dp")
+        engines = {k.split('engine="')[1].split('"')[0] for k in m if k.startswith("conveyor:router_decisions")}
+        assert engines == {"0", "1"}, m
+        assert any('reason="cache_hit"' in k for k in m if k.startswith("conveyor:router_decisions"))
+    finally:
+        serve.delete("dp")
+
 
 def _thread_cpus(pid: int) -> list[set[int]]:
     """Each thread's allowed cores (Linux affinity is per thread)."""
