@@ -249,7 +249,13 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def replica_cpus(config: EngineConfig, use_gpu: bool) -> float:
-    """Logical CPUs one replica reserves (its placement group, or its actor)."""
+    """Logical CPUs one replica reserves (its placement group, or its actor;
+    with data parallel, its engines' actors and their workers too)."""
+    p = config.parallel
+    if p.data_parallel_size > 1:
+        per_engine = (p.num_cpus_per_worker * config.world_size if p.executor == "ray" else
+                      (0.0 if use_gpu else p.num_cpus_per_worker) + (1.0 if use_gpu else 0.0))
+        return 1.0 + p.data_parallel_size * per_engine
     opts = replica_resources(config, use_gpu)
     bundles = opts.get("placement_group_bundles")
     if bundles:

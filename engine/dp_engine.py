@@ -148,5 +148,6 @@ class DataParallelClient:
         return out
 
     def shutdown(self) -> None:
-        for c in self.clients:
+        # Last first: the first client may own the Ray instance it started.
+        for c in reversed(self.clients):
             c.shutdown()

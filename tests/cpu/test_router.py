@@ -203,3 +203,22 @@ def test_other_policies_balance_and_session_sticks(policy: str) -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_aware"):
         RouterSettings(policy="random")
+
+
+def test_config_knobs_cli_flag_and_metrics_rows() -> None:
+    import argparse
+
+    from cluster.options import add_override_options, collect_overrides
+    from engine.config import ConfigError, build_config
+
+    cfg = build_config(data_parallel_size=2, router="session")
+    assert (cfg.parallel.data_parallel_size, cfg.serve.router) == (2, "session")
+    assert build_config().serve.router == "kv_aware"
+    with pytest.raises(ConfigError, match="serve.router"):
+        build_config(router="random")
+    with pytest.raises(ConfigError, match="parallel.data_parallel_size"):
+        build_config(data_parallel_size=0)
+    ap = argparse.ArgumentParser()
+    add_override_options(ap)
+    args = ap.parse_args(["--data-parallel-size", "4", "--router", "power_of_two"])
+    assert collect_overrides(args) == {"parallel.data_parallel_size": 4, "serve.router": "power_of_two"}
