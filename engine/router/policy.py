@@ -85,6 +85,9 @@ class Router:
         self.live = np.ones(num_engines, dtype=bool)
         self.load_tokens = np.zeros(num_engines, dtype=np.float64)
         self.inflight = np.zeros(num_engines, dtype=np.int64)
+        # What each engine last reported holding (waiting + running): other
+        # routers' requests (several ingress replicas) show up here.
+        self.reported = np.zeros(num_engines, dtype=np.int64)
         self._requests: dict[str, tuple[int, int]] = {}  # id -> (engine, load tokens)
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._rng = random.Random(settings.seed)
@@ -98,11 +101,14 @@ class Router:
 
     def on_events(self, engine: int, ev: KVEvents) -> bool:
         """Feed one message of an engine's stream; False: ask it for a snapshot."""
+        if ev.load is not None:
+            self.reported[engine] = ev.load.num_waiting + ev.load.num_running
         return self.index.apply(engine, ev)
 
     def engine_down(self, engine: int) -> None:
         """Dead or restarting: route nothing there, forget its cache."""
         self.live[engine] = False
+        self.reported[engine] = 0
         self._all_mask &= ~(1 << engine)
         self.index.drop_engine(engine)
 
@@ -200,15 +206,20 @@ class Router:
             best = best[loads == loads.min()]
         return int(best[0] if len(best) == 1 else best[self._rng.randrange(len(best))])
 
-    def _spill_bound(self) -> float:
-        live = self.inflight[self.live]
+    def _held(self) -> np.ndarray:
+        return np.maximum(self.inflight, self.reported)
+
+    def _spill_bound(self, held: np.ndarray) -> float:
+        live = held[self.live]
         return self.s.spill_ratio * float(live.mean()) + self.s.spill_slack if len(live) else 0.0
 
     def _overloaded(self, e: int) -> bool:
-        return self.inflight[e] + 1 > self._spill_bound()
+        held = self._held()
+        return held[e] + 1 > self._spill_bound(held)
 
     def _overloaded_mask(self) -> np.ndarray:
-        return self.inflight + 1 > self._spill_bound()
+        held = self._held()
+        return held + 1 > self._spill_bound(held)
 
     def _remember_session(self, session: str, e: int) -> None:
         s = self._sessions
