@@ -88,6 +88,8 @@ class DataParallelClient:
                 for o in outs.outputs:
                     if o.finished and self._live.pop(o.request_id, None) is not None:
                         self.router.finish(o.request_id)
+                        log.debug("request %s on engine %d: actual cached tokens %d",
+                                  o.request_id, i, o.num_cached_tokens)
             if snapshot:
                 log.warning("engine %d: a gap in its prefix-cache events; asking for a snapshot", i)
                 self.clients[i].request_kv_snapshot()
