@@ -87,6 +87,23 @@ def decision_latency(n: int, reqs: list[SimRequest], reps: int) -> tuple[float, 
     return float(np.percentile(a, 50)), float(np.percentile(a, 99)), router.index.num_entries()
 
 
+def index_bytes_per_block(reqs: list[SimRequest], n: int = 8) -> tuple[float, int]:
+    """tracemalloc's count of what the index allocates per (hash, engine) entry
+    (hashes arrive as fresh bytes objects, as decoded from an engine's events)."""
+    import tracemalloc
+
+    from engine.router.index import PrefixIndex
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    idx = PrefixIndex()
+    for i, r in enumerate(reqs):
+        idx.apply(i % n, KVEvents(1, i // n + 1, [bytes(bytearray(h)) for h in r.hashes]))
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return used / max(idx.num_entries(), 1), idx.num_entries()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=int, default=8)
@@ -102,6 +119,9 @@ def main() -> None:
     for n in (8, 64, 512):
         p50, p99, entries = decision_latency(n, reqs, 1 if args.quick else 3)
         print(f"engines={n:<5} p50={p50:7.1f} us  p99={p99:7.1f} us  index entries={entries}")
+    per, entries = index_bytes_per_block(reqs)
+    print(f"\nindex memory: {per:.0f} bytes per (hash, engine) entry over {entries} entries "
+          f"(engine/router/index.py BYTES_PER_BLOCK)")
 
 
 if __name__ == "__main__":

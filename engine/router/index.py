@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 
 from engine.router.events import EngineLoad, KVEvents
 
-# Measured (bench/routing.py, tracemalloc): one indexed (hash, engine) entry costs
-# about this much (the 32-byte hash object, the owners dict slot and mask, the
-# engine's ordered dict slot).
-BYTES_PER_BLOCK = 200
+# Measured (bench/routing.py, tracemalloc, the synthetic trace on 8 engines:
+# 127 bytes): one indexed (hash, engine) entry, i.e. the 32-byte hash as a
+# bytes object (65), its slot in the owners dict and its mask, its slot in the
+# engine's ordered dict. The index never holds more than the engines' caches
+# do, and each engine's share is capped (max_blocks_per_engine).
+BYTES_PER_BLOCK = 128
 
 
 @dataclass
