@@ -257,7 +257,7 @@ def test_data_parallel_two_engines_match_one(ckpts, prompts, refs):
     seeded = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11 + i, ignore_eos=True)
               for i in range(len(prompts))]
     one, _ = _generate(path, prompts, seeded)
-    llm = LLM(model=path, data_parallel_size=2)
+    llm = LLM(model=path, data_parallel_size=2, num_gpu_blocks=512)
     try:
         greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in greedy] == refs["llama"]
