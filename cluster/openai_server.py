@@ -254,6 +254,10 @@ class OpenAIServer(ResponseBuilding):
             raise P.bad_request(f"request id {rid!r} is already in use", "X-Request-Id")
         job = _Job(kind, rid, eids, prompts, params, req, tools=plan and ToolSession(plan))
         self._prepare(job, prompt_param)
+        # Data parallel: a soft preference for the engine this session used last.
+        session = request.headers.get("x-session-id") or getattr(req, "user", None)
+        for prep in job.prepared:
+            prep.session = session[:256] if session else None
         return job
 
     # ---- endpoints ---------------------------------------------------------------

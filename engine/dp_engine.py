@@ -60,6 +60,8 @@ def make_engine_clients(config: EngineConfig,
 
 
 class DataParallelClient:
+    takes_session = True  # add_request(request, session=...) (AsyncLLM checks)
+
     def __init__(self, config: EngineConfig, clients: list[Any] | None = None) -> None:
         self.config = config
         self.clients = clients if clients is not None else make_engine_clients(config)

@@ -222,3 +222,59 @@ def test_config_knobs_cli_flag_and_metrics_rows() -> None:
     add_override_options(ap)
     args = ap.parse_args(["--data-parallel-size", "4", "--router", "power_of_two"])
     assert collect_overrides(args) == {"parallel.data_parallel_size": 4, "serve.router": "power_of_two"}
+
+
+class _FakeEngine:
+    """A CoreClient without an engine: records what the router sent it."""
+
+    def __init__(self) -> None:
+        from engine.contracts import KVCacheInfo
+
+        self.kv_info = KVCacheInfo(num_blocks=64, block_size=BS)
+        self.added: list[str] = []
+        self.snapshots = 0
+        self.emit = None
+
+    def start(self, on_outputs) -> None:
+        self.emit = on_outputs
+
+    def add_request(self, request) -> None:
+        self.added.append(request.request_id)
+
+    def request_kv_snapshot(self) -> None:
+        self.snapshots += 1
+
+
+def test_data_parallel_client_routes_sessions_feeds_events_and_resyncs() -> None:
+    from engine.config import build_config
+    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+    from engine.dp_engine import DataParallelClient
+    from engine.sampling_params import SamplingParams
+
+    engines = [_FakeEngine(), _FakeEngine()]
+    dp = DataParallelClient(build_config(data_parallel_size=2, router="session"), engines)
+    got: list[EngineCoreOutputs] = []
+    dp.start(got.append)
+
+    def req(rid: str, n: int = 40) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id=rid, prompt_token_ids=_toks(len(rid), n),
+                                 sampling_params=SamplingParams(max_tokens=4), arrival_time=0.0,
+                                 priority=0, eos_token_id=None)
+
+    dp.add_request(req("a1"), session="alice")
+    dp.add_request(req("b1"), session="bob")
+    first = 0 if "a1" in engines[0].added else 1
+    dp.add_request(req("a2"), session="alice")
+    assert "a2" in engines[first].added and "b1" in engines[1 - first].added
+    # Events: in order they index, a gap asks that engine for a snapshot.
+    hs = block_hashes_of(_toks(2, 64), BS)
+    engines[0].emit(EngineCoreOutputs(kv_events=KVEvents(5, 1, hs[:2])))
+    assert dp.router.index_size(0) == 2
+    engines[0].emit(EngineCoreOutputs(kv_events=KVEvents(5, 3, hs[2:])))
+    assert engines[0].snapshots == 1 and dp.router.index_size(0) == 0
+    # A finished request releases its load; the frontend gets every message.
+    owner = engines[first]
+    owner.emit(EngineCoreOutputs(outputs=[EngineCoreOutput("a1", [7], FinishReason.LENGTH)]))
+    assert dp.router.inflight.sum() == 2 and len(got) == 3
+    m = dp.metrics()
+    assert m[f'conveyor:router_decisions_total{{engine="{first}",policy="session",reason="session"}}'] == 1
