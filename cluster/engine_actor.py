@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class CoreInput(msgspec.Struct, array_like=True, gc=False):
-    kind: str  # "add" | "abort" | "utility"
+    kind: str  # "add" | "abort" | "kv_snapshot" | "utility"
     request: EngineCoreRequest | None = None
     request_ids: list[str] = msgspec.field(default_factory=list)
     method: str | None = None
@@ -85,6 +85,8 @@ class EngineCoreActor:
                 self._loop.submit("add", msg.request)
             elif msg.kind == "abort":
                 self._loop.submit("abort", msg.request_ids)
+            elif msg.kind == "kv_snapshot":  # the router saw a gap (data parallel)
+                self._loop.submit("kv_snapshot", None)
             else:
                 log.warning("ignored a core input of kind %r", msg.kind)
 

@@ -52,22 +52,29 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Any]:
         st, c, lab = self.llm.stats, self.llm.counters, [self.model_name]
+        # Per-engine series carry an `engine` label (data parallel: which
+        # replica; a replica with one engine is engine "0").
+        eng = [self.model_name, str(getattr(self.llm, "engine_index", 0))]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            g.add_metric(lab, value)
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "engine"])
+            g.add_metric(eng, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-            m.add_metric(lab, value)
+            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "engine"])
+            m.add_metric(eng, value)
             return m
 
+        rows = getattr(getattr(self.llm, "client", None), "metric_rows", None)
+        if callable(rows):  # data parallel: N engines behind the router
+            yield from _engine_rows(rows(), self.model_name)
         yield gauge("num_requests_running", "Requests in the running batch.", st.num_running_reqs)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting_reqs)
         yield gauge("kv_cache_usage_perc", "KV-cache usage, 1 = full.", st.kv_cache_usage)
-        yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", c.prefix_queries)
-        yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", c.prefix_hits)
+        if not callable(rows):  # with N engines: per engine, above
+            yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", c.prefix_queries)
+            yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", c.prefix_hits)
         yield counter("num_preemptions", "Cumulative preemptions.", c.preemptions)
         yield counter("prompt_tokens", "Prefill tokens processed.", c.prompt_tokens)
         yield counter("generation_tokens", "Generation tokens produced.", c.generation_tokens)
@@ -98,6 +105,19 @@ class _EngineCollector:
                       rec.restarts if rec is not None else 0)
         yield _histogram("engine_recovery_seconds", "Time to rebuild the worker group after a lost rank.",
                          _RecoveryHistogram(rec), lab)
+
+
+def _engine_rows(rows: list[tuple[str, str, dict[str, str], float]], model: str) -> Iterator[Any]:
+    """DataParallelClient.metric_rows as metric families (one per name)."""
+    families: dict[str, Any] = {}
+    for name, kind, lab, value in rows:
+        keys = ["model_name", *lab]
+        fam = families.get(name)
+        if fam is None:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = families[name] = cls(PREFIX + name, name.replace("_", " ") + " (per engine).", labels=keys)
+        fam.add_metric([model, *lab.values()], value)
+    yield from families.values()
 
 
 class _RecoveryHistogram:

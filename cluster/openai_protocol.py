@@ -254,9 +254,12 @@ def render_messages(req: ChatRequest) -> list[dict[str, Any]]:
 
 # ---- responses ----------------------------------------------------------------------
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens is the engines' own prefix-cache hit
+    (RequestOutput.num_cached_tokens, summed over the prompts)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def finish_reason(reason: str | None) -> str | None:

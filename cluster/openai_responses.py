@@ -54,6 +54,7 @@ class ResponseBuilding:
         """Fold a batch of deltas into per-choice accumulators; returns new tokens."""
         n_tokens = 0
         for i, ro in batch:
+            job.cached[i] = max(job.cached.get(i, 0), ro.num_cached_tokens)
             timers[i].on_tokens(sum(len(d.token_ids) for d in ro.outputs))
             for d in ro.outputs:
                 self._check_delta(d.finish_reason, d.stop_reason, job.req)
@@ -76,7 +77,8 @@ class ResponseBuilding:
         completion_tokens = sum(len(a.token_ids) for a in accs.values())
         kind = "text_completion" if job.kind == "completion" else "chat.completion"
         return P.envelope(kind, job.rid, self.model_name, choices,
-                          P.usage(sum(map(len, job.prompts)), completion_tokens), job.created)
+                          P.usage(sum(map(len, job.prompts)), completion_tokens,
+                                  sum(job.cached.values())), job.created)
 
     def _final_choice(self, job: _Job, idx: int, a: _Acc) -> dict[str, Any]:
         k = job.k
@@ -110,7 +112,8 @@ class ResponseBuilding:
                     yield P.sse(P.envelope(kind, job.rid, self.model_name, choices, created=job.created))
         if job.req.include_usage:
             yield P.sse(P.envelope(kind, job.rid, self.model_name, [],
-                                   P.usage(sum(map(len, job.prompts)), tokens_out), job.created))
+                                   P.usage(sum(map(len, job.prompts)), tokens_out,
+                                           sum(job.cached.values())), job.created))
 
     def _delta_choice(self, job: _Job, idx: int, d: _Acc,
                       offsets: dict[int, int]) -> list[dict[str, Any]]:

@@ -91,6 +91,7 @@ class _Job:
     created: int = field(default_factory=lambda: int(time.time()))
     tools: ToolSession | None = None  # chat with tools whose calls may come back
     prepared: list[PreparedRequest] = field(default_factory=list)  # one per prompt
+    cached: dict[int, int] = field(default_factory=dict)  # prompt -> its prefix-cache hit
 
     @property
     def n(self) -> int:
@@ -258,6 +259,10 @@ class OpenAIServer(ResponseBuilding):
             raise P.bad_request(f"request id {rid!r} is already in use", "X-Request-Id")
         job = _Job(kind, rid, eids, prompts, params, req, tools=plan and ToolSession(plan))
         self._prepare(job, prompt_param)
+        # Data parallel: a soft preference for the engine this session used last.
+        session = request.headers.get("x-session-id") or getattr(req, "user", None)
+        for prep in job.prepared:
+            prep.session = session[:256] if session else None
         return job
 
     # ---- endpoints ---------------------------------------------------------------

@@ -41,7 +41,7 @@ def _parser(base: type) -> Callable[[str], Any]:
 def _overrides(serve: bool) -> tuple[Override, ...]:
     """The options of the config fields that declare a CLI flag (engine/config/sections.py)."""
     return tuple(Override(str(i.flag), i.key, _parser(i.base_type), i.knob.help or i.knob.expect)
-                 for i in cli_knobs() if i.key.startswith("serve.") == serve)
+                 for i in cli_knobs() if (i.cli_group == "serve") == serve)
 
 
 ENGINE_OVERRIDES: tuple[Override, ...] = _overrides(serve=False)

@@ -110,6 +110,14 @@ class RayCoreClient:
             if not self.recovering:
                 self.link.send(CoreInput("abort", request_ids=ids))
 
+    def request_kv_snapshot(self) -> None:
+        """The router saw a gap in this engine's prefix-cache events (data
+        parallel): the actor sends a full snapshot on its output channel. A new
+        actor starts a new epoch by itself, so nothing is sent while recovering."""
+        with self._lock:
+            if self.dead is None and not self.recovering:
+                self.link.send(CoreInput("kv_snapshot"))
+
     def check_health(self) -> str:
         """"ok", or "recovering" while the actor or its worker group is being
         replaced; raises EngineDeadError when the engine cannot go on. A lost

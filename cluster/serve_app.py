@@ -80,6 +80,10 @@ def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
     """
     world = config.world_size
     strategy = config.parallel.placement_strategy
+    if config.parallel.data_parallel_size > 1:
+        # The engines are EngineCoreActors of their own (data_parallel_client),
+        # outside the replica's reservation: each may land on any node.
+        return {"ray_actor_options": {"num_cpus": 1}}
     if config.parallel.executor == "ray":
         worker = worker_bundle(use_gpu, config.parallel.num_cpus_per_worker)
         return {"ray_actor_options": {"num_cpus": 1},
@@ -102,6 +106,19 @@ def core_actor_placement(config: EngineConfig, use_gpu: bool) -> CoreActorPlacem
         return CoreActorPlacement(bundle_index=1, num_cpus=1.0,
                                   num_gpus=float(config.world_size) if use_gpu else 0.0)
     return None
+
+
+def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:
+    """parallel.data_parallel_size engines behind the router, each an
+    EngineCoreActor with its own resources (executor "ray": its own worker
+    placement group; otherwise the model in the actor, with its GPUs)."""
+    from engine.dp_engine import DataParallelClient, make_engine_clients
+
+    p = config.parallel
+    place = (CoreActorPlacement() if p.executor == "ray" else
+             CoreActorPlacement(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
+                                num_gpus=float(config.world_size) if use_gpu else 0.0))
+    return DataParallelClient(config, make_engine_clients(config, lambda c: RayCoreClient(c, place)))
 
 
 def max_admitted(config: EngineConfig) -> int:
@@ -144,12 +161,16 @@ class OpenAIDeployment:
         check_model_dir(self.config, source=config_path)
         t0 = time.monotonic()
         place = core_actor_placement(self.config, use_gpu)
+        if self.config.parallel.data_parallel_size > 1:
+            place = None
         if place is not None and (split := cpu_layout.plan(self.config, use_gpu)) is not None:
             place = dataclasses.replace(place, engine_cpus=split.engine)
             cpu_layout.pin_process(split.frontend)
             log.info("replica threads on cores %s, engine step thread on %s",
                      split.frontend, split.engine)
         client = RayCoreClient(self.config, place) if place is not None else None
+        if self.config.parallel.data_parallel_size > 1:
+            client = data_parallel_client(self.config, use_gpu)
         try:
             self.llm = AsyncLLM(self.config, client)
         except BaseException:
@@ -228,7 +249,13 @@ def build_app(args: dict[str, Any]) -> Application:
 
 
 def replica_cpus(config: EngineConfig, use_gpu: bool) -> float:
-    """Logical CPUs one replica reserves (its placement group, or its actor)."""
+    """Logical CPUs one replica reserves (its placement group, or its actor;
+    with data parallel, its engines' actors and their workers too)."""
+    p = config.parallel
+    if p.data_parallel_size > 1:
+        per_engine = (p.num_cpus_per_worker * config.world_size if p.executor == "ray" else
+                      (0.0 if use_gpu else p.num_cpus_per_worker) + (1.0 if use_gpu else 0.0))
+        return 1.0 + p.data_parallel_size * per_engine
     opts = replica_resources(config, use_gpu)
     bundles = opts.get("placement_group_bundles")
     if bundles:

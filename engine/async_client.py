@@ -213,9 +213,11 @@ class AsyncLLM:
         for r, c in zip(reqs, children):
             self._child_to_stream[r.request_id] = (stream, c)
         self.counters.prompt_tokens += len(ids) * len(reqs)
+        session = {"session": prep.session} if prep.session is not None and getattr(
+            self.client, "takes_session", False) else {}
         for i, r in enumerate(reqs):
             try:
-                self.client.add_request(r)
+                self.client.add_request(r, **session)
             except BaseException:
                 for c in children[i:]:
                     c.fail("error")  # never reached the engine: nothing to abort there

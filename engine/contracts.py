@@ -11,6 +11,8 @@ import enum
 import msgspec
 import numpy as np
 
+from engine.router.events import KVEvents
+
 # SamplingFields, not SamplingParams: decoding a message trusts the checks
 # that ran once at the edge (see engine/sampling_params.py).
 from engine.sampling_params import SamplingFields
@@ -221,6 +223,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     timestamp: float = 0.0
     # Set when the engine died: every in-flight request ends with this error.
     engine_error: str | None = None
+    # Data parallel: this engine's prefix-cache events and load for the router.
+    kv_events: KVEvents | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()

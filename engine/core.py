@@ -19,6 +19,7 @@ from engine.contracts import (EngineCoreOutputs, EngineCoreRequest, KVCacheInfo,
 from engine.frontend import resolved_max_tokens
 from engine.kv_cache.manager import cdiv
 from engine.request import Request
+from engine.router.events import EngineLoad, KVEventPublisher, KVEvents
 from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
 from engine.recovery import RestartBudget, rebuild_executor, record_recovery, recovery_enabled
@@ -70,6 +71,29 @@ class EngineCore:
         self._recovery_started = 0.0
         # Aborts may arrive from other threads while a step is in flight.
         self._aborts: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
+        # Data parallel: the router's view of this engine's prefix cache
+        # (None with one engine: the step loop pays nothing).
+        self.kv_events = KVEventPublisher() if config.parallel.data_parallel_size > 1 else None
+        self._hook_kv_events()
+
+    def _hook_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.scheduler.kv_cache_manager.block_pool.events = self.kv_events
+
+    def _kv_load(self) -> EngineLoad:
+        s = self.scheduler
+        return EngineLoad(len(s.waiting), len(s.running), s.kv_cache_manager.get_num_free_blocks())
+
+    def drain_kv_events(self) -> KVEvents | None:
+        """The router's events since the last call (step thread only)."""
+        return self.kv_events.drain(self._kv_load()) if self.kv_events is not None else None
+
+    def kv_snapshot(self) -> KVEvents | None:
+        """Every block hash this engine holds (after the router saw a gap)."""
+        if self.kv_events is None:
+            return None
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return self.kv_events.snapshot(list(pool.cached_block_hash_to_block), self._kv_load())
 
     # ---- input -------------------------------------------------------------
 
@@ -152,6 +176,9 @@ class EngineCore:
         if self.batch_queue is not None:
             self.batch_queue.clear()  # those steps' outputs died with the group
         self.scheduler.reset_for_new_workers(self.kv_info.num_blocks)
+        if self.kv_events is not None:  # the new group's cache starts empty
+            self.kv_events.cleared()
+            self._hook_kv_events()
         self.num_restarts += 1
         took = time.monotonic() - start
         self.scheduler.recovery_stats = record_recovery(self.scheduler.recovery_stats, took)

@@ -24,6 +24,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.contracts import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
                               KVCacheInfo)
 from engine.errors import EngineDeadError
+from engine.router.events import KVEvents
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class EngineBusyLoop:
                 # Idle after the abort: no step will publish fresh stats, so
                 # send them now (KV usage back to 0, nothing running).
                 self.on_outputs(EngineCoreOutputs(scheduler_stats=self.core.scheduler.make_stats()))
+        elif kind == "kv_snapshot":
+            self.on_outputs(EngineCoreOutputs(kv_events=self.core.kv_snapshot()))
         elif kind == "stop":
             self._stop.set()
 
@@ -94,7 +97,10 @@ class EngineBusyLoop:
                 if self._stop.is_set() or not self.core.has_work():
                     continue
                 outs, executed = self.core.step_fn()
-                if outs is not None and (outs.outputs or outs.scheduler_stats is not None):
+                if self.core.kv_events is not None:  # data parallel only
+                    outs = _with_kv_events(outs, self.core.drain_kv_events())
+                if outs is not None and (outs.outputs or outs.scheduler_stats is not None
+                                         or outs.kv_events is not None):
                     self.on_outputs(outs)
                 if not executed and self.core.has_work():
                     time.sleep(0.001)
@@ -105,6 +111,15 @@ class EngineBusyLoop:
 
     def stop(self) -> None:
         self.submit("stop", None)
+
+
+def _with_kv_events(outs: EngineCoreOutputs | None, ev: KVEvents | None) -> EngineCoreOutputs | None:
+    if ev is None:
+        return outs
+    if outs is None:
+        outs = EngineCoreOutputs()
+    outs.kv_events = ev
+    return outs
 
 
 class InProcCoreClient:
@@ -127,6 +142,10 @@ class InProcCoreClient:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self._require().submit("abort", list(request_ids))
+
+    def request_kv_snapshot(self) -> None:
+        """The router saw a gap in this engine's events: send a full snapshot."""
+        self._require().submit("kv_snapshot", None)
 
     def check_health(self) -> str:
         loop = self._require()
@@ -218,6 +237,16 @@ def remote_core_factory(config: EngineConfig) -> CoreClientFactory | None:
 
 
 def make_core_client(config: EngineConfig) -> CoreClient:
+    """The client of the config's engine; with parallel.data_parallel_size > 1,
+    of its N engines behind the router (engine/dp_engine.py)."""
+    if config.parallel.data_parallel_size > 1:
+        from engine.dp_engine import DataParallelClient
+
+        return DataParallelClient(config)
+    return make_single_core_client(config)
+
+
+def make_single_core_client(config: EngineConfig) -> CoreClient:
     factory = remote_core_factory(config)
     return factory(config) if factory is not None else InProcCoreClient(config)
 

@@ -28,6 +28,8 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[EngineCoreRequest]  # one per n, ids "<request_id>-<k><suffix>"
+    # Data parallel: the session the router keeps together (x-session-id / `user`).
+    session: str | None = None
 
 
 class ContextLengthError(ValueError):

@@ -42,6 +42,10 @@ class LLM:
 
     @staticmethod
     def _make_engine(config: EngineConfig) -> Any:
+        if config.parallel.data_parallel_size > 1:  # N cores behind the router
+            from engine.dp_engine import DataParallelClient
+
+            return SyncCoreEngine(DataParallelClient(config))
         remote = remote_core_factory(config)
         if remote is not None:
             return SyncCoreEngine(remote(config))
@@ -125,7 +129,11 @@ class LLM:
         """Current counter values keyed by metric name (speculative decoding:
         conveyor:spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens,
         ..._num_accepted_tokens_per_pos{position="i"})."""
-        return self._spec_counters.as_dict()
+        out = self._spec_counters.as_dict()
+        client = getattr(self.engine, "client", None)
+        if hasattr(client, "metrics"):  # data parallel: per-engine and router series
+            out.update(client.metrics())
+        return out
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer

@@ -15,7 +15,8 @@ def local_ray_num_cpus(config: EngineConfig | None, cpu_count: int) -> int:
     CPU, ranks share cores; Ray's CPU count is only a scheduling budget)."""
     if config is None:
         return max(cpu_count, 1)
-    need = math.ceil(config.world_size * config.parallel.num_cpus_per_worker)
+    need = math.ceil(config.world_size * config.parallel.data_parallel_size
+                     * config.parallel.num_cpus_per_worker)
     return max(cpu_count, need, 1)
 
 

@@ -293,10 +293,11 @@ def check_cluster_fits(cfg: EngineConfig, num_gpus: float, *, copies: int = 1,
     with `num_gpus` GPUs (call it with `ray.cluster_resources().get("GPU", 0)`).
     0 GPUs means a CPU cluster: workers then take CPU bundles, and Ray's
     placement-group timeout reports a shortage instead."""
+    p = cfg.parallel
+    copies *= p.data_parallel_size
     need = cfg.world_size * copies
     if num_gpus <= 0 or need <= num_gpus:
         return
-    p = cfg.parallel
     dp = f" × {copies} data-parallel engines" if copies > 1 else ""
     raise ConfigError(f"{source}: parallel: expected at most the cluster's {num_gpus:g} GPUs, got "
                       f"tensor_parallel_size × pipeline_parallel_size = {p.tensor_parallel_size} × "

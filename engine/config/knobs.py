@@ -23,6 +23,7 @@ class Knob:
     kwarg: str | bool = False  # flat LLM(...) keyword: True = the field's name
     flag: str | bool = False  # CLI option: True = --field-name
     help: str = ""  # the CLI's help text (default: `expect`)
+    cli_group: str | None = None  # "engine" or "serve" options (default: "serve" for the serve section)
 
 
 def knob(expect: str, ok: Callable[[Any], bool] = _any, **kw: Any) -> Knob:
@@ -58,6 +59,10 @@ class KnobInfo:
     def kwarg(self) -> str | None:
         k = self.knob.kwarg
         return self.key.split(".")[1] if k is True else (k or None)
+
+    @property
+    def cli_group(self) -> str:
+        return self.knob.cli_group or ("serve" if self.key.startswith("serve.") else "engine")
 
     @property
     def flag(self) -> str | None:

@@ -13,6 +13,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 EXECUTORS = ("uniproc", "ray", "mp")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+ROUTER_POLICIES = ("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # == cluster.tool_parsers.TOOL_PARSERS (a test checks)
 # The Triton kernels' tile shapes (kernels/paged_attention.py asserts the same
 # set; a test keeps the two in step).
@@ -39,6 +40,10 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
                                                   help="TP ranks per engine")] = 1
     pipeline_parallel_size: Annotated[int, at_least(1, kwarg=True, flag=True,
                                                     help="PP stages per engine")] = 1
+    # Independent engine replicas behind one frontend and the router
+    # (serve.router); each has its own TP x PP worker group.
+    data_parallel_size: Annotated[int, int_in(1, 1024, kwarg=True, flag=True,
+                                              help="engine replicas behind one frontend and the router")] = 1
     executor: Annotated[str, one_of(EXECUTORS, kwarg=True, flag=True)] = "uniproc"
     placement_strategy: Annotated[str, one_of(STRATEGIES, kwarg=True, flag=True)] = "PACK"
     pp_layer_partition: Annotated[list[int] | None, knob(
@@ -145,6 +150,10 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # off by default, so one client cannot jump every other client's queue.
     # Off, a request that sends a non-default priority gets 400.
     allow_client_priority: Annotated[bool, _BOOL] = False
+    # Which engine serves a request when parallel.data_parallel_size > 1
+    # (engine/router/policy.py). Offline LLM(...) and batch jobs too, so its
+    # flag is among the engine options.
+    router: Annotated[str, one_of(ROUTER_POLICIES, kwarg=True, flag=True, cli_group="engine")] = "kv_aware"
 
 
 class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):

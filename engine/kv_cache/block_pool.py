@@ -10,8 +10,12 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine.request import Request
+
+if TYPE_CHECKING:
+    from engine.router.events import KVEventPublisher
 
 
 class KVCacheBlock:
@@ -102,6 +106,10 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        # Data parallel: the router's event stream (engine/router/events.py).
+        # A hash is published when it first maps to a block, and as removed
+        # when its last block is evicted; None (one engine): no cost at all.
+        self.events: KVEventPublisher | None = None
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         blocks = self.cached_block_hash_to_block.get(block_hash)
@@ -120,7 +128,12 @@ class BlockPool:
                 continue
             h = hashes[i]
             blk.block_hash = h
-            table.setdefault(h, {})[blk.block_id] = blk
+            entry = table.get(h)
+            if entry is None:
+                entry = table[h] = {}
+                if self.events is not None:
+                    self.events.stored(h)
+            entry[blk.block_id] = blk
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
         blocks = self.free_block_queue.popleft_n(n)
@@ -140,6 +153,8 @@ class BlockPool:
             entry.pop(b.block_id, None)
             if not entry:
                 del self.cached_block_hash_to_block[b.block_hash]
+                if self.events is not None:
+                    self.events.removed(b.block_hash)
         b.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -168,6 +183,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for b in self.blocks:
             b.block_hash = None
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def get_num_free_blocks(self) -> int:

@@ -246,3 +246,33 @@ def test_priority_policy_orders_admission(ckpts):
         assert order == ["req3-0", "req1-0", "req2-0", "req0-0"]
     finally:
         llm.shutdown()
+
+
+def test_data_parallel_two_engines_match_one(ckpts, prompts, refs):
+    """data_parallel_size=2: two engine cores behind the router give the tokens
+    one engine gives, greedy (= transformers) and seeded (draws depend only on
+    (seed, output position)); both engines serve, and a repeated prompt goes
+    where its prefix is cached."""
+    path = ckpts["llama"]
+    seeded = [SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=11 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    one, _ = _generate(path, prompts, seeded)
+    llm = LLM(model=path, data_parallel_size=2, num_gpu_blocks=512)
+    try:
+        greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in greedy] == refs["llama"]
+        two = llm.generate(prompts, seeded, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        router = llm.engine.client.router
+        per_engine = [sum(v for (_, _, e), v in router.decisions.items() if e == i) for i in range(2)]
+        assert min(per_engine) > 0, per_engine
+        # The second round found every prompt's blocks where the first left them.
+        assert all(o.num_cached_tokens == (len(p) - 1) // 16 * 16 for o, p in zip(two, prompts))
+        hits = sum(v for (_, r, _), v in router.decisions.items() if r == "cache_hit")
+        assert hits >= sum(len(p) > 16 for p in prompts)
+        assert router.inflight.sum() == 0 and router.index.num_entries() > 0
+        m = llm.get_metrics()
+        assert sum(v for k, v in m.items() if k.startswith("conveyor:prefix_cache_hits_total")) > 0
+        assert m['conveyor:router_index_blocks{engine="1"}'] > 0
+    finally:
+        llm.shutdown()

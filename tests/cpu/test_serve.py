@@ -342,6 +342,19 @@ def test_batch_prompts_index_and_usage(client, refs):
     assert r.usage.completion_tokens == 2 * sum(len(x.token_ids) for x in refs["completion"][:2])
 
 
+def test_usage_reports_the_engines_cached_tokens(client):
+    """usage.prompt_tokens_details.cached_tokens is the engine's own prefix-cache
+    hit (whole 16-token blocks, at most prompt - 1), streamed with include_usage too."""
+    prompt = [5 + (i * 37) % 400 for i in range(70)]
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0.0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0.0)
+    assert again.usage.prompt_tokens_details.cached_tokens == 64
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+
+
 def test_chat_greedy_equals_llm(client, refs):
     msgs = [{"role": "user", "content": PROMPTS[0]}]
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=MAX_TOKENS,
@@ -635,6 +648,43 @@ def test_ray_executor_inside_the_replica_placement_group(server, ckpt, refs, tmp
     finally:
         serve.delete("rayexec")
 
+
+def test_data_parallel_app_matches_one_engine_over_http(server, client, ckpt, refs, tmp_path):
+    """data_parallel_size=2 behind one ingress replica: two EngineCoreActors and
+    the kv_aware router give the single engine's tokens (greedy = LLM.generate,
+    seeded = the module's one-engine app), a repeated prompt is routed to its
+    cached blocks (usage.cached_tokens), and /metrics has per-engine series."""
+    from ray import serve
+
+    from cluster.serve_app import build_app
+
+    cfg = _write_config(str(tmp_path / "dp.yaml"), ckpt, 1)
+    serve.run(build_app({"config": cfg, "name": "DP", "overrides": {
+        "data_parallel_size": 2, "parallel.num_cpus_per_worker": 0.5}}),
+        name="dp", route_prefix="/dp", blocking=False)
+    try:
+        def post(body: dict) -> dict:
+            r = httpx.post(f"{server}/dp/v1/completions", headers=AUTH, timeout=120,
+                           json={"model": "tiny", **body})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        for prompt, ref in zip(PROMPTS, refs["completion"]):
+            out = post({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0})
+            assert out["choices"][0]["text"] == ref.text
+        seeded = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.9, "seed": 5}
+        one = client.completions.create(model="tiny", **seeded).choices[0].text
+        assert post(seeded)["choices"][0]["text"] == one
+        long_prompt = [7 + (i * 53) % 400 for i in range(70)]
+        post({"prompt": long_prompt, "max_tokens": 2, "temperature": 0.0})
+        again = post({"prompt": long_prompt, "max_tokens": 2, "temperature": 0.0})
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        m = _metrics(f"{server}/dp")
+        engines = {k.split('engine="')[1].split('"')[0] for k in m if k.startswith("conveyor:router_decisions")}
+        assert engines == {"0", "1"}, m
+        assert any('reason="cache_hit"' in k for k in m if k.startswith("conveyor:router_decisions"))
+    finally:
+        serve.delete("dp")
 
 
 def _thread_cpus(pid: int) -> list[set[int]]:

@@ -362,9 +362,9 @@ def test_prometheus_exposes_spec_counters():
             spec_num_drafts=2, spec_num_draft_tokens=6, spec_num_accepted_tokens=3,
             spec_accepted_per_pos=[2, 1, 0]))
     text = ServeMetrics(llm, "m").render().decode()
-    assert 'conveyor:spec_decode_num_drafts_total{model_name="m"} 4.0' in text
-    assert 'conveyor:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
-    assert 'conveyor:spec_decode_num_accepted_tokens_total{model_name="m"} 6.0' in text
+    assert 'conveyor:spec_decode_num_drafts_total{engine="0",model_name="m"} 4.0' in text
+    assert 'conveyor:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 12.0' in text
+    assert 'conveyor:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 6.0' in text
     assert 'conveyor:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
 
 

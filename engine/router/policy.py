@@ -1,0 +1,234 @@
+"""Router: one engine per request, scored on the request's own token ids.
+
+kv_aware: cost(e) = uncached prefill tokens on e + lam x load(e), where load is
+the tokens of the requests this router sent to e that have not finished
+(prompt + max_tokens), counted at the moment of decision, so a burst of equal
+requests spreads instead of piling on one engine. Ties go to the least loaded
+engine, then to a random one. The load check is per request and against the
+preferred engine only: when it holds more than `spill_ratio` x the mean
+in-flight requests (+ `spill_slack`), the request spills to the best engine
+under that bound; nothing changes for any other request or prefix.
+The index matches the whole prompt (after the chat template), block by block
+with the engine's own hash chain, so a system prompt every request shares
+matches everywhere and settles nothing by itself.
+
+session: the engine a session (x-session-id / `user`) went to last, unless
+it is overloaded; kv_aware with a session gives that engine a soft bonus.
+least_loaded, power_of_two and round_robin ignore the cache.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.kv_cache.hashing import hash_block
+from engine.router.events import KVEvents
+from engine.router.index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")
+REASONS = ("cache_hit", "load_spill", "session", "fallback")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: str = "kv_aware"
+    block_size: int = 16
+    # Cost of one token of load, in uncached prefill tokens. 0.1: a cached
+    # block is worth as much as ten blocks' worth of queued work elsewhere;
+    # bench/routing.py's simulation reaches >= 90% of the ideal hit rate at
+    # max/mean load <= 1.25 with it (1.0 balances so eagerly that groups
+    # spread over every engine and cache each prefix N times).
+    lam: float = 0.1
+    spill_ratio: float = 1.25
+    spill_slack: int = 2  # in-flight requests above spill_ratio x mean before a spill
+    session_bonus_tokens: int = 256
+    max_index_blocks_per_engine: int = 1 << 20
+    max_sessions: int = 100_000
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"router policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    engine: int
+    reason: str  # one of REASONS
+    predicted_cached_tokens: int
+
+
+def block_hashes_of(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+    """The hashes the engine will compute for these tokens' full blocks
+    (engine/kv_cache/hashing.py's BlockHasher, same chain, same salt)."""
+    out: list[bytes] = []
+    parent: bytes | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size], cache_salt if start == 0 else None)
+        out.append(parent)
+    return out
+
+
+class Router:
+    def __init__(self, settings: RouterSettings, num_engines: int) -> None:
+        if num_engines < 1:
+            raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+        self.s = settings
+        self.index = PrefixIndex(settings.max_index_blocks_per_engine)
+        self.n = num_engines
+        self.live = np.ones(num_engines, dtype=bool)
+        self.load_tokens = np.zeros(num_engines, dtype=np.float64)
+        self.inflight = np.zeros(num_engines, dtype=np.int64)
+        # What each engine last reported holding (waiting + running): other
+        # routers' requests (several ingress replicas) show up here.
+        self.reported = np.zeros(num_engines, dtype=np.int64)
+        self._requests: dict[str, tuple[int, int]] = {}  # id -> (engine, load tokens)
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._rng = random.Random(settings.seed)
+        self._rr = 0
+        self._all_mask = (1 << num_engines) - 1
+        self.decisions: dict[tuple[str, str, int], int] = {}
+        for e in range(num_engines):
+            self.index.add_engine(e)
+
+    # ---- engines and their streams ---------------------------------------------------
+
+    def on_events(self, engine: int, ev: KVEvents) -> bool:
+        """Feed one message of an engine's stream; False: ask it for a snapshot."""
+        if ev.load is not None:
+            self.reported[engine] = ev.load.num_waiting + ev.load.num_running
+        return self.index.apply(engine, ev)
+
+    def engine_down(self, engine: int) -> None:
+        """Dead or restarting: route nothing there, forget its cache."""
+        self.live[engine] = False
+        self.reported[engine] = 0
+        self._all_mask &= ~(1 << engine)
+        self.index.drop_engine(engine)
+
+    def engine_up(self, engine: int) -> None:
+        self.live[engine] = True
+        self._all_mask |= 1 << engine
+        self.index.add_engine(engine)
+
+    # ---- decisions -----------------------------------------------------------------
+
+    def route(self, request_id: str, hashes: list[bytes], num_tokens: int, max_tokens: int = 0,
+              session: str | None = None) -> Decision:
+        """Pick an engine and count the request on it now (before any other decision)."""
+        p = self.s.policy
+        if p == "kv_aware":
+            d = self._kv_aware(hashes, num_tokens, session)
+        elif p == "session":
+            d = self._session(hashes, num_tokens, session)
+        else:
+            e = self._by_load(p)
+            d = Decision(e, "fallback", self._cached_on(e, hashes, num_tokens))
+        if session is not None:
+            self._remember_session(session, d.engine)
+        self._count(request_id, d, num_tokens + max_tokens, p)
+        return d
+
+    def finish(self, request_id: str) -> None:
+        """The request ended (any way): its load leaves its engine."""
+        got = self._requests.pop(request_id, None)
+        if got is not None:
+            e, tokens = got
+            self.load_tokens[e] -= tokens
+            self.inflight[e] -= 1
+
+    def _count(self, request_id: str, d: Decision, tokens: int, policy: str) -> None:
+        self._requests[request_id] = (d.engine, tokens)
+        self.load_tokens[d.engine] += tokens
+        self.inflight[d.engine] += 1
+        key = (policy, d.reason, d.engine)
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+        log.debug("route %s -> engine %d (%s), predicted cached tokens %d",
+                  request_id, d.engine, d.reason, d.predicted_cached_tokens)
+
+    def _cached_tokens(self, blocks: int, num_tokens: int) -> int:
+        # The engine's own cap: whole blocks, at most num_tokens - 1.
+        bs = self.s.block_size
+        return min(blocks, max(num_tokens - 1, 0) // bs) * bs
+
+    def _cached_on(self, e: int, hashes: list[bytes], num_tokens: int) -> int:
+        return self._cached_tokens(self.index.match(hashes, 1 << e).get(e, 0), num_tokens)
+
+    def _kv_aware(self, hashes: list[bytes], num_tokens: int, session: str | None) -> Decision:
+        matched = self.index.match(hashes, self._all_mask)
+        cost = num_tokens + self.s.lam * self.load_tokens
+        cached = {e: self._cached_tokens(b, num_tokens) for e, b in matched.items()}
+        for e, t in cached.items():
+            cost[e] -= t
+        sess_e = self._sessions.get(session) if session is not None else None
+        if sess_e is not None:
+            cost[sess_e] -= self.s.session_bonus_tokens
+        cost[~self.live] = np.inf
+        e = self._argmin(cost)
+        if self._overloaded(e):
+            cost[self._overloaded_mask()] = np.inf
+            if np.isfinite(cost).any():
+                e = self._argmin(cost)
+                return Decision(e, "load_spill", cached.get(e, 0))
+        reason = "cache_hit" if cached.get(e, 0) > 0 else ("session" if e == sess_e else "fallback")
+        return Decision(e, reason, cached.get(e, 0))
+
+    def _session(self, hashes: list[bytes], num_tokens: int, session: str | None) -> Decision:
+        e = self._sessions.get(session) if session is not None else None
+        if e is not None and self.live[e] and not self._overloaded(e):
+            return Decision(e, "session", self._cached_on(e, hashes, num_tokens))
+        e = self._by_load("least_loaded")
+        return Decision(e, "fallback", self._cached_on(e, hashes, num_tokens))
+
+    def _by_load(self, policy: str) -> int:
+        live = np.flatnonzero(self.live)
+        if policy == "round_robin":
+            self._rr += 1
+            return int(live[self._rr % len(live)])
+        if policy == "power_of_two" and len(live) > 1:
+            a, b = self._rng.sample(range(len(live)), 2)
+            ea, eb = int(live[a]), int(live[b])
+            return ea if self.load_tokens[ea] <= self.load_tokens[eb] else eb
+        load = np.where(self.live, self.load_tokens, np.inf)
+        return self._argmin(load)
+
+    def _argmin(self, cost: np.ndarray) -> int:
+        """Lowest cost; ties: least load, then random."""
+        best = np.flatnonzero(cost == cost.min())
+        if len(best) > 1:
+            loads = self.load_tokens[best]
+            best = best[loads == loads.min()]
+        return int(best[0] if len(best) == 1 else best[self._rng.randrange(len(best))])
+
+    def _held(self) -> np.ndarray:
+        return np.maximum(self.inflight, self.reported)
+
+    def _spill_bound(self, held: np.ndarray) -> float:
+        live = held[self.live]
+        return self.s.spill_ratio * float(live.mean()) + self.s.spill_slack if len(live) else 0.0
+
+    def _overloaded(self, e: int) -> bool:
+        held = self._held()
+        return held[e] + 1 > self._spill_bound(held)
+
+    def _overloaded_mask(self) -> np.ndarray:
+        held = self._held()
+        return held + 1 > self._spill_bound(held)
+
+    def _remember_session(self, session: str, e: int) -> None:
+        s = self._sessions
+        s[session] = e
+        s.move_to_end(session)
+        if len(s) > self.s.max_sessions:
+            s.popitem(last=False)
+
+    # ---- what metrics read -----------------------------------------------------------
+
+    def index_size(self, engine: int) -> int:
+        return self.index.size(engine)
