@@ -57,6 +57,10 @@ ENGINE_OVERRIDES: tuple[Override, ...] = (
              "ngram: n-gram (prompt-lookup) speculative decoding"),
     Override("--num-speculative-tokens", "speculative.num_speculative_tokens", int,
              "draft tokens per step, 1..8"),
+    Override("--enable-lora", "lora.enable", _bool, "true | false: serve PEFT LoRA adapters"),
+    Override("--max-loras", "lora.max_loras", int, "distinct LoRA adapters in one step"),
+    Override("--max-lora-rank", "lora.max_lora_rank", int, "largest LoRA rank accepted"),
+    Override("--max-cpu-loras", "lora.max_cpu_loras", int, "LoRA adapters kept in host memory"),
 )
 
 SERVE_OVERRIDES: tuple[Override, ...] = (

@@ -147,6 +147,18 @@ class SpeculativeConfig(msgspec.Struct, **_FROZEN):
         return self.method is not None
 
 
+class LoRAConfig(msgspec.Struct, **_FROZEN):
+    """Multi-LoRA (PEFT adapters): at most max_loras distinct adapters in one
+    step (the GPU/CPU slots), ranks up to max_lora_rank, max_cpu_loras parsed
+    adapters kept in host memory (None: max_loras). `adapters` {name: path}
+    are checked at start and addressable by name (HTTP `model`)."""
+    enable: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+
+
 class EngineConfig(msgspec.Struct, **_FROZEN):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
@@ -155,6 +167,7 @@ class EngineConfig(msgspec.Struct, **_FROZEN):
     serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
     structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
 
     @property
     def max_model_len(self) -> int:
@@ -188,6 +201,8 @@ _KWARG_MAP: dict[str, tuple[str, str]] = {
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "cpu_kv_cache_bytes": ("cache", "cpu_kv_cache_bytes"),
+    "enable_lora": ("lora", "enable"), "max_loras": ("lora", "max_loras"),
+    "max_lora_rank": ("lora", "max_lora_rank"), "max_cpu_loras": ("lora", "max_cpu_loras"),
 }
 
 
@@ -433,6 +448,11 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "speculative.num_speculative_tokens": ("int in 1..8", lambda v: 1 <= v <= 8),
     "speculative.prompt_lookup_min": ("int in 1..16", lambda v: 1 <= v <= 16),
     "speculative.prompt_lookup_max": ("int in 1..16", lambda v: 1 <= v <= 16),
+    "lora.enable": ("bool", lambda v: True),
+    "lora.max_loras": ("int in 1..256", lambda v: 1 <= v <= 256),
+    "lora.max_lora_rank": ("int in 1..512", lambda v: 1 <= v <= 512),
+    "lora.max_cpu_loras": ("null or an int in 1..4096", lambda v: v is None or 1 <= v <= 4096),
+    "lora.adapters": ("a mapping {adapter name: PEFT adapter directory}", lambda v: True),
 }
 
 
@@ -457,6 +477,20 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
                     f"{cfg.model.attention_backend!r} (the Triton kernels' tiles; 'auto' is Triton on "
                     f"CUDA); other block sizes need attention_backend 'torch' or 'cpu'", cfg.cache.block_size, over)
     _validate_speculative(cfg, source, over)
+    _validate_lora(cfg, source, over)
+
+
+def _validate_lora(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
+    lc = cfg.lora
+    if lc.max_cpu_loras is not None and lc.max_cpu_loras < lc.max_loras:
+        raise _fail(source, "lora.max_cpu_loras", f"null or an int >= lora.max_loras ({lc.max_loras})",
+                    lc.max_cpu_loras, over)
+    if lc.adapters and not lc.enable:
+        raise _fail(source, "lora.enable", "true when lora.adapters are listed", lc.enable, over)
+    bad = [n for n in lc.adapters if not n or ":" in n]
+    if bad:
+        raise _fail(source, "lora.adapters", "adapter names that are non-empty and have no ':'",
+                    bad[0], over)
 
 
 def _validate_speculative(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:

@@ -1,0 +1,94 @@
+"""One step's token -> adapter-slot mapping, precomputed once per step so the
+LoRA-wrapped linears (workers/lora/layers.py) only index and multiply.
+
+Tokens with an adapter are grouped by slot (a stable sort: tokens keep their
+order inside a group). Two layouts of the same grouping:
+- padded (CPU): slot s's i-th token goes to row s * m + i of an [S * m, K]
+  buffer, so every slot's rows are one batch entry of a torch.bmm;
+- segments (Triton): sorted positions [seg_start[g], seg_start[g+1]) use slot
+  seg_slot[g].
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class LoRAMapping:
+    num_slots: int
+    token_slots: np.ndarray  # [T] int, -1 = base model
+    rows: torch.Tensor  # int64 [n]: tokens with an adapter, grouped by slot
+    pad_index: torch.Tensor  # int64 [n]: each one's row in the padded buffer
+    m: int  # padded rows per slot (the largest group)
+    seg_start: torch.Tensor  # int32 [G + 1]
+    seg_slot: torch.Tensor  # int32 [G]
+    positions: torch.Tensor  # int64 [n]: 0..n-1 (the Triton expand's input rows)
+
+    @classmethod
+    def build(cls, token_slots: np.ndarray, num_slots: int, device: torch.device) -> LoRAMapping | None:
+        """None when no token uses an adapter (the step runs the base model only)."""
+        sel = np.flatnonzero(token_slots >= 0)
+        if sel.size == 0:
+            return None
+        order = sel[np.argsort(token_slots[sel], kind="stable")]
+        slots = token_slots[order].astype(np.int64)
+        counts = np.bincount(slots, minlength=num_slots)
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        within = np.arange(order.size) - starts[slots]
+        m = int(counts.max())
+        used = np.flatnonzero(counts)
+        seg_start = np.concatenate((starts[used], [order.size])).astype(np.int32)
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        return cls(num_slots, token_slots, dev(order.astype(np.int64)), dev(slots * m + within), m,
+                   dev(seg_start), dev(used.astype(np.int32)), dev(np.arange(order.size, dtype=np.int64)))
+
+
+_MAPPING: LoRAMapping | None = None
+
+
+def get_lora_mapping() -> LoRAMapping | None:
+    return _MAPPING
+
+
+@contextlib.contextmanager
+def set_lora_mapping(mapping: LoRAMapping | None) -> Iterator[None]:
+    global _MAPPING
+    prev, _MAPPING = _MAPPING, mapping
+    try:
+        yield
+    finally:
+        _MAPPING = prev
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
+             mp: LoRAMapping) -> None:
+    """y[t] += x[t] @ a_t[s] @ b_t[s] for every token t with slot s, in place.
+    a_t: [S, K, R], b_t: [S, R, N] (scale folded into b_t)."""
+    if x.is_cuda:
+        _add_lora_triton(x, y, a_t, b_t, mp)
+        return
+    s, k = mp.num_slots, x.shape[-1]
+    # Gather each slot's tokens into its own zero-padded batch entry: two bmm
+    # calls per linear whatever the number of adapters in the step.
+    xp = x.new_zeros(s * mp.m, k)
+    xp.index_copy_(0, mp.pad_index, x.index_select(0, mp.rows))
+    out = torch.bmm(torch.bmm(xp.view(s, mp.m, k), a_t), b_t)
+    y.index_add_(0, mp.rows, out.view(s * mp.m, -1).index_select(0, mp.pad_index))
+
+
+def _add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
+                     mp: LoRAMapping) -> None:
+    from kernels.lora_triton import segmented_mm
+
+    x = x.contiguous()
+    shrunk = torch.empty(mp.rows.numel(), a_t.shape[2], dtype=torch.float32, device=x.device)
+    segmented_mm(x, a_t, shrunk, mp.rows, mp.positions, mp.seg_start, mp.seg_slot, mp.m, add=False)
+    segmented_mm(shrunk, b_t, y, mp.positions, mp.rows, mp.seg_start, mp.seg_slot, mp.m, add=True)
