@@ -4,7 +4,10 @@ LoRA-wrapped linears (workers/lora/layers.py) only index and multiply.
 Tokens with an adapter are grouped by slot (a stable sort: tokens keep their
 order inside a group). Two layouts of the same grouping:
 - padded (CPU): slot s's i-th token goes to row s * m + i of an [S * m, K]
-  buffer, so every slot's rows are one batch entry of a torch.bmm;
+  buffer, so every slot's rows are one batch entry of a torch.bmm; m leaves
+  slot 0 at least one padding row (zero in, zero out), which every base-model
+  token reads back, so the result returns to token order with one gather and
+  a dense add (index_add_ measured ~10x slower than the whole bmm pair);
 - segments (Triton): sorted positions [seg_start[g], seg_start[g+1]) use slot
   seg_slot[g].
 """
@@ -24,7 +27,8 @@ class LoRAMapping:
     token_slots: np.ndarray  # [T] int, -1 = base model
     rows: torch.Tensor  # int64 [n]: tokens with an adapter, grouped by slot
     pad_index: torch.Tensor  # int64 [n]: each one's row in the padded buffer
-    m: int  # padded rows per slot (the largest group)
+    m: int  # padded rows per slot (the largest group, + 1 when base tokens need a zero row)
+    gather_index: torch.Tensor  # int64 [T]: each token's row in the padded buffer
     seg_start: torch.Tensor  # int32 [G + 1]
     seg_slot: torch.Tensor  # int32 [G]
     positions: torch.Tensor  # int64 [n]: 0..n-1 (the Triton expand's input rows)
@@ -40,14 +44,17 @@ class LoRAMapping:
         counts = np.bincount(slots, minlength=num_slots)
         starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
         within = np.arange(order.size) - starts[slots]
-        m = int(counts.max())
+        m = int(counts.max()) + (1 if order.size < token_slots.size else 0)
+        pad = slots * m + within
+        gather = np.full(token_slots.size, m - 1, dtype=np.int64)  # slot 0's last row: padding
+        gather[order] = pad
         used = np.flatnonzero(counts)
         seg_start = np.concatenate((starts[used], [order.size])).astype(np.int32)
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        return cls(num_slots, token_slots, dev(order.astype(np.int64)), dev(slots * m + within), m,
+        return cls(num_slots, token_slots, dev(order.astype(np.int64)), dev(pad), m, dev(gather),
                    dev(seg_start), dev(used.astype(np.int32)), dev(np.arange(order.size, dtype=np.int64)))
 
 
@@ -81,7 +88,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Ten
     xp = x.new_zeros(s * mp.m, k)
     xp.index_copy_(0, mp.pad_index, x.index_select(0, mp.rows))
     out = torch.bmm(torch.bmm(xp.view(s, mp.m, k), a_t), b_t)
-    y.index_add_(0, mp.rows, out.view(s * mp.m, -1).index_select(0, mp.pad_index))
+    y.add_(out.view(s * mp.m, -1).index_select(0, mp.gather_index))
 
 
 def _add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
