@@ -24,8 +24,9 @@ def _case(seed: int, num_tokens: int, slots: int, k: int, r: int, n: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, k, generator=g)
     y = torch.randn(num_tokens, n, generator=g)
-    a_t = torch.randn(slots, k, r, generator=g)
-    b_t = torch.randn(slots, r, n, generator=g)
+    a_t = torch.randn(slots + 1, k, r, generator=g)
+    b_t = torch.randn(slots + 1, r, n, generator=g)
+    a_t[slots], b_t[slots] = 0, 0  # the wrappers' zero slot
     token_slots = np.random.default_rng(seed).integers(-1, slots, num_tokens)
     return x, y, a_t, b_t, token_slots
 

@@ -34,9 +34,10 @@ class _LoRALinearBase(nn.Module):
         self.out_offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         w = base.weight
         n_sub = len(out_sizes)
-        self.register_buffer("a_t", torch.zeros(num_slots, in_size, n_sub * max_rank,
+        # One extra slot, always zero: base-model tokens read it (workers/lora/mapping.py).
+        self.register_buffer("a_t", torch.zeros(num_slots + 1, in_size, n_sub * max_rank,
                                                 dtype=w.dtype, device=w.device), persistent=False)
-        self.register_buffer("b_t", torch.zeros(num_slots, n_sub * max_rank, sum(out_sizes),
+        self.register_buffer("b_t", torch.zeros(num_slots + 1, n_sub * max_rank, sum(out_sizes),
                                                 dtype=w.dtype, device=w.device), persistent=False)
 
     def clear_slot(self, slot: int) -> None:
