@@ -127,3 +127,22 @@ def test_prefix_cache_keys_include_the_adapter() -> None:
     base, a1, a2 = hashes(None), hashes(LoRARequest("a", 1, "/x")), hashes(LoRARequest("b", 2, "/x"))
     assert len(base) == 2 and not set(base) & set(a1) and not set(a1) & set(a2)
     assert hashes(LoRARequest("a", 1, "/x")) == a1
+
+
+def test_lora_requests_info_metrics() -> None:
+    """Running and waiting requests per adapter (vLLM's lora_requests_info)."""
+    from types import SimpleNamespace
+
+    from cluster.metrics import _lora_metrics
+    from engine.contracts import SchedulerStats
+    from engine.lora import lora_stats
+
+    a, b = LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y")
+    reqs = [SimpleNamespace(lora_request=lr) for lr in (a, a, None, b)]
+    st = SchedulerStats(**lora_stats(4, reqs[:3], reqs[3:]))
+    assert (st.lora_running, st.lora_waiting, st.max_loras) == ({"a": 2}, {"b": 1}, 4)
+    fams = {f.name: f for f in _lora_metrics(st, "m")}
+    info = fams["conveyor:lora_requests_info"].samples[0]
+    assert info.labels == {"running_lora_adapters": "a", "waiting_lora_adapters": "b", "max_lora": "4"}
+    running = fams["conveyor:lora_requests_running"].samples
+    assert [(s.labels["lora_name"], s.value) for s in running] == [("a", 2)]
