@@ -1,8 +1,8 @@
-"""EngineConfig: one frozen config, built once from YAML or keyword arguments.
+"""Building the one frozen EngineConfig from YAML or keyword arguments.
 
-Sections follow DESIGN.md §8. Values measured at start-up (how many KV blocks
-fit) live in `engine.core.KVCacheInfo`, never here. Environment variables only
-feed defaults, in `_env_defaults`.
+Values measured at start-up (how many KV blocks fit) live in
+`engine.core.KVCacheInfo`, never here. Environment variables only feed
+defaults, in `_env_defaults`.
 
 Every mistake fails at load time as a ConfigError in one style:
 `FILE: KEY.PATH: expected WHAT, got VALUE` (unknown keys, wrong types, values
@@ -21,189 +21,12 @@ from typing import Any
 
 import msgspec
 
-_FROZEN = dict(frozen=True, forbid_unknown_fields=True, kw_only=True)
-
-
-class ModelConfig(msgspec.Struct, **_FROZEN):
-    path: str = ""
-    tokenizer: str | None = None  # defaults to path
-    dtype: str = "float32"
-    max_model_len: int | None = None  # None: from the checkpoint's config.json
-    seed: int = 0
-    attention_backend: str = "auto"
-    max_n: int = 16  # cap on SamplingParams.n
-
-
-class ParallelConfig(msgspec.Struct, **_FROZEN):
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    executor: str = "uniproc"
-    placement_strategy: str = "PACK"
-    pp_layer_partition: list[int] | None = None
-    # Every wait on a worker is bounded: a step with no reply after this long
-    # means a wedged rank, and the engine fails as if that rank had died.
-    step_timeout_s: float = 120.0
-    # Added to the first step's bound (lazy compiles, first CUDA allocations).
-    first_step_extra_s: float = 300.0
-    # torch.distributed timeout of every collective and PP send/recv.
-    collective_timeout_s: float = 300.0
-    # How long the Ray executor waits for its placement group; raise it on an
-    # autoscaling cluster, where new nodes take minutes to join.
-    placement_timeout_s: float = 10.0
-    # Logical CPUs a worker's bundle reserves on a CPU-only cluster: below 1,
-    # several ranks share a core (tests, laptops).
-    num_cpus_per_worker: float = 1.0
-    # Recovery from a lost rank (executors mp and ray): the engine rebuilds
-    # its worker group and recomputes every in-flight request, at most
-    # max_restarts times per restart_window_s; a rebuild that finds no
-    # capacity within recovery_timeout_s fails the engine as before.
-    max_restarts: int = 3
-    restart_window_s: float = 600.0
-    recovery_timeout_s: float = 120.0
-
-
-class SchedulerConfig(msgspec.Struct, **_FROZEN):
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"
-
-
-class CacheConfig(msgspec.Struct, **_FROZEN):
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: int | None = None
-    cpu_kv_cache_bytes: int = 1 << 30  # KV budget when running on CPU
-    enable_prefix_caching: bool = True
-
-
-class ServeConfig(msgspec.Struct, **_FROZEN):
-    host: str = "127.0.0.1"
-    port: int = 8000
-    replicas: int = 1
-    api_key_env: str | None = None
-    max_ongoing_requests: int | None = None  # None: sized from max_num_seqs
-    served_model_name: str | None = None
-    max_body_bytes: int = 2 * 1024 * 1024
-    metrics_public: bool = False
-    cors_origins: list[str] = msgspec.field(default_factory=list)
-    # A replica admits max_ongoing_requests (None: 2 x max_num_seqs) +
-    # max_queued_requests (None: 4 x max_ongoing_requests) requests, all queued
-    # in its engine; past that it answers 429 + Retry-After.
-    max_queued_requests: int | None = None
-    # SSE: send a choice's tokens once this many are pending (vLLM's
-    # --stream-interval); the first token and the finish always go at once.
-    stream_interval: int = 1
-    # SSE: after a prompt's first delta, at most one event per this many ms;
-    # tokens that arrive in between go out together (Ray Serve LLM's
-    # stream_batching_interval_ms). A model slower than this per token is
-    # never delayed; a faster one stops paying HTTP work per token.
-    stream_batching_interval_ms: float = 0.0
-    # Serve replicas run EngineCore (and, for executors other than "ray", the
-    # model) in their own Ray actor, so the HTTP event loop and the engine step
-    # never share a GIL. Executor "ray" always does; AsyncLLM(config) outside
-    # Serve keeps the core in a thread of its own process.
-    engine_actor: bool = True
-    # Ray Serve's direct ingress (experimental in Ray 2.60): each replica also
-    # serves the API on its own port (30000+), and clients there skip the
-    # proxy hop. Every Ray process needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1,
-    # which only a process that starts Ray can set. None (the default): on
-    # where Conveyor starts Ray itself (`conveyor serve`, run_serve without a
-    # running Ray), off on an existing cluster; true/false: always / never.
-    direct_ingress: bool | None = None
-    # CPU replicas (engine_actor, executor not "ray", no GPU): the last this
-    # many cores of the node run the replica's threads (HTTP, Serve, output
-    # processing), the others the engine's step thread, as vLLM's CPU backend
-    # reserves a core for its frontend (cluster/cpu_layout.py). 0: no pinning.
-    # None (the default): 1 for a single CPU replica, else 0.
-    frontend_cpus: int | None = None
-    # How "auto" tool_choice finds calls in generated text, and the format
-    # "required"/named tool_choice constrain output to (cluster/tool_parsers/):
-    # hermes (<tool_call>{...}</tool_call>, Qwen) or llama3_json (bare JSON).
-    tool_call_parser: str = "hermes"
-    # Whether the `priority` request field (policy "priority") is honoured:
-    # off by default, so one client cannot jump every other client's queue.
-    # Off, a request that sends a non-default priority gets 400.
-    allow_client_priority: bool = False
-
-
-class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
-    backend: str = "llguidance"
-    compile_threads: int = 1  # grammar compiles run here, never on the step loop
-
-
-class SpeculativeConfig(msgspec.Struct, **_FROZEN):
-    """N-gram (prompt-lookup) speculative decoding; method None = off.
-    Drafts: the k tokens that followed the longest earlier occurrence (length
-    prompt_lookup_max down to prompt_lookup_min) of the sequence's suffix."""
-    method: str | None = None
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-
-    @property
-    def enabled(self) -> bool:
-        return self.method is not None
-
-
-class LoRAConfig(msgspec.Struct, **_FROZEN):
-    """Multi-LoRA (PEFT adapters): at most max_loras distinct adapters in one
-    step (the GPU/CPU slots), ranks up to max_lora_rank, max_cpu_loras parsed
-    adapters kept in host memory (None: max_loras). `adapters` {name: path}
-    are checked at start and addressable by name (HTTP `model`)."""
-    enable: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    adapters: dict[str, str] = msgspec.field(default_factory=dict)
-
-
-class EngineConfig(msgspec.Struct, **_FROZEN):
-    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
-    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
-    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
-    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
-    serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
-    structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
-    speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
-    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
-
-    @property
-    def max_model_len(self) -> int:
-        assert self.model.max_model_len is not None, "config not resolved"
-        return self.model.max_model_len
-
-    @property
-    def world_size(self) -> int:
-        return self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size
+from engine.config.knobs import KnobInfo, knob_table
+from engine.config.sections import TRITON_BLOCK_SIZES, EngineConfig, SchedulerConfig
 
 
 class ConfigError(ValueError):
     pass
-
-
-# Flat LLM(...) keyword -> (section, field).
-_KWARG_MAP: dict[str, tuple[str, str]] = {
-    "model": ("model", "path"), "tokenizer": ("model", "tokenizer"), "dtype": ("model", "dtype"),
-    "max_model_len": ("model", "max_model_len"), "seed": ("model", "seed"),
-    "attention_backend": ("model", "attention_backend"),
-    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
-    "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
-    "executor": ("parallel", "executor"),
-    "placement_strategy": ("parallel", "placement_strategy"),
-    "max_num_seqs": ("scheduler", "max_num_seqs"),
-    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
-    "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
-    "long_prefill_token_threshold": ("scheduler", "long_prefill_token_threshold"),
-    "policy": ("scheduler", "policy"),
-    "block_size": ("cache", "block_size"), "num_gpu_blocks": ("cache", "num_gpu_blocks"),
-    "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
-    "enable_prefix_caching": ("cache", "enable_prefix_caching"),
-    "cpu_kv_cache_bytes": ("cache", "cpu_kv_cache_bytes"),
-    "enable_lora": ("lora", "enable"), "max_loras": ("lora", "max_loras"),
-    "max_lora_rank": ("lora", "max_lora_rank"), "max_cpu_loras": ("lora", "max_cpu_loras"),
-}
 
 
 # LLM(...) keywords that carry a whole section.
@@ -283,12 +106,14 @@ def read_config_tree(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {path}")
     try:
         with open(p) as f:
-            tree = yaml.safe_load(f) or {}
+            tree = yaml.safe_load(f)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(e, "problem", None) or str(e).replace("\n", " ")
         raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    if tree is None:  # an empty file (or only comments) is a mistake, not "all defaults"
+        raise ConfigError(f"{path}: the file is empty: write at least `model: {{path: CHECKPOINT_DIR}}`")
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: top level: expected a mapping of sections, got {type(tree).__name__}")
     return tree
@@ -370,90 +195,18 @@ def _format_validation_error(err: str, tree: dict[str, Any], over: dict[str, Any
     return text + (" (from an override)" if from_override else "")
 
 
-# ---- value checks (one table: type errors and range errors read the same) ---------------
+# ---- value checks (derived from the fields' knobs: type errors and range errors read the same)
 
-_DTYPES = ("float32", "float16", "bfloat16", "auto")
-_BACKENDS = ("auto", "torch", "cpu", "triton")
-_EXECUTORS = ("uniproc", "ray", "mp")
-_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-_BLOCK_SIZES = (8, 16, 32, 64, 128)
-_TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # == cluster.tool_parsers.TOOL_PARSERS (a test checks)
-# The Triton kernels' tile shapes (kernels/paged_attention.py asserts the same
-# set; a test keeps the two in step).
-TRITON_BLOCK_SIZES = (16, 32, 64)
+_KNOBS = knob_table(EngineConfig)
+_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {k: (i.knob.expect, i.knob.ok) for k, i in _KNOBS.items()}
+# Flat LLM(...) keyword -> (section, field).
+_KWARG_MAP: dict[str, tuple[str, str]] = {
+    i.kwarg: (k.split(".")[0], k.split(".")[1]) for k, i in _KNOBS.items() if i.kwarg}
 
 
-def _one_of(choices: tuple[Any, ...]) -> tuple[str, Callable[[Any], bool]]:
-    return f"one of {'/'.join(map(str, choices))}", lambda v: v in choices
-
-
-def _at_least(lo: int, typ: str = "int", nullable: bool = False) -> tuple[str, Callable[[Any], bool]]:
-    text = f"{typ} >= {lo}" + (" or null" if nullable else "")
-    return text, lambda v: (v is None and nullable) or (v is not None and v >= lo)
-
-
-def _finite_in(lo: float, hi: float) -> tuple[str, Callable[[Any], bool]]:
-    # NaN fails both comparisons, so it is rejected with everything else.
-    return f"float in [{lo:g}, {hi:g}]", lambda v: lo <= v <= hi
-
-
-_RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "model.path": ("a string (a local checkpoint directory)", lambda v: True),
-    "model.dtype": _one_of(_DTYPES),
-    "model.max_model_len": _at_least(1, nullable=True),
-    "model.seed": ("int", lambda v: True),
-    "model.attention_backend": _one_of(_BACKENDS),
-    "model.max_n": _at_least(1),
-    "parallel.tensor_parallel_size": _at_least(1),
-    "parallel.pipeline_parallel_size": _at_least(1),
-    "parallel.executor": _one_of(_EXECUTORS),
-    "parallel.placement_strategy": _one_of(_STRATEGIES),
-    "parallel.pp_layer_partition": ("null or a list of ints >= 1, one per pipeline stage",
-                                    lambda v: v is None or all(x >= 1 for x in v)),
-    "parallel.step_timeout_s": _finite_in(1.0, 86400.0),
-    "parallel.first_step_extra_s": _finite_in(0.0, 86400.0),
-    "parallel.collective_timeout_s": _finite_in(1.0, 86400.0),
-    "parallel.placement_timeout_s": _finite_in(0.1, 86400.0),
-    "parallel.num_cpus_per_worker": ("float in (0, 64]", lambda v: 0.0 < v <= 64.0),
-    "parallel.max_restarts": ("int in 0..100", lambda v: 0 <= v <= 100),
-    "parallel.restart_window_s": _finite_in(1.0, 86400.0),
-    "parallel.recovery_timeout_s": _finite_in(1.0, 86400.0),
-    "scheduler.max_num_seqs": _at_least(1),
-    "scheduler.max_num_batched_tokens": _at_least(1),
-    "scheduler.enable_chunked_prefill": ("bool", lambda v: True),
-    "scheduler.long_prefill_token_threshold": _at_least(0),
-    "scheduler.policy": _one_of(("fcfs", "priority")),
-    "cache.block_size": _one_of(_BLOCK_SIZES),
-    "cache.gpu_memory_utilization": ("float in (0, 1]", lambda v: 0.0 < v <= 1.0),
-    "cache.num_gpu_blocks": _at_least(2, nullable=True),
-    "cache.cpu_kv_cache_bytes": _at_least(1),
-    "cache.enable_prefix_caching": ("bool", lambda v: True),
-    "serve.host": ("a host name or IP address", lambda v: bool(v)),
-    "serve.port": ("int in 1..65535", lambda v: 1 <= v <= 65535),
-    "serve.replicas": _at_least(1),
-    "serve.max_ongoing_requests": _at_least(1, nullable=True),
-    "serve.max_body_bytes": _at_least(1),
-    "serve.max_queued_requests": _at_least(1, nullable=True),
-    "serve.stream_interval": _at_least(1),
-    "serve.stream_batching_interval_ms": ("float in [0, 10000]", lambda v: 0.0 <= v <= 10000.0),
-    "serve.engine_actor": ("bool", lambda v: True),
-    "serve.direct_ingress": ("true, false or null (auto)", lambda v: True),
-    "serve.frontend_cpus": ("null (auto) or an int in 0..64",
-                            lambda v: v is None or 0 <= v <= 64),
-    "serve.tool_call_parser": _one_of(_TOOL_CALL_PARSERS),
-    "serve.allow_client_priority": ("bool", lambda v: True),
-    "structured_outputs.backend": _one_of(("llguidance",)),
-    "structured_outputs.compile_threads": ("int in 1..64", lambda v: 1 <= v <= 64),
-    "speculative.method": ("null or ngram", lambda v: v in (None, "ngram")),
-    "speculative.num_speculative_tokens": ("int in 1..8", lambda v: 1 <= v <= 8),
-    "speculative.prompt_lookup_min": ("int in 1..16", lambda v: 1 <= v <= 16),
-    "speculative.prompt_lookup_max": ("int in 1..16", lambda v: 1 <= v <= 16),
-    "lora.enable": ("bool", lambda v: True),
-    "lora.max_loras": ("int in 1..256", lambda v: 1 <= v <= 256),
-    "lora.max_lora_rank": ("int in 1..512", lambda v: 1 <= v <= 512),
-    "lora.max_cpu_loras": ("null or an int in 1..4096", lambda v: v is None or 1 <= v <= 4096),
-    "lora.adapters": ("a mapping {adapter name: PEFT adapter directory}", lambda v: True),
-}
+def cli_knobs() -> list[KnobInfo]:
+    """The knobs with a CLI flag, in declaration order (cluster/options.py builds its options from them)."""
+    return [i for i in _KNOBS.values() if i.flag]
 
 
 def _get(cfg: EngineConfig, key: str) -> Any:
