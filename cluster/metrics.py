@@ -100,6 +100,8 @@ class _EngineCollector:
         for i, n in enumerate(sd.accepted_per_pos):
             pos.add_metric([self.model_name, str(i)], n)
         yield pos
+        if st.lora_running is not None:
+            yield from _lora_metrics(st, self.model_name)
         rec = st.recovery  # cumulative, carried by every stats message once set
         yield counter("engine_restarts", "Worker-group rebuilds after a lost rank.",
                       rec.restarts if rec is not None else 0)
@@ -118,6 +120,20 @@ def _engine_rows(rows: list[tuple[str, str, dict[str, str], float]], model: str)
             fam = families[name] = cls(PREFIX + name, name.replace("_", " ") + " (per engine).", labels=keys)
         fam.add_metric([model, *lab.values()], value)
     yield from families.values()
+def _lora_metrics(st: Any, model_name: str) -> Iterator[Any]:
+    """vLLM's lora_requests_info (adapter names as labels, value = time) and
+    running/waiting requests per adapter."""
+    info = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters.",
+                             labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    info.add_metric([",".join(sorted(st.lora_running)), ",".join(sorted(st.lora_waiting or {})),
+                     str(st.max_loras)], time.time())
+    yield info
+    for kind, counts in (("running", st.lora_running), ("waiting", st.lora_waiting or {})):
+        g = GaugeMetricFamily(PREFIX + f"lora_requests_{kind}", f"Requests {kind}, per LoRA adapter.",
+                              labels=["model_name", "lora_name"])
+        for name, n in sorted(counts.items()):
+            g.add_metric([model_name, name], n)
+        yield g
 
 
 class _RecoveryHistogram:

@@ -40,10 +40,12 @@ from cluster.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMid
 from cluster.openai_responses import ResponseBuilding
 from cluster.tool_response import ToolSession
 from cluster.tools import ToolPlan, template_input, tool_plan
+from cluster import lora_routes
 from engine.async_client import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, UnsendableRequestError
 from engine.frontend import ContextLengthError, PreparedRequest
+from engine.lora import LoRARequest
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -92,6 +94,7 @@ class _Job:
     tools: ToolSession | None = None  # chat with tools whose calls may come back
     prepared: list[PreparedRequest] = field(default_factory=list)  # one per prompt
     cached: dict[int, int] = field(default_factory=dict)  # prompt -> its prefix-cache hit
+    lora: LoRARequest | None = None  # the adapter `model` named; None = the base model
 
     @property
     def n(self) -> int:
@@ -135,10 +138,19 @@ class OpenAIServer(ResponseBuilding):
 
     # ---- validation ---------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise P.APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
-                             param="model")
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names ("<adapter>" or "<base>:<adapter>"),
+        None for the base model; 404 for anything else."""
+        if model is None or model == self.model_name:
+            return None
+        loras = self.llm.frontend.loras
+        try:
+            if loras is not None:
+                return loras.resolve(model, self.model_name)
+        except KeyError:
+            pass
+        raise P.APIError(404, f"The model `{model}` does not exist.", code="model_not_found",
+                         param="model")
 
     def _check_alive(self) -> None:
         if self.draining:
@@ -224,7 +236,8 @@ class OpenAIServer(ResponseBuilding):
         self._check_alive()
         for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params):
             try:
-                job.prepared.append(self.llm.prepare(ids, sp, eid, job.req.priority))
+                job.prepared.append(self.llm.prepare(ids, sp, eid, job.req.priority,
+                                                     lora_request=job.lora))
             except EngineDeadError:
                 raise engine_unavailable() from None
             except ContextLengthError as e:
@@ -249,7 +262,8 @@ class OpenAIServer(ResponseBuilding):
         return rid
 
     def _job(self, kind: str, request: Request, req: Any, prompts: list[list[int]],
-             sp: SamplingParams, prompt_param: str, plan: ToolPlan | None = None) -> _Job:
+             sp: SamplingParams, prompt_param: str, plan: ToolPlan | None = None,
+             lora: LoRARequest | None = None) -> _Job:
         self._check_cost(len(prompts) * sp.n)
         params = [sp] * len(prompts)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{self._request_id(request)}"
@@ -257,7 +271,7 @@ class OpenAIServer(ResponseBuilding):
         # A request id in flight twice would let one request's clean-up abort the other.
         if not self._active_ids.isdisjoint(eids):
             raise P.bad_request(f"request id {rid!r} is already in use", "X-Request-Id")
-        job = _Job(kind, rid, eids, prompts, params, req, tools=plan and ToolSession(plan))
+        job = _Job(kind, rid, eids, prompts, params, req, tools=plan and ToolSession(plan), lora=lora)
         self._prepare(job, prompt_param)
         # Data parallel: a soft preference for the engine this session used last.
         session = request.headers.get("x-session-id") or getattr(req, "user", None)
@@ -277,23 +291,25 @@ class OpenAIServer(ResponseBuilding):
 
     def _completion_job(self, req: P.CompletionRequest, request: Request) -> _Job:  # sync: any thread
         P.check_unsupported(req)
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         sp = self._params(req, req.max_tokens)
         prompts = self._completion_prompts(req.prompt, sp.n)
-        return self._job("completion", request, req, prompts, sp, "prompt")
+        return self._job("completion", request, req, prompts, sp, "prompt", lora=lora)
 
     def _chat_job(self, req: P.ChatRequest, request: Request) -> _Job:
         P.check_unsupported(req)
-        self._check_model(req.model)
+        lora = self._check_model(req.model)
         plan = tool_plan(req, self.config.serve.tool_call_parser,
                          self.llm.frontend.validate_structured_outputs)
         sp = self._params(req, P.chat_max_tokens(req)[0], plan)
-        return self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan)
+        return self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan, lora)
 
     def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "conveyor",
-            "max_model_len": self.config.max_model_len}]}
+        data = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "conveyor",
+                 "max_model_len": self.config.max_model_len}]
+        data += lora_routes.adapter_models(self.llm.frontend.loras, self.model_name,
+                                           self.config.max_model_len)
+        return {"object": "list", "data": data}
 
     async def health(self) -> Response:
         if self.draining:
@@ -456,6 +472,8 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return server.models()
+
+    lora_routes.add_routes(app, lambda: server.llm.frontend.loras, guarded, _ERROR_RESPONSES)
 
     @app.get("/health")
     async def health() -> Response:

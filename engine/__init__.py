@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str) -> Any:

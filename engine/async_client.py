@@ -22,6 +22,7 @@ from engine.contracts import EngineCoreOutputs, SchedulerStats
 from engine.core_client import CoreClient, make_core_client
 from engine.errors import EngineDeadError
 from engine.frontend import Frontend, PreparedRequest
+from engine.lora import LoRARequest
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingFields
 from engine.spec_decode.metrics import SpecDecodeCounters
@@ -177,7 +178,8 @@ class AsyncLLM:
             raise ValueError(f"request id {rid!r} is already in use")
 
     def prepare(self, prompt: str | list[int], sp: SamplingFields,
-                request_id: str | None = None, priority: int = 0) -> PreparedRequest:
+                request_id: str | None = None, priority: int = 0,
+                lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and check the engine's limits; raises ValueError (nothing
         queued). Pass the result to generate(prepared=...) to run it without
         checking twice. Engine ids get a random suffix: a client that reuses a
@@ -185,7 +187,8 @@ class AsyncLLM:
         earlier request, whose abort may still be on its way to the core."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         self._check_id(rid)
-        return self.frontend.prepare(prompt, sp, rid, priority, id_suffix=f"-{secrets.token_hex(4)}")
+        return self.frontend.prepare(prompt, sp, rid, priority, id_suffix=f"-{secrets.token_hex(4)}",
+                                     lora_request=lora_request)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingFields,
                        request_id: str | None = None, priority: int = 0,

@@ -15,6 +15,7 @@ from engine.router.events import KVEvents
 
 # SamplingFields, not SamplingParams: decoding a message trusts the checks
 # that ran once at the edge (see engine/sampling_params.py).
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingFields
 
 
@@ -69,6 +70,8 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, gc=False)
     # a frontend resubmits it to a new engine (its EngineCoreActor died). The
     # core recomputes prompt + these and goes on from output position len().
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    # The LoRA adapter this request runs with; None = the base model.
+    lora_request: LoRARequest | None = None
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -82,6 +85,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     # Tokens already generated: non-empty only when a rebuilt worker group
     # relearns a request that was in flight when a rank died.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
+    lora_request: LoRARequest | None = None
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -215,6 +219,11 @@ class SchedulerStats(msgspec.Struct, gc=False):
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
     # Cumulative; None until the first worker-group rebuild (nothing sent before).
     recovery: RecoveryStats | None = None
+    # LoRA (vLLM's lora_requests_info): requests per adapter name, running and
+    # waiting; max_loras 0 when LoRA is off (then both stay None).
+    max_loras: int = 0
+    lora_running: dict[str, int] | None = None
+    lora_waiting: dict[str, int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
+from engine.lora import LoRARequest, ModelDims, check_adapter
 from engine.json_limits import utf8_problem
 from engine.sampling_params import SamplingFields, child_seed
 from engine.structured_output.backend import StructuredOutputBackend, make_backend
@@ -77,11 +78,13 @@ class Frontend:
         self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
         self._grammar_backend: StructuredOutputBackend | None = None
         self._valid_specs: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.loras = LoRARegistry(config) if config.lora.enable else None
         self._invalid_specs: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> the error
         self._specs_lock = threading.Lock()
 
     def prepare(self, prompt: Prompt, sp: SamplingFields, request_id: str,
-                priority: int = 0, id_suffix: str = "") -> PreparedRequest:
+                priority: int = 0, id_suffix: str = "",
+                lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize, check the engine's limits once, fan n out. `id_suffix`
         makes the children's engine ids unique per call (a client that reuses
         its request id never shares engine ids with the earlier request)."""
@@ -97,6 +100,11 @@ class Frontend:
         check_engine_limits(ids, sp, self.config, self.vocab_size)
         if sp.structured_outputs is not None:
             self.validate_structured_outputs(sp.structured_outputs)
+        if lora_request is not None:
+            if self.loras is None:
+                raise ValueError("lora_request: LoRA is not enabled in this engine "
+                                 "(LLM(..., enable_lora=True) or YAML lora.enable: true)")
+            self.loras.check(lora_request)
         extra: dict[str, object] = {}
         # Extra EOS ids of generation_config.json stop like stop_token_ids (vLLM).
         if self.extra_eos and not sp.ignore_eos:
@@ -104,7 +112,8 @@ class Frontend:
         now = time.time()
         children = [EngineCoreRequest(request_id=f"{request_id}-{k}{id_suffix}", prompt_token_ids=ids,
                                       sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k), **extra),
-                                      eos_token_id=self.eos_token_id, arrival_time=now, priority=priority)
+                                      eos_token_id=self.eos_token_id, arrival_time=now, priority=priority,
+                                      lora_request=lora_request)
                     for k in range(sp.n)]
         return PreparedRequest(request_id, text, ids, children)
 
@@ -141,6 +150,67 @@ class Frontend:
         self._valid_specs[key] = None
         if len(self._valid_specs) > _VALID_SPECS_CACHED:
             self._valid_specs.popitem(last=False)
+
+
+class LoRARegistry:
+    """The adapters this frontend has checked (by id) and the named ones
+    (lora.adapters at start, plus any loaded at run time), ids from 1."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.max_rank = config.lora.max_lora_rank
+        self.dims = ModelDims.from_model_dir(config.model.path)
+        self.by_id: dict[int, LoRARequest] = {}
+        self.by_name: dict[str, LoRARequest] = {}
+        # Ids are never reused: a worker may still cache an unloaded adapter's weights by id.
+        self._next_id = 1 << 20
+        for name, path in config.lora.adapters.items():
+            self.add(name, path)
+
+    def check(self, lr: LoRARequest) -> None:
+        """ValueError naming what is wrong with the request's adapter (checked once per id)."""
+        if not isinstance(lr, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lr).__name__}")
+        if not isinstance(lr.lora_int_id, int) or lr.lora_int_id < 1:
+            raise ValueError(f"lora_request.lora_int_id: expected an int >= 1, got {lr.lora_int_id!r}")
+        known = self.by_id.get(lr.lora_int_id)
+        if known is not None:
+            if (known.lora_name, known.lora_path) != (lr.lora_name, lr.lora_path):
+                raise ValueError(f"lora_request.lora_int_id: {lr.lora_int_id} already names adapter "
+                                 f"{known.lora_name!r} ({known.lora_path}); give each adapter its own id")
+            return
+        check_adapter(lr.lora_path, self.max_rank, self.dims)
+        self.by_id[lr.lora_int_id] = lr
+
+    def add(self, name: str, path: str) -> LoRARequest:
+        """Register a named adapter (checked) under the next free id."""
+        if name in self.by_name:
+            raise ValueError(f"lora_name: adapter {name!r} is already loaded")
+        if not name or ":" in name:
+            raise ValueError(f"lora_name: expected a non-empty name without ':', got {name!r}")
+        lr = LoRARequest(name, self._next_id, path)
+        self.check(lr)
+        self._next_id += 1
+        self.by_name[name] = lr
+        return lr
+
+    def remove(self, name: str) -> LoRARequest:
+        lr = self.by_name.pop(name, None)
+        if lr is None:
+            raise KeyError(name)
+        self.by_id.pop(lr.lora_int_id, None)
+        return lr
+
+    def resolve(self, model: str, base_name: str) -> LoRARequest | None:
+        """The adapter a `model` field names ("<adapter>" or "<base>:<adapter>"),
+        None for the base model itself; KeyError when it names nothing known."""
+        if model == base_name:
+            return None
+        head, sep, tail = model.partition(":")
+        name = tail if sep and head == base_name else model
+        lr = self.by_name.get(name)
+        if lr is None:
+            raise KeyError(model)
+        return lr
 
 
 def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:

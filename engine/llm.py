@@ -14,6 +14,7 @@ from engine.config import EngineConfig, build_config, check_model_dir, load_conf
 from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
 from engine.core_client import SyncCoreEngine, remote_core_factory
+from engine.lora import LoRARequest
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
 from engine.frontend import Frontend, PreparedRequest, Prompt
@@ -63,16 +64,21 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. `priority` (one per prompt,
-        lower runs first) matters with policy="priority"."""
+        lower runs first) matters with policy="priority". `lora_request`: one
+        adapter for every prompt, or a list with one per prompt (None = base)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         prios = list(priority) if priority is not None else [0] * len(prompts)
         if len(prios) != len(prompts):
             raise ValueError(f"got {len(prios)} priorities for {len(prompts)} prompts")
+        loras = _as_lora_list(lora_request, len(prompts))
         # Build and validate every request first: on bad input nothing is queued.
-        batch = [self._make_requests(p, sp, pr) for p, sp, pr in zip(prompts, params, prios)]
+        batch = [self._make_requests(p, sp, pr, lr)
+                 for p, sp, pr, lr in zip(prompts, params, prios, loras)]
         states: dict[str, RequestState] = {}
         for reqs in batch:
             for ecr, st in reqs[1]:
@@ -87,9 +93,11 @@ class LLM:
                                          max(st.num_cached_tokens for st in sts), True))
         return results
 
-    def _make_requests(self, prompt: Prompt, sp: SamplingParams, priority: int = 0
+    def _make_requests(self, prompt: Prompt, sp: SamplingParams, priority: int = 0,
+                       lora_request: LoRARequest | None = None
                        ) -> tuple[PreparedRequest, list[tuple[EngineCoreRequest, RequestState]]]:
-        prep = self.frontend.prepare(prompt, sp, f"req{next(self._ids)}", priority)
+        prep = self.frontend.prepare(prompt, sp, f"req{next(self._ids)}", priority,
+                                     lora_request=lora_request)
         states = [RequestState.make(c.request_id, k, c.sampling_params, prep.prompt_token_ids,
                                     self.tokenizer) for k, c in enumerate(prep.children)]
         return prep, list(zip(prep.children, states))
@@ -171,6 +179,16 @@ def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int
     if len(sp) != n:
         raise ValueError(f"got {len(sp)} SamplingParams for {n} prompts")
     return sp
+
+
+def _as_lora_list(lr: LoRARequest | Sequence[LoRARequest | None] | None,
+                  n: int) -> list[LoRARequest | None]:
+    if lr is None or isinstance(lr, LoRARequest):
+        return [lr] * n
+    lr = list(lr)
+    if len(lr) != n:
+        raise ValueError(f"lora_request: got {len(lr)} entries for {n} prompts")
+    return lr
 
 
 def _progress(total: int) -> Any:

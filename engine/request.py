@@ -6,6 +6,7 @@ from typing import Any
 import msgspec
 
 from engine.contracts import EngineCoreRequest, FinishReason, RequestStatus
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingFields
 
 
@@ -36,6 +37,7 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     stopped_by_grammar: bool = False
     # Speculative drafts after the last known token (engine/spec_decode/scheduling.py).
     spec_token_ids: list[int] = msgspec.field(default_factory=list)
+    lora_request: LoRARequest | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -48,7 +50,7 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
                    eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
                    priority=req.priority, cache_salt=req.cache_salt, max_tokens=max_tokens,
                    all_token_ids=prompt + outputs, output_token_ids=outputs,
-                   num_prompt_tokens=len(prompt))
+                   num_prompt_tokens=len(prompt), lora_request=req.lora_request)
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from engine.contracts import (CachedRequestData, EngineCoreOutput, EngineCoreOut
                               FinishReason, GrammarOutput, ModelRunnerOutput, NewRequestData,
                               RequestStatus, SchedulerOutput, SchedulerStats)
 from engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
+from engine.lora import lora_stats
 from engine.request import Request
 from engine.request_queue import make_queue
 from engine.spec_decode.scheduling import SpecDecodeScheduling
@@ -115,6 +116,8 @@ class Scheduler:
         self._error_outputs: list[EngineCoreOutput] = []
         self.spec = (SpecDecodeScheduling(config.speculative, self.max_model_len)
                      if config.speculative.enabled else None)
+        # LoRA slots on the workers: running requests never use more distinct adapters.
+        self.max_loras = config.lora.max_loras if config.lora.enable else 0
 
     # ---- requests in and out -------------------------------------------------
 
@@ -296,12 +299,20 @@ class Scheduler:
 
     def _admit_waiting(self, plan: _StepPlan, alone: bool, skipped: list[Request]) -> None:
         kv = self.kv_cache_manager
+        loras = ({r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+                 if self.max_loras else None)
         while self.waiting and plan.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.status == _WAITING_FOR_GRAMMAR and self._grammar_pending(request):
                 if not request.is_finished():
                     skipped.append(self.waiting.pop())
                 continue
+            lr = request.lora_request
+            if loras is not None and lr is not None and lr.lora_int_id not in loras:
+                if len(loras) >= self.max_loras:  # every slot is taken this step: wait
+                    skipped.append(self.waiting.pop())
+                    continue
+                loras.add(lr.lora_int_id)  # may stay unused if KV runs out: conservative
             hit_blocks: list[KVCacheBlock] = []
             num_computed = request.num_computed_tokens
             if num_computed == 0:
@@ -326,7 +337,8 @@ class Scheduler:
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
         new_reqs = [NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
                                    plan.new_block_ids[r.request_id], r.num_computed_tokens,
-                                   r.eos_token_id, list(r.output_token_ids)) for r in plan.new]
+                                   r.eos_token_id, list(r.output_token_ids), r.lora_request)
+                    for r in plan.new]
         cached = CachedRequestData()
         send_tokens = self.send_new_token_ids
         for r in (*plan.running, *plan.resumed):
@@ -478,6 +490,7 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
             num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
             recovery=self.recovery_stats,
+            **(lora_stats(self.max_loras, self.running, self.waiting) if self.max_loras else {}),
             **self._structured_stats(), **(self.spec.take_stats() if self.spec is not None else {}))
 
     def _structured_stats(self) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class CachedRequestState:
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
+    lora_request: LoRARequest | None = None
 
     @property
     def num_tokens(self) -> int:

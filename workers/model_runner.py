@@ -7,6 +7,7 @@ requests travel in full once and running ones only as deltas.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from workers.forward_context import set_forward_context
 from workers.grammar_mask import apply_grammar_bitmask
 from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
 from workers.layers.attention import find_attention_layers
+from workers.lora.mapping import set_lora_mapping
 from workers.rejection_sampler import SpecLayout, sample_with_drafts
 from workers.sampler import Sampler, SamplingMetadata
 
@@ -55,6 +57,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self._pending: _PendingSample | None = None
+        self.lora = make_lora_manager(config, model, device)
 
     # ---- KV cache ------------------------------------------------------------
 
@@ -175,7 +178,8 @@ class ModelRunner:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(sp.seed)
         st = CachedRequestState(nr.req_id, list(nr.prompt_token_ids), sp, gen, list(nr.block_ids),
-                                nr.num_computed_tokens, list(nr.output_token_ids), nr.eos_token_id)
+                                nr.num_computed_tokens, list(nr.output_token_ids), nr.eos_token_id,
+                                nr.lora_request)
         self.requests[nr.req_id] = st
         return st
 
@@ -222,7 +226,11 @@ class ModelRunner:
         meta = self._attn_metadata(p)
         input_ids = torch.from_numpy(p.input_ids).to(self.device)
         positions = torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
-        with set_forward_context(meta, self.attn_backend):
+        lora_mapping = None
+        if self.lora is not None:
+            lora_mapping = self.lora.step_mapping(
+                [self.requests[r].lora_request for r in req_ids], p.req_indices)
+        with set_forward_context(meta, self.attn_backend), set_lora_mapping(lora_mapping):
             out = self.model(input_ids, positions, intermediate_tensors)
         if not self.is_last_stage:
             return out
@@ -285,3 +293,13 @@ class ModelRunner:
             sampled.append(toks)
         return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
                                  sampled, logprobs)
+
+
+def make_lora_manager(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> Any:
+    """A LoRAManager (wrapping the model's projections) when lora.enable, else None."""
+    if not config.lora.enable:
+        return None
+    from engine.lora import ModelDims
+    from workers.lora.manager import LoRAManager
+
+    return LoRAManager(model, config.lora, ModelDims.from_model_dir(config.model.path), device)

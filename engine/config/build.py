@@ -230,6 +230,20 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
                     f"{cfg.model.attention_backend!r} (the Triton kernels' tiles; 'auto' is Triton on "
                     f"CUDA); other block sizes need attention_backend 'torch' or 'cpu'", cfg.cache.block_size, over)
     _validate_speculative(cfg, source, over)
+    _validate_lora(cfg, source, over)
+
+
+def _validate_lora(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
+    lc = cfg.lora
+    if lc.max_cpu_loras is not None and lc.max_cpu_loras < lc.max_loras:
+        raise _fail(source, "lora.max_cpu_loras", f"null or an int >= lora.max_loras ({lc.max_loras})",
+                    lc.max_cpu_loras, over)
+    if lc.adapters and not lc.enable:
+        raise _fail(source, "lora.enable", "true when lora.adapters are listed", lc.enable, over)
+    bad = [n for n in lc.adapters if not n or ":" in n]
+    if bad:
+        raise _fail(source, "lora.adapters", "adapter names that are non-empty and have no ':'",
+                    bad[0], over)
 
 
 def _validate_speculative(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:

@@ -179,6 +179,23 @@ class SpeculativeConfig(msgspec.Struct, **_FROZEN):
         return self.method is not None
 
 
+class LoRAConfig(msgspec.Struct, **_FROZEN):
+    """Multi-LoRA (PEFT adapters): at most max_loras distinct adapters in one
+    step (the slots), ranks up to max_lora_rank, max_cpu_loras parsed adapters
+    kept in host memory (None: max_loras). `adapters` {name: path} are checked
+    at start and addressable by name (HTTP `model`)."""
+    enable: Annotated[bool, knob("bool", kwarg="enable_lora", flag="--enable-lora",
+                                 help="true | false: serve PEFT LoRA adapters")] = False
+    max_loras: Annotated[int, int_in(1, 256, kwarg=True, flag=True,
+                                     help="distinct LoRA adapters in one step")] = 1
+    max_lora_rank: Annotated[int, int_in(1, 512, kwarg=True, flag=True,
+                                         help="largest LoRA rank accepted")] = 16
+    max_cpu_loras: Annotated[int | None, int_in(1, 4096, nullable=True, kwarg=True, flag=True,
+                                                help="LoRA adapters kept in host memory")] = None
+    adapters: Annotated[dict[str, str], knob("a mapping {adapter name: PEFT adapter directory}")] = \
+        msgspec.field(default_factory=dict)
+
+
 class EngineConfig(msgspec.Struct, **_FROZEN):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
@@ -187,6 +204,7 @@ class EngineConfig(msgspec.Struct, **_FROZEN):
     serve: ServeConfig = msgspec.field(default_factory=ServeConfig)
     structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
 
     @property
     def max_model_len(self) -> int:

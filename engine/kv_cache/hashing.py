@@ -1,8 +1,9 @@
 """Chained block hashes for prefix caching.
 
 hash(block i) = sha256(msgpack((hash(block i-1), tokens of block i, extra keys))).
-The salt is mixed into block 0 only: every later block inherits it through the
-chain. Hashes are stable across processes and runs (no Python hash()).
+The salt, and the LoRA adapter's id when there is one (two adapters never
+share KV), are mixed into block 0 only: every later block inherits them
+through the chain. Hashes are stable across processes and runs (no Python hash()).
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ class BlockHasher:
         start = len(hashes) * bs
         while start + bs <= len(tokens):
             parent = hashes[-1] if hashes else None
-            extra = request.cache_salt if start == 0 else None
+            extra = _first_block_extra(request) if start == 0 else None
             hashes.append(hash_block(parent, tokens[start:start + bs], extra))
             start += bs
+
+
+def _first_block_extra(request: Request) -> object:
+    lr = request.lora_request
+    # Without an adapter the key is the salt alone, as before LoRA existed.
+    return request.cache_salt if lr is None else (request.cache_salt, "lora", lr.lora_int_id)

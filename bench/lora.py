@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Multi-LoRA throughput: output tok/s with 16 distinct adapters in one batch
+against the same engine's base-model throughput, on CPU, with the offline
+bench's random 30M Llama (bench/offline_throughput.py).
+
+Workload: --num-prompts (64) prompts of 16..128 random ids, greedy,
+ignore_eos, --output-len tokens each, max_num_seqs = the batch. LoRA side:
+`LLM(enable_lora=True, max_loras=16, max_lora_rank=16)`, prompt i runs
+adapter i % 16; each adapter is a PEFT save_pretrained directory of rank 16
+over all seven projections at random non-zero A and B (cached under
+bench/out/lora_adapters). Base side: `LLM(...)` without LoRA. Each side runs
+in its own subprocess (generate() wall time only, after a short warm-up);
+--repeats interleaves the sides, and best/median are reported.
+Goal: LoRA tok/s >= 0.8x base tok/s.
+
+Usage:
+  .venv/bin/python bench/lora.py --repeats 3
+  .venv/bin/python bench/lora.py --num-prompts 16 --output-len 16   # quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.offline_throughput import DEFAULT_MODEL_DIR, build_model, make_prompts  # noqa: E402
+
+ADAPTER_DIR = os.path.join(REPO, "bench", "out", "lora_adapters")
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def build_adapters(model_dir: str, n: int, rank: int) -> list[str]:
+    paths = [os.path.join(ADAPTER_DIR, f"r{rank}-{i}") for i in range(n)]
+    if all(os.path.isfile(os.path.join(p, "adapter_model.safetensors")) for p in paths):
+        return paths
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    for i, p in enumerate(paths):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        pm = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=MODULES))
+        gen = torch.Generator().manual_seed(100 + i)
+        with torch.no_grad():
+            for name, w in pm.named_parameters():
+                if "lora_" in name:
+                    w.copy_(torch.randn(w.shape, generator=gen) * 0.02)
+        pm.save_pretrained(p)
+    return paths
+
+
+def run_side(args: argparse.Namespace) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from engine import LLM, LoRARequest, SamplingParams
+
+    prompts = make_prompts(args.num_prompts, 0, 8192, 16, 128)
+    lora = args.side == "lora"
+    kw = dict(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.rank) if lora else {}
+    llm = LLM(model=args.model_dir, max_num_seqs=args.num_prompts, **kw)
+    loras = None
+    if lora:
+        paths = build_adapters(args.model_dir, args.num_adapters, args.rank)
+        loras = [LoRARequest(f"a{i % len(paths)}", i % len(paths) + 1, paths[i % len(paths)])
+                 for i in range(len(prompts))]
+    sp = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:len(loras or prompts)], warm, use_tqdm=False, lora_request=loras)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
+    gen_s = time.perf_counter() - t0
+    llm.shutdown()
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(side=args.side, gen_s=gen_s, tok_s=n_out / gen_s,
+                tokens=[list(o.outputs[0].token_ids) for o in outs])
+
+
+def _subprocess(side: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--model-dir", args.model_dir,
+           "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
+           "--num-adapters", str(args.num_adapters), "--rank", str(args.rank),
+           "--threads", str(args.threads)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--side", choices=["base", "lora"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-adapters", type=int, default=16)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    if args.side is not None:
+        r = run_side(args)
+        print(json.dumps(r))
+        return 0
+    build_model(args.model_dir)
+    build_adapters(args.model_dir, args.num_adapters, args.rank)
+    runs: dict[str, list[dict]] = {"base": [], "lora": []}
+    for rep in range(args.repeats):
+        for side in ("base", "lora"):
+            r = _subprocess(side, args)
+            runs[side].append(r)
+            print(f"run {rep} {side:4s}: {r['tok_s']:8.1f} tok/s ({r['gen_s']:.2f} s)", flush=True)
+    best = {s: max(r["tok_s"] for r in rs) for s, rs in runs.items()}
+    med = {s: statistics.median(r["tok_s"] for r in rs) for s, rs in runs.items()}
+    same = sum(a == b for a, b in zip(runs["base"][0]["tokens"], runs["lora"][0]["tokens"]))
+    print(f"base: best {best['base']:.1f} tok/s, median {med['base']:.1f}")
+    print(f"lora ({args.num_adapters} adapters, rank {args.rank}, 7 projections): "
+          f"best {best['lora']:.1f} tok/s, median {med['lora']:.1f}")
+    print(f"ratio lora/base: best {best['lora'] / best['base']:.3f}, median {med['lora'] / med['base']:.3f} "
+          f"(goal >= 0.8); rows whose tokens equal the base model's: {same}/{args.num_prompts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

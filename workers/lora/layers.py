@@ -1,0 +1,108 @@
+"""LoRA-wrapped TP linears. Only built when lora.enable: without LoRA the
+model keeps its plain layers and pays nothing.
+
+Each wrapper holds max_loras slots of stacked weights, sub-projections of a
+fused linear side by side:
+    a_t [S, in_per_rank, n_sub * R]    (A^T of each sub-projection, rank-padded)
+    b_t [S, n_sub * R, out_per_rank]   (B^T * scale, block diagonal over sub-projections)
+so one shrink and one expand serve q, k and v (or gate and up) together.
+Zero-padded ranks and absent sub-projections contribute exactly zero.
+
+TP: a column-parallel layer keeps A whole and this rank's rows of B (its
+output features); a row-parallel layer keeps this rank's columns of A (its
+input features) and B whole, and adds its partial delta before the
+all-reduce, like its partial base product.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel import state
+from parallel.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                             RowParallelLinear, linear)
+from workers.lora.mapping import add_lora, get_lora_mapping
+
+
+class _LoRALinearBase(nn.Module):
+    def __init__(self, base: nn.Module, in_size: int, out_sizes: list[int], num_slots: int,
+                 max_rank: int) -> None:
+        super().__init__()
+        self.base = base
+        self.max_rank = max_rank
+        self.out_sizes = out_sizes  # per-rank output features of each sub-projection
+        self.out_offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        w = base.weight
+        n_sub = len(out_sizes)
+        # One extra slot, always zero: base-model tokens read it (workers/lora/mapping.py).
+        self.register_buffer("a_t", torch.zeros(num_slots + 1, in_size, n_sub * max_rank,
+                                                dtype=w.dtype, device=w.device), persistent=False)
+        self.register_buffer("b_t", torch.zeros(num_slots + 1, n_sub * max_rank, sum(out_sizes),
+                                                dtype=w.dtype, device=w.device), persistent=False)
+
+    def clear_slot(self, slot: int) -> None:
+        self.a_t[slot].zero_()
+        self.b_t[slot].zero_()
+
+    def set_sub(self, slot: int, sub: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """a: [r, in_per_rank] (lora_A, this rank's part), b: [out_per_rank, r]
+        (lora_B's rows for this rank, scale applied)."""
+        r, lo = a.shape[0], sub * self.max_rank
+        off, size = self.out_offsets[sub], self.out_sizes[sub]
+        self.a_t[slot, :, lo:lo + r].copy_(a.t())
+        self.b_t[slot, lo:lo + r, off:off + size].copy_(b.t())
+
+    def _delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        mp = get_lora_mapping()
+        if mp is not None:
+            add_lora(x, y, self.a_t, self.b_t, mp)
+        return y
+
+
+class ColumnParallelLinearWithLoRA(_LoRALinearBase):
+    def __init__(self, base: ColumnParallelLinear, num_slots: int, max_rank: int) -> None:
+        if isinstance(base, QKVParallelLinear):
+            q, kv = base.num_heads * base.head_size, base.num_kv_heads * base.head_size
+            outs = [q, kv, kv]
+        elif isinstance(base, MergedColumnParallelLinear):
+            outs = [o // base.tp_size for o in base.output_sizes]
+        else:
+            outs = [base.output_size_per_partition]
+        super().__init__(base, base.input_size, outs, num_slots, max_rank)
+
+    def b_rows(self, sub: int) -> tuple[int, int]:
+        """(start, size) of this rank's rows in the sub-projection's full lora_B."""
+        base = self.base
+        size = self.out_sizes[sub]
+        if isinstance(base, QKVParallelLinear) and sub > 0:
+            return (base.tp_rank // base.num_kv_head_replicas) * size, size
+        return base.tp_rank * size, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base
+        y = self._delta(x, linear(base, x, base.weight, base.bias))
+        return state.tp_all_gather(y, dim=-1) if base.gather_output else y
+
+
+class RowParallelLinearWithLoRA(_LoRALinearBase):
+    def __init__(self, base: RowParallelLinear, num_slots: int, max_rank: int) -> None:
+        super().__init__(base, base.input_size_per_partition, [base.output_size], num_slots, max_rank)
+
+    def a_cols(self) -> tuple[int, int]:
+        size = self.base.input_size_per_partition
+        return self.base.tp_rank * size, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.base
+        if not base.input_is_parallel:
+            size = base.input_size_per_partition
+            x = x.narrow(-1, base.tp_rank * size, size)
+        y = self._delta(x, linear(base, x, base.weight))
+        if base.reduce_results:
+            y = state.tp_all_reduce(y)  # base and LoRA partial sums together
+        if base.bias is not None:
+            y = y + base.bias
+        return y
+
+
+LoRALinear = ColumnParallelLinearWithLoRA | RowParallelLinearWithLoRA
