@@ -32,6 +32,9 @@ class ModelConfig(msgspec.Struct, **_FROZEN):
     seed: int = 0
     attention_backend: str = "auto"
     max_n: int = 16  # cap on SamplingParams.n
+    # Never capture CUDA graphs for decode steps (vLLM's enforce_eager); graphs
+    # are used only on CUDA with the triton backend (workers/cuda_graphs.py).
+    enforce_eager: bool = False
 
 
 class ParallelConfig(msgspec.Struct, **_FROZEN):
@@ -68,6 +71,11 @@ class SchedulerConfig(msgspec.Struct, **_FROZEN):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    # Plan step N+1 while step N runs (vLLM's async scheduling, PP = 1 only):
+    # "auto" is on where the forward runs on an accelerator and off on CPU
+    # (measured slower there: BENCHMARKS.md "Async scheduling"); YAML's
+    # on/off spell true/false, which mean the same.
+    async_scheduling: bool | str = "auto"
 
 
 class CacheConfig(msgspec.Struct, **_FROZEN):
@@ -175,6 +183,7 @@ _KWARG_MAP: dict[str, tuple[str, str]] = {
     "model": ("model", "path"), "tokenizer": ("model", "tokenizer"), "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"), "seed": ("model", "seed"),
     "attention_backend": ("model", "attention_backend"),
+    "enforce_eager": ("model", "enforce_eager"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "executor": ("parallel", "executor"),
@@ -184,6 +193,7 @@ _KWARG_MAP: dict[str, tuple[str, str]] = {
     "enable_chunked_prefill": ("scheduler", "enable_chunked_prefill"),
     "long_prefill_token_threshold": ("scheduler", "long_prefill_token_threshold"),
     "policy": ("scheduler", "policy"),
+    "async_scheduling": ("scheduler", "async_scheduling"),
     "block_size": ("cache", "block_size"), "num_gpu_blocks": ("cache", "num_gpu_blocks"),
     "gpu_memory_utilization": ("cache", "gpu_memory_utilization"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
@@ -389,6 +399,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "model.seed": ("int", lambda v: True),
     "model.attention_backend": _one_of(_BACKENDS),
     "model.max_n": _at_least(1),
+    "model.enforce_eager": ("bool", lambda v: True),
     "parallel.tensor_parallel_size": _at_least(1),
     "parallel.pipeline_parallel_size": _at_least(1),
     "parallel.executor": _one_of(_EXECUTORS),
@@ -408,6 +419,8 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "scheduler.enable_chunked_prefill": ("bool", lambda v: True),
     "scheduler.long_prefill_token_threshold": _at_least(0),
     "scheduler.policy": _one_of(("fcfs", "priority")),
+    "scheduler.async_scheduling": ("auto, on or off (or true/false)",
+                                   lambda v: v in ("auto", "on", "off", True, False)),
     "cache.block_size": _one_of(_BLOCK_SIZES),
     "cache.gpu_memory_utilization": ("float in (0, 1]", lambda v: 0.0 < v <= 1.0),
     "cache.num_gpu_blocks": _at_least(2, nullable=True),
@@ -457,6 +470,16 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
                     f"{cfg.model.attention_backend!r} (the Triton kernels' tiles; 'auto' is Triton on "
                     f"CUDA); other block sizes need attention_backend 'torch' or 'cpu'", cfg.cache.block_size, over)
     _validate_speculative(cfg, source, over)
+    if async_scheduling_mode(cfg) == "on" and p.pipeline_parallel_size > 1:
+        raise _fail(source, "scheduler.async_scheduling",
+                    "auto or off with parallel.pipeline_parallel_size > 1 (the batch queue already "
+                    "overlaps steps there)", cfg.scheduler.async_scheduling, over)
+
+
+def async_scheduling_mode(cfg: EngineConfig) -> str:
+    """scheduler.async_scheduling as one of "auto", "on", "off"."""
+    v = cfg.scheduler.async_scheduling
+    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 def _validate_speculative(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:

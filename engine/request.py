@@ -36,6 +36,9 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     stopped_by_grammar: bool = False
     # Speculative drafts after the last known token (engine/spec_decode/scheduling.py).
     spec_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Async scheduling: tokens sampled by steps still in flight (the worker
+    # knows them, the core not yet); the catch-up rule counts them.
+    num_output_placeholders: int = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:

@@ -91,3 +91,40 @@ def test_add_request_validation():
     with pytest.raises(ValueError, match="already"):
         core.add_request(_requests(1)[0])
     core.shutdown()
+
+
+@pytest.mark.parametrize("blocks", [200, 12])  # 12: decode must preempt
+def test_async_scheduling_matches_step(blocks):
+    """Async scheduling plans step N+1 while N runs (placeholders for N's
+    tokens) and gives the tokens of the synchronous loop, preemption included."""
+    def core(queue_size: int, **kw) -> EngineCore:
+        cfg = build_config(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, **kw)
+        return EngineCore(cfg, FakeExecutor(num_blocks=blocks, queue_size=queue_size, delay_s=0.002))
+
+    sync = core(1, async_scheduling="off")
+    ref = _run(sync)
+    sync.shutdown()
+    c = core(1, async_scheduling="on")
+    assert c.step_fn == c.step_async and c.scheduler.async_scheduling
+    sched, orig, in_flight = c.scheduler, c.scheduler.schedule, []
+
+    def spy():
+        in_flight.append(len(c.batch_queue))
+        return orig()
+
+    sched.schedule = spy
+    assert _run(c) == ref
+    assert max(in_flight) == 1 and c.executor.max_in_flight == 1
+    assert (sched.num_preemptions > 0) == (blocks == 12)
+    assert not sched.requests and sched.kv_cache_manager.get_num_free_blocks() == blocks - 1
+    c.shutdown()
+
+
+def test_async_scheduling_auto_and_bounds():
+    assert not _core(1).async_scheduling  # auto: off where the forward is on the CPU
+    from engine.config import ConfigError
+    with pytest.raises(ConfigError, match="scheduler.async_scheduling"):
+        build_config(async_scheduling="sometimes")
+    with pytest.raises(ConfigError, match="scheduler.async_scheduling"):
+        build_config(async_scheduling=True, pipeline_parallel_size=2)
+    assert build_config(async_scheduling=False).scheduler.async_scheduling is False
