@@ -10,6 +10,7 @@ import pytest
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from llm_utils import make_checkpoint, random_prompts
 from recovery_utils import greedy_and_seeded
+from structured_schemas import CHOICES, REGEXES
 
 PROMPTS = random_prompts(8, 30, 90, seed=61)
 PARAMS = greedy_and_seeded(8, max_tokens=32, temperature=1.0, seed=70)
@@ -67,12 +68,11 @@ def test_structured_outputs(engines):
     """A running structured request makes the core finish the step in flight
     before planning the next (its mask needs the latest token)."""
     on, off = engines
-    so = [StructuredOutputsParams(regex=r"[a-z]{3,8}( [a-z]{2,6}){2}"),
-          StructuredOutputsParams(choice=["alpha", "beta gamma"])]
+    so = [StructuredOutputsParams(regex=REGEXES[3]), StructuredOutputsParams(choice=CHOICES[1])]
     params = [PARAMS[0].clone(structured_outputs=s) for s in so] + PARAMS[4:6]
     ref = _tokens(off, PROMPTS[:4], params)
     assert _tokens(on, PROMPTS[:4], params) == ref
-    assert ref[1][2] in ("alpha", "beta gamma")
+    assert ref[1][2] in CHOICES[1]
 
 
 def test_ngram_drafts(ckpt, engines):

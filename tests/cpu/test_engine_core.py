@@ -21,8 +21,9 @@ def _requests(n: int = 6) -> list[EngineCoreRequest]:
             for i in range(n)]
 
 
-def _run(core: EngineCore, abort_at: dict[int, str] | None = None) -> dict[str, list[int]]:
-    for r in _requests():
+def _run(core: EngineCore, abort_at: dict[int, str] | None = None,
+         requests: list[EngineCoreRequest] | None = None) -> dict[str, list[int]]:
+    for r in requests or _requests():
         core.add_request(r)
     tokens: dict[str, list[int]] = {}
     steps = 0
@@ -98,11 +99,16 @@ def test_async_scheduling_matches_step(blocks):
     """Async scheduling plans step N+1 while N runs (placeholders for N's
     tokens) and gives the tokens of the synchronous loop, preemption included."""
     def core(queue_size: int, **kw) -> EngineCore:
-        cfg = build_config(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, **kw)
+        cfg = build_config(max_model_len=min(512, (blocks - 1) * 16), max_num_batched_tokens=64,
+                           max_num_seqs=8, **kw)
         return EngineCore(cfg, FakeExecutor(num_blocks=blocks, queue_size=queue_size, delay_s=0.002))
 
+    # Six 20-token prompts growing to 60 tokens: 11 usable blocks hold five
+    # prompts but not their growth.
+    reqs = [EngineCoreRequest(request_id=f"p{i}", prompt_token_ids=[i + 1] * 20, eos_token_id=EOS,
+                              sampling_params=SamplingParams(max_tokens=40 - i)) for i in range(6)]
     sync = core(1, async_scheduling="off")
-    ref = _run(sync)
+    ref = _run(sync, requests=reqs)
     sync.shutdown()
     c = core(1, async_scheduling="on")
     assert c.step_fn == c.step_async and c.scheduler.async_scheduling
@@ -113,7 +119,7 @@ def test_async_scheduling_matches_step(blocks):
         return orig()
 
     sched.schedule = spy
-    assert _run(c) == ref
+    assert _run(c, requests=reqs) == ref
     assert max(in_flight) == 1 and c.executor.max_in_flight == 1
     assert (sched.num_preemptions > 0) == (blocks == 12)
     assert not sched.requests and sched.kv_cache_manager.get_num_free_blocks() == blocks - 1
