@@ -77,7 +77,8 @@ if [ "${1:-}" = "--dry-run" ]; then  # the CPU-checkable parts, on this machine
   step compile 60 "$PY" -m py_compile tests/gpu/test_e2e_gpu.py tests/gpu/test_kernels_gpu.py \
     bench/decode_floor.py bench/attention.py || exit 1
   install_wheels "$PY" || { echo "FAIL  imports"; exit 1; }
-  step collect 90 "$PY" -m pytest -q -p no:cacheprovider --collect-only -rs tests/gpu || exit 1
+  # Without CUDA both modules skip at import: pytest's "no tests collected" (5) is the pass here.
+  step collect 90 bash -c "$PY -m pytest -q -p no:cacheprovider --collect-only -rs tests/gpu; r=\$?; [ \$r -eq 5 ] && exit 0; exit \$r" || exit 1
   step decode-floor-tiny 120 "$PY" bench/decode_floor.py --tiny --batches 1,4 --ctx 32 --out 8 || exit 1
   for line in "${SUMMARY[@]}"; do echo "$line"; done
   exit 0
