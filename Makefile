@@ -15,7 +15,7 @@ venv: $(VPY)
 	$(PIP) install -q -e ".[test]"
 
 test: venv
-	$(VPY) -m pytest tests/cpu -q
+	$(VPY) -m pytest tests/cpu tests/compat -q
 
 # `make run`: fresh clone -> local Ray, the demo model served at 127.0.0.1, one request answered.
 run: venv

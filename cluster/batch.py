@@ -147,7 +147,11 @@ class OutputLog:
         return done
 
     def append(self, record: dict[str, Any]) -> None:
-        data = memoryview((json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode())
+        # backslashreplace: a lone surrogate (a custom_id the input's JSON
+        # escaped as \udc00) is written as that same JSON escape, so the line
+        # is valid UTF-8 JSON and a rerun reads the same custom_id back.
+        text = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+        data = memoryview(text.encode("utf-8", "backslashreplace"))
         while data:  # O_APPEND: every write lands at the end
             n = os.write(self._fd, data)
             data = data[n:]

@@ -19,13 +19,13 @@ from typing import Any, Protocol
 import msgspec
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, UnsendableRequestError
+from engine.json_limits import utf8_problem
 from executors.ray_placement import worker_bundle
 
 log = logging.getLogger("conveyor.batch")
 
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-PG_TIMEOUT_S = float(os.environ.get("CONVEYOR_PG_TIMEOUT_S", "120"))
 
 
 class EngineFailure(RuntimeError):
@@ -86,11 +86,20 @@ class LineRunner:
 
     async def run(self, obj: dict[str, Any]) -> dict[str, Any]:
         """The output record of one input line; raises EngineFailure if the engine died."""
-        from cluster.openai_protocol import APIError, ChatRequest, CompletionRequest, validate_model
+        from cluster.openai_protocol import (
+            APIError,
+            ChatRequest,
+            CompletionRequest,
+            bad_request,
+            validate_model,
+        )
 
         await self.server.start()
         rid = f"batch-{uuid.uuid4().hex}"
         try:
+            problem = utf8_problem(obj["custom_id"])
+            if problem is not None:  # the line's error record still names it (escaped)
+                raise bad_request(f"custom_id {problem}", "custom_id")
             kind = self._check_line(obj)
             request = _fake_request(obj["url"], rid)
             if kind == "completion":
@@ -101,9 +110,11 @@ class LineRunner:
             status, body = response.status_code, json.loads(response.body)
         except APIError as e:
             status, body = e.status, e.body()
+        except UnsendableRequestError as e:  # this line alone could not reach the engine
+            status, body = 400, bad_request(str(e)).body()
         except EngineDeadError as e:  # never a line's own error: the line is not done
             raise EngineFailure(f"engine failed: {self.llm.dead_error or e}") from None
-        except Exception:  # noqa: BLE001 - our bug: this line fails, the job goes on
+        except Exception:
             log.exception("line %r failed", obj.get("custom_id"))
             status, body = 500, {"error": {"message": "internal error", "type": "internal_error",
                                            "param": None, "code": "internal_error"}}
@@ -195,6 +206,7 @@ class ActorEngine:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.index, self.max_in_flight = index, max_in_flight
+        self.placement_timeout_s = config.parallel.placement_timeout_s
         bundles, gpus = engine_bundles(config, ray.cluster_resources().get("GPU", 0) > 0)
         self.pg = placement_group(bundles, strategy=config.parallel.placement_strategy,
                                   name=f"conveyor-batch-{os.getpid()}-{index}")
@@ -211,10 +223,10 @@ class ActorEngine:
         import ray
 
         try:
-            await asyncio.wait_for(self.pg.ready(), timeout=PG_TIMEOUT_S)
-        except asyncio.TimeoutError:
+            await asyncio.wait_for(self.pg.ready(), timeout=self.placement_timeout_s)
+        except TimeoutError:
             raise EngineFailure(f"engine {self.index}: placement group {self.pg.bundle_specs} not ready "
-                                f"after {PG_TIMEOUT_S:.0f}s; available: {ray.available_resources()}") from None
+                                f"after {self.placement_timeout_s:g}s (parallel.placement_timeout_s); available: {ray.available_resources()}") from None
         await self.actor.ready.remote()
 
     async def run(self, obj: dict[str, Any]) -> dict[str, Any]:

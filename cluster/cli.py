@@ -25,6 +25,7 @@ from typing import Any
 
 from cluster.options import (ENGINE_OVERRIDES, SERVE_OVERRIDES, add_override_options, add_set_option,
                              collect_overrides)
+from cluster.setup_checks import check_engine_setup, check_serve_setup
 from engine.config import ConfigError, check_cluster_fits, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     per_replica = replica_cpus(config, use_gpu=False)  # CPU bundles; GPUs are checked below
     starts_ray = not (args.address or os.environ.get("RAY_ADDRESS"))
+    # Before Ray starts: a key, port or checkpoint mistake is one line, not a failed deploy.
+    check_serve_setup(config, args.config, binds_port=starts_ray)
     direct = wants_direct_ingress(config, starts_ray)
     if direct and starts_ray:
         enable_direct_ingress()  # before the local Ray instance starts
@@ -131,6 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     overrides = collect_overrides(args)
     config = load_config(args.config, **overrides)  # a config error before any engine work
+    check_engine_setup(config, args.config)  # a broken checkpoint: one line, no worker traceback
     try:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, n=args.n, stop=list(args.stop),

@@ -13,15 +13,23 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import ray
 
-from cluster.engine_actor import TO_CORE, TO_FRONTEND, CoreActorPlacement, CoreInput, EngineCoreActor
+from cluster.engine_actor import (
+    TO_CORE,
+    TO_FRONTEND,
+    CoreActorPlacement,
+    CoreInput,
+    EngineCoreActor,
+)
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, KVCacheInfo
+from engine.errors import UnsendableRequestError
 from executors.channel import Channel, DataPlane, PlaneKeys
 
 log = logging.getLogger(__name__)
@@ -40,20 +48,33 @@ class InputSender:
 
     def __init__(self, channel: Channel, dead: Callable[[], str | None]) -> None:
         self._ch, self._dead = channel, dead
-        self._queue: queue.SimpleQueue[CoreInput | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._encode_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="core-inputs-send")
         self._thread.start()
 
     def put(self, msg: CoreInput) -> None:
-        self._queue.put(msg)
+        """Encodes here, in the caller: a message that cannot be encoded (a
+        check the edge missed) raises UnsendableRequestError to its own
+        caller, and the thread, which every later request needs, never sees it."""
+        with self._encode_lock:
+            try:
+                payload = self._ch.encode(msg)
+            except (TypeError, ValueError, OverflowError, UnicodeError) as e:
+                raise UnsendableRequestError(
+                    f"the request could not be sent to the engine: {type(e).__name__}: {e}") from None
+        self._queue.put(payload)
+
+    def alive(self) -> bool:
+        """False once the thread ended while not asked to stop (a bug): /health then fails."""
+        return self._thread.is_alive() or self._stop.is_set()
 
     def _run(self) -> None:
         while True:
-            msg = self._queue.get()
-            if msg is None:
+            payload = self._queue.get()
+            if payload is None:
                 return
-            payload = self._ch.encode(msg)
             # False: no peer can take it yet (connecting) or its queue is full.
             while not self._ch.try_send_payload(payload):
                 if self._stop.is_set() or self._dead() is not None:

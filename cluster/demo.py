@@ -2,15 +2,16 @@
 
     .venv/bin/python -m cluster.demo [--keep-serving] [--port N] [--prompt TEXT]
 
-1. builds the demo checkpoint (`demo_model/`: a small random-weight Llama and
-   a tokenizer trained on the spot; see cluster/demo_model.py) if missing;
+1. puts the demo checkpoint in `demo_model/` if missing: a small Llama trained on
+   the docstrings of Python's standard library (cluster/demo_assets/, made by
+   cluster/train_demo.py);
 2. starts a local Ray instance and serves configs/tiny-cpu.yaml (which points
    at demo_model/) on an OpenAI-compatible endpoint at 127.0.0.1;
 3. sends one chat completion request over HTTP and prints the answer and URL;
 4. shuts everything down (or keeps serving with --keep-serving, until Ctrl-C).
 
-The weights are random, so the answer is noise: the point is the path it took.
-Nothing is downloaded. If the configured port is taken, a free one is used.
+The model is tiny and was trained for minutes: it answers in sentences in the
+style of Python's documentation, not with facts. Nothing is downloaded. If the configured port is taken, a free one is used.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cluster.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=DEFAULT_CONFIG, help="engine config to serve")
     p.add_argument("--port", type=int, default=None, help="HTTP port (default: the config's serve.port)")
-    p.add_argument("--prompt", default="Tell me about the cat and the garden.")
+    p.add_argument("--prompt", default="What does json.dumps do?")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--keep-serving", action="store_true", help="keep serving after the demo request")
     return p.parse_args(argv)
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         answer = reply["choices"][0]["message"]["content"]
         print(f"\nPOST {url}/v1/chat/completions\n  user:      {args.prompt}\n"
               f"  assistant: {answer!r}\n  usage:     {reply['usage']}\n"
-              "(random weights: the text is noise; point configs/tiny-cpu.yaml at a real "
-              "checkpoint for real answers)", flush=True)
+              "(a 2M-parameter model trained on Python's docstrings: sentences, not facts; "
+              "point configs/tiny-cpu.yaml at a real checkpoint for real answers)", flush=True)
         if args.keep_serving:
             print(f"\nstill serving at {url}/v1 - try:\n  curl {url}/v1/models\nCtrl-C to stop.", flush=True)
             while True:

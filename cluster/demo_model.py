@@ -1,5 +1,7 @@
-"""The bundled demo checkpoint: a small random-weight Llama with a byte-level
-BPE tokenizer trained on the spot (nothing is downloaded, ever).
+"""The demo checkpoint and the tiny tokenizer: `make run` serves the trained demo
+model committed in cluster/demo_assets/ (see cluster/train_demo.py); tests build
+small random-weight Llamas with a byte-level BPE tokenizer trained on the spot
+(nothing is downloaded, ever).
 
     python -m cluster.demo_model demo_model     # what `make run` builds if missing
 
@@ -78,39 +80,50 @@ def tiny_corpus() -> list[str]:
     return lines
 
 
-def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+def train_tokenizer_on(texts: list[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE tokenizer trained on `texts`, special tokens at ids 0-3."""
     tok = Tokenizer(models.BPE(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(tiny_corpus(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     # Llama-style: BOS is prepended by the post-processor, never EOS.
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B",
         special_tokens=[(BOS, tok.token_to_id(BOS))])
-    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2, 3]
+    if [tok.token_to_id(t) for t in SPECIAL_TOKENS] != [0, 1, 2, 3]:
+        raise RuntimeError("special tokens did not get ids 0-3")
     return tok
 
 
-def train_tiny_tokenizer(path: str, vocab_size: int = 512,
-                         chat_template: str | None = CHAT_TEMPLATE) -> None:
-    """Train and save into directory `path` (created if missing)."""
+def build_tiny_tokenizer(vocab_size: int = 512) -> Tokenizer:
+    return train_tokenizer_on(tiny_corpus(), vocab_size)
+
+
+def save_tokenizer(tok: Tokenizer, path: str, chat_template: str | None = CHAT_TEMPLATE,
+                   model_max_length: int = 2048) -> None:
+    """tokenizer.json + tokenizer_config.json + special_tokens_map.json into `path`."""
     os.makedirs(path, exist_ok=True)
-    tok = build_tiny_tokenizer(vocab_size)
     tok.save(os.path.join(path, "tokenizer.json"))
     special_map = {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": PAD}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         **special_map,
-        "model_max_length": 2048,
+        "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
     if chat_template is not None:
         config["chat_template"] = chat_template
     _write_json(os.path.join(path, "tokenizer_config.json"), config)
     _write_json(os.path.join(path, "special_tokens_map.json"), special_map)
+
+
+def train_tiny_tokenizer(path: str, vocab_size: int = 512,
+                         chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """Train and save into directory `path` (created if missing)."""
+    save_tokenizer(build_tiny_tokenizer(vocab_size), path, chat_template)
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -162,10 +175,28 @@ def make_demo_model(path: str, seed: int = 0) -> str:
     return path
 
 
+# The trained demo model (cluster/train_demo.py: a small Llama trained on the
+# docstrings of Python's standard library), committed so `make run` answers in
+# sentences without a training run.
+TRAINED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo_assets")
+
+
 def ensure_demo_model(path: str) -> bool:
-    """Build the demo checkpoint unless it is already there; True if built."""
+    """Put the demo checkpoint at `path` unless one is already there; True if
+    it was put there. The trained checkpoint when the repository has it, else a
+    random-weight one (the text is then noise)."""
     if is_checkpoint(path):
         return False
+    if is_checkpoint(TRAINED_DIR):
+        import shutil
+
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        tmp = path.rstrip("/") + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(TRAINED_DIR, tmp)
+        os.replace(tmp, path)  # never a half checkpoint at `path`
+        return True
     make_demo_model(path)
     return True
 

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engine.json_limits import check_json_value
 
 from engine.sampling_params import SamplingParams
 
@@ -77,7 +79,10 @@ def invalid_request(errors: Sequence[Any]) -> APIError:
                             code="unsupported_media_type")
         return bad_request("request body must be a JSON object", code="invalid_json")
     code = "missing_required_parameter" if kind == "missing" else "invalid_value"
-    return bad_request(f"{'.'.join(loc)}: {err.get('msg', 'invalid value')}", loc[0], code)
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if not msg.startswith(loc[0]):  # our own checks name the path already
+        msg = f"{'.'.join(loc)}: {msg}"
+    return bad_request(msg, loc[0], code)
 
 
 def validate_model(cls: type[BaseModel], obj: dict[str, Any]) -> Any:
@@ -98,7 +103,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class _BoundedFields(BaseModel):
+    """Every field of the body, as sent, within engine/json_limits.py's bounds
+    (valid Unicode, int64, nesting), before its own type check: a 400 naming
+    the field instead of a failure deep inside (tokenizer, msgpack, json.dumps)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _bounded(cls, v: Any, info: Any) -> Any:
+        check_json_value(v, info.field_name)
+        return v
+
+
+class _SamplingFields(_BoundedFields):
     """Fields shared by both endpoints (OpenAI + vLLM extras)."""
     model_config = _MODEL_CONFIG
     model: str | None = None

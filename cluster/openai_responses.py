@@ -46,7 +46,7 @@ class ResponseBuilding:
     def _streams(self, job: _Job) -> list[AsyncIterator[RequestOutput]]:
         raise NotImplementedError
 
-    def _check_delta(self, reason: str | None) -> None:
+    def _check_delta(self, reason: str | None, detail: Any = None, req: Any = None) -> None:
         raise NotImplementedError
 
     def _absorb(self, job: _Job, batch: list[tuple[int, RequestOutput]], timers: list[RequestTimer],
@@ -56,7 +56,7 @@ class ResponseBuilding:
         for i, ro in batch:
             timers[i].on_tokens(sum(len(d.token_ids) for d in ro.outputs))
             for d in ro.outputs:
-                self._check_delta(d.finish_reason)
+                self._check_delta(d.finish_reason, d.stop_reason, job.req)
                 a = into.setdefault(i * job.n + d.index, _Acc())
                 a.text += d.text
                 a.token_ids += d.token_ids

@@ -22,6 +22,7 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import WebSocketRoute
 
 from cluster import openai_protocol as P
+from cluster import request_prep as RP
 from cluster.metrics import CONTENT_TYPE, ServeMetrics
 from cluster.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from cluster.openai_responses import ResponseBuilding
@@ -40,7 +42,7 @@ from cluster.tool_response import ToolSession
 from cluster.tools import ToolPlan, template_input, tool_plan
 from engine.async_client import AsyncLLM
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, UnsendableRequestError
 from engine.frontend import ContextLengthError, PreparedRequest
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -121,6 +123,8 @@ class OpenAIServer(ResponseBuilding):
         self.metrics = metrics or ServeMetrics(llm, self.model_name)
         self.fmt = P.LogprobFormatter(llm.tokenizer)
         self.draining = False
+        # Heavy jobs (RP.off_loop); not the default executor, which health checks use.
+        self._prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-prep")
 
     async def start(self) -> None:
         """Start the engine's output pump on the loop that serves requests.
@@ -144,7 +148,8 @@ class OpenAIServer(ResponseBuilding):
     def _tokenize(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         if self.llm.tokenizer is None:
             raise P.bad_request("this model has no tokenizer: send token ids", param)
-        return self.llm.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return RP.tokenize_bounded(self.llm.tokenizer, text, add_special_tokens, param,
+                                   self.config.max_model_len)
 
     def _check_cost(self, cost: int) -> None:
         """A request that could never be admitted fails before any work."""
@@ -183,7 +188,7 @@ class OpenAIServer(ResponseBuilding):
         except ValueError as e:
             raise P.bad_request(str(e), "messages") from None
         # The template already holds the special tokens it wants (vLLM's default).
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = self._tokenize(text, False, "messages")
         if not ids:
             raise P.bad_request("the rendered chat prompt is empty", "messages")
         return ids
@@ -259,21 +264,26 @@ class OpenAIServer(ResponseBuilding):
 
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
         """req: validated by FastAPI (the route's body model) or validate_model."""
+        job = await RP.off_loop(self._prep_pool, self._completion_job, req, request)
+        return await self._respond(job)
+
+    async def chat(self, req: P.ChatRequest, request: Request) -> Response:
+        return await self._respond(await RP.off_loop(self._prep_pool, self._chat_job, req, request))
+
+    def _completion_job(self, req: P.CompletionRequest, request: Request) -> _Job:  # sync: any thread
         P.check_unsupported(req)
         self._check_model(req.model)
         sp = self._params(req, req.max_tokens)
         prompts = self._completion_prompts(req.prompt, sp.n)
-        job = self._job("completion", request, req, prompts, sp, "prompt")
-        return await self._respond(job)
+        return self._job("completion", request, req, prompts, sp, "prompt")
 
-    async def chat(self, req: P.ChatRequest, request: Request) -> Response:
+    def _chat_job(self, req: P.ChatRequest, request: Request) -> _Job:
         P.check_unsupported(req)
         self._check_model(req.model)
         plan = tool_plan(req, self.config.serve.tool_call_parser,
                          self.llm.frontend.validate_structured_outputs)
         sp = self._params(req, P.chat_max_tokens(req)[0], plan)
-        job = self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan)
-        return await self._respond(job)
+        return self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -316,7 +326,9 @@ class OpenAIServer(ResponseBuilding):
 
     def _admit(self, job: _Job) -> None:
         """Take the job's slots (one per engine request: prompts x n) and its
-        engine ids (checked free in _job, with no await in between)."""
+        engine ids (checked free in _job, again here: the prep pool built it off the loop)."""
+        if not self._active_ids.isdisjoint(job.engine_ids):
+            raise P.bad_request(f"request id {job.rid!r} is already in use", "X-Request-Id")
         if self.max_admitted is not None and self.admitted + job.cost > self.max_admitted:
             raise at_capacity(self.max_admitted)
         self.admitted += job.cost
@@ -344,10 +356,12 @@ class OpenAIServer(ResponseBuilding):
         for eid in job.engine_ids:
             await self.llm.abort(eid)
 
-    def _check_delta(self, reason: str | None) -> None:
+    def _check_delta(self, reason: str | None, detail: Any = None, req: Any = None) -> None:
         if reason in ("error", "abort"):
             if self.llm.dead_error is not None:
                 raise engine_unavailable()
+            if isinstance(detail, str) and detail.startswith("structured output grammar"):
+                raise P.bad_request(detail, RP.constraint_param(req), "grammar_error")
             raise internal_error()
 
     async def _guarded_sse(self, job: _Job) -> AsyncIterator[bytes]:
@@ -360,7 +374,9 @@ class OpenAIServer(ResponseBuilding):
             yield P.sse(e.body())
         except EngineDeadError:
             yield P.sse(engine_unavailable().body())
-        except Exception:  # noqa: BLE001 - our bug: generic message, details logged
+        except UnsendableRequestError as e:
+            yield P.sse(P.bad_request(str(e)).body())
+        except Exception:
             log.exception("stream %s failed", job.rid)
             yield P.sse(internal_error().body())
         finally:
@@ -418,7 +434,9 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
             return error_response(e)
         except EngineDeadError:  # it died under a running request
             return error_response(engine_unavailable())
-        except Exception:  # noqa: BLE001 - our bug: generic message, details logged
+        except UnsendableRequestError as e:  # this request alone: the engine goes on
+            return error_response(P.bad_request(str(e)))
+        except Exception:
             log.exception("request failed")
             return error_response(internal_error())
 

@@ -1,7 +1,8 @@
 """Command-line options that override engine config keys, shared by the
 `conveyor` CLI and `python -m cluster.batch`.
 
-Every option names the config key it overrides in its --help line, and every
+The options are derived from the config fields that declare a flag, so a knob
+is declared once. Every option names the config key it overrides in its --help line, and every
 override reaches the config as a dotted key path (`scheduler.max_num_seqs`),
 which `engine.config.load_config(path, **overrides)` merges over the file
 before validation: an override is checked exactly like the file's own value.
@@ -10,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import yaml
+
+from engine.config import cli_knobs
 
 
 @dataclass(frozen=True)
@@ -30,48 +34,18 @@ def _bool(text: str) -> bool:
     return v
 
 
-ENGINE_OVERRIDES: tuple[Override, ...] = (
-    Override("--model", "model.path", str, "local Hugging Face checkpoint directory"),
-    Override("--tokenizer", "model.tokenizer", str, "tokenizer directory (default: the model's)"),
-    Override("--dtype", "model.dtype", str, "float32 | float16 | bfloat16 | auto"),
-    Override("--max-model-len", "model.max_model_len", int, "context length cap"),
-    Override("--seed", "model.seed", int, "engine seed"),
-    Override("--attention-backend", "model.attention_backend", str, "auto | torch | triton"),
-    Override("--enforce-eager", "model.enforce_eager", _bool,
-             "true | false: no CUDA graphs for decode steps"),
-    Override("--tensor-parallel-size", "parallel.tensor_parallel_size", int, "TP ranks per engine"),
-    Override("--pipeline-parallel-size", "parallel.pipeline_parallel_size", int,
-             "PP stages per engine"),
-    Override("--executor", "parallel.executor", str, "uniproc | mp | ray"),
-    Override("--placement-strategy", "parallel.placement_strategy", str,
-             "PACK | SPREAD | STRICT_PACK | STRICT_SPREAD"),
-    Override("--max-num-seqs", "scheduler.max_num_seqs", int, "max running requests"),
-    Override("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", int,
-             "token budget per step"),
-    Override("--enable-chunked-prefill", "scheduler.enable_chunked_prefill", _bool, "true | false"),
-    Override("--policy", "scheduler.policy", str, "fcfs | priority"),
-    Override("--async-scheduling", "scheduler.async_scheduling", str,
-             "auto | on | off: plan the next step while one runs"),
-    Override("--block-size", "cache.block_size", int, "KV block size in tokens"),
-    Override("--num-gpu-blocks", "cache.num_gpu_blocks", int, "KV blocks (default: measured)"),
-    Override("--gpu-memory-utilization", "cache.gpu_memory_utilization", float,
-             "fraction of GPU memory for the engine"),
-    Override("--enable-prefix-caching", "cache.enable_prefix_caching", _bool, "true | false"),
-    Override("--speculative-method", "speculative.method", str,
-             "ngram: n-gram (prompt-lookup) speculative decoding"),
-    Override("--num-speculative-tokens", "speculative.num_speculative_tokens", int,
-             "draft tokens per step, 1..8"),
-)
+def _parser(base: type) -> Callable[[str], Any]:
+    return {bool: _bool, int: int, float: float}.get(base, str)
 
-SERVE_OVERRIDES: tuple[Override, ...] = (
-    Override("--host", "serve.host", str, "HTTP bind address"),
-    Override("--port", "serve.port", int, "HTTP port"),
-    Override("--replicas", "serve.replicas", int, "Serve replicas (one engine each)"),
-    Override("--served-model-name", "serve.served_model_name", str,
-             "the `model` name clients send"),
-    Override("--api-key-env", "serve.api_key_env", str,
-             "environment variable holding the API key"),
-)
+
+def _overrides(serve: bool) -> tuple[Override, ...]:
+    """The options of the config fields that declare a CLI flag (engine/config/sections.py)."""
+    return tuple(Override(str(i.flag), i.key, _parser(i.base_type), i.knob.help or i.knob.expect)
+                 for i in cli_knobs() if i.key.startswith("serve.") == serve)
+
+
+ENGINE_OVERRIDES: tuple[Override, ...] = _overrides(serve=False)
+SERVE_OVERRIDES: tuple[Override, ...] = _overrides(serve=True)
 
 
 def _dest(o: Override) -> str:

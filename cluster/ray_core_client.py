@@ -115,6 +115,7 @@ class RayCoreClient:
         replaced; raises EngineDeadError when the engine cannot go on. A lost
         actor the restart budget still covers is not dead: the reader replaces it."""
         self._raise_if_dead()
+        self._raise_if_thread_died()
         if self.recovering:
             return "recovering"
         err = self.link.health_error(HEALTH_TIMEOUT_S)
@@ -147,6 +148,16 @@ class RayCoreClient:
     def _raise_if_dead(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+
+    def _raise_if_thread_died(self) -> None:
+        """A dead internal thread is a dead engine, whatever the actor says:
+        without it nothing is sent or delivered, so health must fail (Serve
+        then replaces the replica) rather than every request timing out."""
+        reader = self._reader
+        if reader is not None and not reader.is_alive() and not self._closing:
+            raise EngineDeadError("the engine's output thread died")
+        if not self.link.sender.alive():
+            raise EngineDeadError("the engine's input-send thread died")
 
     # ---- the reader: outputs and supervision -----------------------------------------
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from cluster import openai_protocol as P
 from cluster.structured_request import structured_outputs_of
 from cluster.tool_parsers import ToolParser, ToolSpec, get_tool_parser
+from engine.json_limits import JSONLimitError, check_json_value
 from engine.structured_output.params import StructuredOutputsParams
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
@@ -183,7 +184,10 @@ def _rendered_call(i: int, raw: Any, seen: set[str]) -> dict[str, Any]:
     call = _validate(AssistantToolCall, raw, "messages", f"messages[{i}].tool_calls")
     try:
         args = json.loads(call.function.arguments)
-    except ValueError:
+        check_json_value(args, f"messages[{i}].tool_calls.arguments")  # nesting the template can render
+    except JSONLimitError as e:
+        raise P.bad_request(str(e), "messages") from None
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's stack
         raise P.bad_request(f"messages[{i}].tool_calls: arguments of {call.id!r} are not valid JSON",
                             "messages") from None
     seen.add(call.id)

@@ -31,13 +31,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.config import EngineConfig, async_scheduling_mode
+from engine.config import EngineConfig
 from engine.contracts import SchedulerOutput
 from engine.request import Request
 
 if TYPE_CHECKING:
     from engine.scheduler import Scheduler
     from executors.base import Executor
+
+
+def async_scheduling_mode(cfg: EngineConfig) -> str:
+    """scheduler.async_scheduling as one of "auto", "on", "off"."""
+    v = cfg.scheduler.async_scheduling
+    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 def use_async_scheduling(config: EngineConfig, executor: Executor) -> bool:

@@ -7,3 +7,9 @@ class EngineDeadError(RuntimeError):
     gone, or a step failed. Every layer raises and catches this one class
     (executors re-export it), so a dead engine always reads as unavailable
     (HTTP 503), never as a bug of ours (500)."""
+
+
+class UnsendableRequestError(ValueError):
+    """One request could not be encoded for the engine (a value the edge's
+    checks should have refused). It fails alone, as the client's mistake
+    (HTTP 400): the engine and every other request go on."""

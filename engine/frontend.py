@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
+from engine.json_limits import utf8_problem
 from engine.sampling_params import SamplingFields, child_seed
 from engine.structured_output.backend import StructuredOutputBackend, make_backend
 from engine.structured_output.params import StructuredOutputsParams
@@ -61,6 +63,8 @@ def check_engine_limits(ids: list[int], sp: SamplingFields, config: EngineConfig
             f"have (max_tokens, or max_model_len {max_len} minus the {n}-token prompt)")
     if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
+    if vocab_size and sp.stop_token_ids and max(sp.stop_token_ids) >= vocab_size:
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {max(sp.stop_token_ids)}")
 
 
 class Frontend:
@@ -71,6 +75,8 @@ class Frontend:
         self.eos_token_id, self.extra_eos = _eos_ids(config, self.tokenizer)
         self._grammar_backend: StructuredOutputBackend | None = None
         self._valid_specs: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._invalid_specs: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> the error
+        self._specs_lock = threading.Lock()
 
     def prepare(self, prompt: Prompt, sp: SamplingFields, request_id: str,
                 priority: int = 0, id_suffix: str = "") -> PreparedRequest:
@@ -80,6 +86,9 @@ class Frontend:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer.json: pass token ids")
+            problem = utf8_problem(prompt)
+            if problem is not None:  # the tokenizer would raise TypeError
+                raise ValueError(f"prompt {problem}")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
@@ -99,11 +108,20 @@ class Frontend:
 
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile-check the constraint before anything is queued (ValueError).
-        Specs that passed are remembered (LRU), so each is checked once."""
+        Specs that passed are remembered (LRU), so each is checked once.
+        Thread-safe: the HTTP server checks on its prep pool (one at a time:
+        each check is bounded by the backend's limits)."""
+        with self._specs_lock:
+            self._validate_structured(params)
+
+    def _validate_structured(self, params: StructuredOutputsParams) -> None:
         key = (params.kind, params.spec_text())
         if key in self._valid_specs:
             self._valid_specs.move_to_end(key)
             return
+        refused = self._invalid_specs.get(key)
+        if refused is not None:  # a grammar bomb sent again costs a lookup, not a compile
+            raise ValueError(refused)
         if self._grammar_backend is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the model's tokenizer.json")
@@ -111,7 +129,13 @@ class Frontend:
             self._grammar_backend = make_backend(self.config.structured_outputs.backend,
                                                  self.config.model.tokenizer or self.config.model.path,
                                                  vocab, self.eos_token_id)
-        self._grammar_backend.validate(params)
+        try:
+            self._grammar_backend.validate(params)
+        except ValueError as e:
+            self._invalid_specs[key] = str(e)
+            if len(self._invalid_specs) > _VALID_SPECS_CACHED:
+                self._invalid_specs.popitem(last=False)
+            raise
         self._valid_specs[key] = None
         if len(self._valid_specs) > _VALID_SPECS_CACHED:
             self._valid_specs.popitem(last=False)

@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from engine.json_limits import utf8_problem
 from engine.structured_output.params import StructuredOutputsParams
 
 # Upper bounds that are policy, not physics; the engine config may lower them.
@@ -103,13 +104,13 @@ class SamplingParams(SamplingFields):
         _int("n", self.n, lo=1, hi=max_n)
         _float("temperature", self.temperature, lo=0.0)
         _float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        _int("top_k", self.top_k, lo=0)
+        _int("top_k", self.top_k, lo=0, hi=_INT64 - 1)  # >= vocab: off
         _float("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
             _int("seed", self.seed, lo=-_INT64, hi=_INT64 - 1)
         if self.max_tokens is not None:
-            _int("max_tokens", self.max_tokens, lo=1)
-        _int("min_tokens", self.min_tokens, lo=0)
+            _int("max_tokens", self.max_tokens, lo=1, hi=_INT64 - 1)
+        _int("min_tokens", self.min_tokens, lo=0, hi=_INT64 - 1)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
@@ -166,6 +167,9 @@ def _str_list(name: str, v: object, max_items: int, max_chars: int) -> None:
             raise ValueError(f"{name} must not contain empty strings")
         if len(s) > max_chars:
             raise ValueError(f"{name} strings must be at most {max_chars} characters, got {len(s)}")
+        problem = utf8_problem(s)
+        if problem is not None:  # it could never be sent to the engine (msgpack is UTF-8)
+            raise ValueError(f"{name} entry {problem}")
 
 
 def _int_list(name: str, v: object, max_items: int) -> None:
@@ -174,4 +178,4 @@ def _int_list(name: str, v: object, max_items: int) -> None:
     if len(v) > max_items:
         raise ValueError(f"{name} must hold at most {max_items} token ids, got {len(v)}")
     for t in v:
-        _int(name, t, lo=0)
+        _int(name, t, lo=0, hi=_INT64 - 1)  # the engine's own check: < vocab size

@@ -56,7 +56,11 @@ def _grammar_done(request: Request, grammar, token: int) -> bool:
         # The mask allowed only grammar tokens, so this is an engine defect:
         # end the request rather than emit output that does not parse.
         request.status = RequestStatus.FINISHED_ERROR
-        request.stop_reason = "grammar rejected a sampled token"
+        # A matcher that hit its resource limits (a schema that forces
+        # unbounded nesting: "Too many items") says why: the client's mistake.
+        why = getattr(grammar, "error", lambda: None)()
+        request.stop_reason = (f"structured output grammar failed: {why}" if why
+                               else "grammar rejected a sampled token")
         return True
     if grammar.is_terminated():
         request.status = RequestStatus.FINISHED_STOPPED

@@ -77,6 +77,11 @@ class Tokenizer:
         self.all_special_ids = [i for i in (backend.token_to_id(t) for t in self.all_special_tokens)
                                 if i is not None]
         self._is_bpe = type(backend.model).__name__ == "BPE"
+        # The most characters one token can stand for (a vocab entry's text is
+        # at least as long as what it encodes: one char per byte in byte-level
+        # BPE, "<0x0A>" for one byte): a text longer than n * this needs more
+        # than n tokens, so it is refused without tokenizing it.
+        self.max_token_chars = max((len(t) for t in vocab), default=1) or 1
         self._compiled: dict[str, Any] = {}
 
     # ---- special tokens -------------------------------------------------
@@ -99,6 +104,12 @@ class Tokenizer:
     # ---- encode / decode ------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_nogil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """encode() that releases the GIL while it runs (the backend's batch
+        path does; its single encode does not): for large texts on a thread,
+        so the event loop keeps running meanwhile."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True,
                clean_up_tokenization_spaces: bool | None = None) -> str:

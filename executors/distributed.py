@@ -102,7 +102,7 @@ class DistributedExecutor(Executor):
         self._receiver.start()
         self._rpc("init_device")
         self._rpc("load_model")
-        num_blocks = min(r.value for r in self._rpc("determine_num_blocks"))
+        num_blocks = min(_value(r) for r in self._rpc("determine_num_blocks"))
         self._rpc("initialize_cache", num_blocks)
         infos = [r.kv_info for r in self._rpc("kv_info", num_blocks) if r.kv_info is not None]
         return infos[(self.config.parallel.pipeline_parallel_size - 1) * self.config.parallel.tensor_parallel_size]
@@ -335,3 +335,10 @@ def check_parallel_sizes(config: EngineConfig) -> None:
         raise ValueError(f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) must divide one another")
     if layers and pp > layers:
         raise ValueError(f"pipeline_parallel_size ({pp}) is larger than num_hidden_layers ({layers})")
+
+
+def _value(reply: WorkerReply) -> int:
+    """The int a value-returning RPC answered (a reply without one is a protocol error)."""
+    if reply.value is None:
+        raise RuntimeError(f"worker rank {reply.rank} answered without a value")
+    return reply.value

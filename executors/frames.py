@@ -90,7 +90,7 @@ class Opener:
     def __init__(self, key: bytes, route: Route, recv_type: type, where: str = "") -> None:
         self._key = key
         self._route = route
-        self._dec = msgspec.msgpack.Decoder(recv_type)
+        self._dec: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(recv_type)
         self._last_seq: dict[str, int] = {}
         self.where = where
         self.dropped: Counter[str] = Counter()
@@ -123,7 +123,7 @@ class Opener:
         self._last_seq[header.sender] = header.seq
         return msg
 
-    def _drop(self, reason: str) -> None:
+    def _drop(self, reason: str) -> Any | None:  # always None: `return self._drop(...)` reads as one step
         self.dropped[reason] += 1
         n = self.dropped[reason]
         if n == 1 or n % 1000 == 0:  # a flood must not flood the log too

@@ -32,7 +32,7 @@ def exit_cause(exitcode: int | None) -> str:
 class MultiprocExecutor(DistributedExecutor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self._procs: list[mp.Process] = []
+        self._procs: list[BaseProcess] = []
         self.overlaps_host_work = torch.cuda.is_available()
 
     def _start_workers(self) -> None:

@@ -22,7 +22,6 @@ from executors.ray_placement import local_ray_num_cpus, placement_error, visible
 from executors.ray_worker import RayWorkerActor
 
 log = logging.getLogger(__name__)
-PG_TIMEOUT_S = float(os.environ.get("CONVEYOR_PG_TIMEOUT_S", "120"))
 _ENV_PREFIXES = ("CONVEYOR_", "NCCL_", "GLOO_", "TRITON_", "OMP_", "HF_", "TRANSFORMERS_")
 
 
@@ -64,19 +63,19 @@ def check_tp_locality(order: list[int], bundle_nodes: list[str], tp: int) -> Non
                                f"{len(group)} nodes; give each node a multiple of {tp} bundles")
 
 
-def place_workers(pg: PlacementGroup, first: int, world: int, tp: int
+def place_workers(pg: PlacementGroup, first: int, world: int, tp: int, start_timeout_s: float
                   ) -> tuple[list[Any], list[str], list[int], list[tuple[str, str, int]]]:
     """One worker actor per bundle first..first+world-1, returned in rank
     order with (bundle nodes, rank order, per-rank (node, ip, pid))."""
     bundle = pg.bundle_specs[first]
     gpus = bundle.get("GPU", 0)
     env = {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES)}
-    actors = [RayWorkerActor.options(
+    actors = [RayWorkerActor.options(  # type: ignore[attr-defined]  # added by @ray.remote
         num_cpus=0 if gpus else bundle.get("CPU", 1), num_gpus=gpus,
         runtime_env={"env_vars": env},
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first + i),
     ).remote() for i in range(world)]
-    infos = ray.get([a.node_info.remote() for a in actors], timeout=PG_TIMEOUT_S)
+    infos = ray.get([a.node_info.remote() for a in actors], timeout=start_timeout_s)
     nodes = [n for n, _, _ in infos]
     order = order_bundles(nodes, ray.get_runtime_context().get_node_id())
     check_tp_locality(order, nodes, tp)
@@ -121,7 +120,8 @@ class RayExecutor(DistributedExecutor):
         pg, first = self._placement_group()
         self._pg = pg
         gpus = pg.bundle_specs[first].get("GPU", 0)
-        placed = place_workers(pg, first, self.world_size, self.config.parallel.tensor_parallel_size)
+        p = self.config.parallel
+        placed = place_workers(pg, first, self.world_size, p.tensor_parallel_size, p.worker_start_timeout_s)
         self._actors, self.bundle_nodes, self.rank_order, infos = placed
         port = ray.get(self._actors[0].free_port.remote())
         host = "127.0.0.1" if self._host_is_local() else infos[0][1]
@@ -162,7 +162,8 @@ class RayExecutor(DistributedExecutor):
         nodes = [self.bundle_nodes[i] for i in self.rank_order]
         if not gpus:
             return [nodes[:r].count(n) for r, n in enumerate(nodes)], [{} for _ in nodes]
-        ids = ray.get([a.gpu_ids.remote() for a in self._actors], timeout=PG_TIMEOUT_S)
+        ids = ray.get([a.gpu_ids.remote() for a in self._actors],
+                      timeout=self.config.parallel.worker_start_timeout_s)
         devices = visible_devices(nodes, ids)
         return [lr for _, lr in devices], [{"CUDA_VISIBLE_DEVICES": v} for v, _ in devices]
 

@@ -11,7 +11,7 @@ import ray
 from engine.config import EngineConfig
 
 
-@ray.remote(max_concurrency=2)
+@ray.remote(max_concurrency=2)  # type: ignore[call-overload]  # ray's stubs omit actor options
 class RayWorkerActor:
     def node_info(self) -> tuple[str, str, int]:
         ctx = ray.get_runtime_context()

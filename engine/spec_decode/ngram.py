@@ -101,7 +101,7 @@ class NgramProposer:
         found = index.get(_gram_key(tokens, size, lo)) if size > lo else None
         if found is None:
             return []
-        ends = (found,) if type(found) is int else found
+        ends = (found,) if isinstance(found, int) else found
         cap = min(self.n_max, size - 1)
         best_len, latest_full, earliest = -1, -1, -1
         for e in reversed(ends):
@@ -135,7 +135,7 @@ class NgramProposer:
                 prev = index.get(key)
                 if prev is None:
                     index[key] = e
-                elif type(prev) is int:
+                elif isinstance(prev, int):
                     index[key] = [prev, e]
                 else:
                     prev.append(e)

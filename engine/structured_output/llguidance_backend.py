@@ -15,6 +15,14 @@ from engine.structured_output.backend import register_backend
 from engine.structured_output.params import StructuredOutputsParams
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
+# Bounds on one grammar's lexer work, in llguidance's fuel units (~50k/ms to
+# build the regex ASTs, ~14k/ms in a mask step). The defaults (1M, 200k) let a
+# regex like a{100000} spend 50-700 ms of every engine step building lexer
+# states, for every request on the step thread: this caps one matcher at about
+# 1 ms a step, and the first (largest) build runs before the request is
+# scheduled (validate at the edge, compile on the compile pool), where a
+# grammar past it is refused naming the limit.
+LEXER_LIMITS = {"initial_lexer_fuel": 50_000, "step_lexer_fuel": 20_000}
 _ANY_JSON_OBJECT = {"type": "object"}
 
 
@@ -34,6 +42,11 @@ class LLGuidanceGrammar:
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()
 
+    def error(self) -> str | None:
+        """The matcher's error (a resource limit hit mid-generation), first line."""
+        m = self.matcher
+        return (m.get_error() or "error").splitlines()[0][:300] if m.is_error() else None
+
     def valid_prefix(self, tokens: list[int]) -> int:
         return self.matcher.validate_tokens(tokens)
 
@@ -46,6 +59,8 @@ class LLGuidanceBackend:
         with open(path) as f:
             text = f.read()
         self.tokenizer = llg.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id)
+        self._words = (vocab_size + 31) // 32
+        self._eos = eos_token_id
         self._executor: llg.LLExecutor | None = None  # drafts only; see fill_bitmasks
 
     def fill_bitmasks(self, grammars: list[LLGuidanceGrammar], bitmask: np.ndarray,
@@ -105,16 +120,42 @@ class LLGuidanceBackend:
         return llg.LLMatcher.grammar_from_lark(params.grammar)
 
     def validate(self, params: StructuredOutputsParams) -> None:
+        text = self.grammar_text(params)
         is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(
-            self.grammar_text(params), self.tokenizer)
+            text, self.tokenizer, limits=llg.LLParserLimits(**LEXER_LIMITS))
         if is_error:
             raise ValueError(f"invalid structured_outputs.{params.kind}: {msgs[0].strip()}")
+        self.compile(params, text)
 
-    def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
-        m = llg.LLMatcher(self.tokenizer, self.grammar_text(params), log_level=0)
+    def compile(self, params: StructuredOutputsParams, text: str | None = None) -> LLGuidanceGrammar:
+        m = llg.LLMatcher(self.tokenizer, text or self.grammar_text(params), log_level=0,
+                          limits=llg.LLParserLimits(**LEXER_LIMITS))
+        self._warm(m)
         if m.is_error():
-            raise ValueError(f"invalid structured_outputs.{params.kind}: {m.get_error()}")
+            why = (m.get_error() or "").strip().splitlines()[0][:300]
+            if "too many" in why or "fuel" in why:
+                why += f" (more lexer work than this server allows: llguidance limits {LEXER_LIMITS})"
+            raise ValueError(f"invalid structured_outputs.{params.kind}: {why}")
         return LLGuidanceGrammar(m)
+
+
+    def _warm(self, m: llg.LLMatcher) -> None:
+        """Build the lexer's first states here (the edge, the compile pool),
+        never on the step thread: the first mask, and the mask after one
+        allowed token (a huge repetition like a{100000} is cheap at the start
+        and blows up on the next state), then roll back. A grammar past the
+        limits leaves `m` in error."""
+        mask = np.zeros(self._words, dtype=np.int32)
+        m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if m.is_error():
+            return
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+        token = next((int(t) for t in allowed if int(t) != self._eos), None)
+        if token is None or not m.consume_token(token):
+            return
+        m.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if not m.is_error():
+            m.rollback(1)
 
 
 @register_backend("llguidance")

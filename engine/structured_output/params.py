@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from engine.json_limits import check_json_value
+
 # Bounds on what a client may ask to compile; larger specs are refused at the edge.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
@@ -40,6 +42,8 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             raise ValueError("structured_outputs.json must be a JSON schema (object or string)")
         if kind == "choice":
             _check_choice(self.choice)
+        if kind != "json_object":  # before spec_text: json.dumps recurses
+            check_json_value(getattr(self, kind), f"structured_outputs.{kind}")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):

@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import pytest
-
 from llm_utils import make_checkpoint
 from ray_nodes import free_port, start_node, stop_node, token_env
 
@@ -58,13 +57,27 @@ def _twenty_lines() -> list[dict]:
     lines.insert(5, _line("bad-url", "/v1/embeddings", {"model": "tiny", "input": "x"}))
     lines.insert(13, _line("bad-param", "/v1/completions",
                            {"model": "tiny", "prompt": "x", "max_tokens": 4, "temperature": -1}))
-    assert len(lines) == 20
+    # Issue 31: lines that passed validation and then broke the engine link
+    # (it hung the job under `--executor ray`), or that no rerun could write.
+    for i, (cid, extra) in enumerate(BAD_VALUES.items()):
+        lines.insert(3 + 4 * i, _line(cid, "/v1/completions", {"model": "tiny", "prompt": "x",
+                                                                 "max_tokens": 4, **extra}))
+    lines.insert(9, _line("bad-\udc00", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4}))
+    assert len(lines) == N_LINES
     return lines
 
 
+# custom_id -> (the body's extra field, the param its 400 names)
+BAD_VALUES = {"bad-stop": {"stop": ["\udc00"]}, "bad-top-k": {"top_k": 2**64},
+              "bad-stop-ids": {"stop_token_ids": [2**70]}, "bad-prompt": {"prompt": "x\udc00"}}
+N_LINES = 25
+
+
 def _write_jsonl(path: str, objs: list[dict]) -> str:
-    with open(path, "w") as f:
-        f.write("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs))
+    # backslashreplace: a lone surrogate goes as its JSON escape (\udc00), as a client sends it.
+    with open(path, "wb") as f:
+        f.write("".join(json.dumps(o, ensure_ascii=False) + "\n" for o in objs)
+                .encode("utf-8", "backslashreplace"))
     return path
 
 
@@ -107,13 +120,18 @@ def refs(ckpt):
 
 def _check_results(path: str, refs: dict[str, str]) -> None:
     records = _read_jsonl(path)
-    assert len(records) == 20 and len({r["custom_id"] for r in records}) == 20
-    assert len({r["id"] for r in records}) == 20
+    assert len(records) == N_LINES and len({r["custom_id"] for r in records}) == N_LINES
+    assert len({r["id"] for r in records}) == N_LINES
     errors = {r["custom_id"]: r for r in records if r["error"] is not None}
-    assert set(errors) == {"bad-url", "bad-param"}
+    assert set(errors) == {"bad-url", "bad-param", "bad-\udc00", *BAD_VALUES}
     assert errors["bad-url"]["response"]["status_code"] == 400
     assert errors["bad-url"]["error"]["code"] == "invalid_url"
     assert errors["bad-param"]["response"]["body"]["error"]["param"] == "temperature"
+    params = {"bad-stop": "stop", "bad-top-k": "top_k", "bad-stop-ids": "stop_token_ids",
+              "bad-prompt": "prompt", "bad-\udc00": "custom_id"}
+    for cid, param in params.items():
+        assert errors[cid]["response"]["status_code"] == 400, errors[cid]
+        assert errors[cid]["response"]["body"]["error"]["param"] == param, errors[cid]
     for r in records:
         if r["error"] is not None:
             continue

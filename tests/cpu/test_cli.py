@@ -5,6 +5,7 @@ each): --help texts list every option with the config key it overrides,
 SIGINT, and the `make run` demo (python -m cluster.demo) end to end."""
 from __future__ import annotations
 
+import ast
 import glob
 import json
 import os
@@ -191,3 +192,8 @@ def test_demo_builds_the_model_serves_and_answers(tmp_path):
     assert f"built the demo checkpoint in {tmp_path / 'demo_model'}" in r.stdout
     assert f"serving 'tiny' at http://127.0.0.1:{port}/v1" in r.stdout
     assert "assistant:" in r.stdout and "'completion_tokens': 6" in r.stdout and "shut down." in r.stdout
+    # The committed demo model was trained on English (the stdlib's docstrings): it answers in words.
+    answer = ast.literal_eval(r.stdout.split("assistant: ", 1)[1].splitlines()[0])
+    words = answer.lower().split()
+    assert len(words) >= 3 and all(w.strip(".,;:'\"()").isalpha() for w in words), answer
+    assert {"the", "a", "an", "of", "is", "to", "and", "return", "returns"} & set(words), answer

@@ -10,6 +10,7 @@ import os
 import shlex
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 
@@ -253,3 +254,27 @@ def test_parallel_size_must_fit_the_cluster():
         check_cluster_fits(cfg, 4, source="c.yaml")
     with pytest.raises(ConfigError, match=r"× 2 data-parallel engines = 16"):
         check_cluster_fits(cfg, 8, copies=2)
+
+
+def test_each_knob_is_declared_once_and_drives_kwargs_and_cli():
+    """The LLM keywords and the CLI options come from the fields' own knobs,
+    so they cannot drift from the struct (the old hand list omitted cpu)."""
+    from cluster.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
+    from engine.config import EngineConfig
+    from engine.config.build import _KNOBS, _KWARG_MAP
+
+    flags = {o.flag: o for o in ENGINE_OVERRIDES + SERVE_OVERRIDES}
+    assert "cpu" in flags["--attention-backend"].help
+    assert flags["--enable-prefix-caching"].type("false") is False
+    assert all(o.key.startswith("serve.") for o in SERVE_OVERRIDES)
+    assert not any(o.key.startswith("serve.") for o in ENGINE_OVERRIDES)
+    default = EngineConfig()
+    for kwarg, (section, field) in _KWARG_MAP.items():
+        value = getattr(getattr(default, section), field)
+        if value is not None and kwarg != "model":
+            cfg = build_config(**{kwarg: value})
+            assert getattr(getattr(cfg, section), field) == value
+    # Every field of every section has a rule, except free-form lists.
+    for section in msgspec.structs.fields(EngineConfig):
+        for f in msgspec.structs.fields(section.type):
+            assert f"{section.name}.{f.name}" in _KNOBS or f.name == "cors_origins", f.name

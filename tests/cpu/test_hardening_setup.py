@@ -11,13 +11,13 @@ import os
 import msgspec
 import pytest
 import torch
+from llm_utils import make_checkpoint
 
 from engine import LLM, SamplingParams
 from engine.async_client import AsyncLLM, collect
 from engine.async_client import EngineDeadError as FrontendDeadError
 from engine.config import TRITON_BLOCK_SIZES, ConfigError, ParallelConfig, build_config
 from executors.base import EngineDeadError
-from llm_utils import make_checkpoint
 
 SLOW_STEP = {"parallel.step_timeout_s": 2.0, "parallel.first_step_extra_s": 0.0}
 
@@ -106,7 +106,7 @@ def test_uniproc_health_fails_on_an_overrunning_step(tmp_path):
 
 
 class _SilentActor:
-    class check_health:  # noqa: N801 - mimics actor.check_health.remote()
+    class check_health:
         @staticmethod
         def remote() -> object:
             return object()
@@ -418,3 +418,81 @@ def test_parity_rule_compares_lengths_and_both_top5s():
     # the reference's token is outside our top-5
     ours = [{1, 2, 3, 4, 5}, {4, 6, 7, 8, 0}, {3}]
     assert "first divergence at 1" in close_or_why([1, 4, 3], ours, [1, 2, 3], top)
+
+
+# ---- issue 31, item 8: setup mistakes are one line and exit code 2, before any deploy ------
+
+def _cli(capsys, *argv: str) -> tuple[int, str]:
+    from cluster.cli import main
+
+    rc = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    return rc, err
+
+
+def _yaml(tmp_path, name: str, tree: dict) -> str:
+    import json
+
+    path = tmp_path / name
+    path.write_text(json.dumps(tree))  # JSON is YAML
+    return str(path)
+
+
+def test_serve_setup_mistakes_fail_before_deploying(ckpt, tmp_path, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.delenv("CONVEYOR_TEST_UNSET_KEY", raising=False)
+    cfg = _yaml(tmp_path, "key.yaml", {"model": {"path": ckpt},
+                                      "serve": {"api_key_env": "CONVEYOR_TEST_UNSET_KEY"}})
+    rc, err = _cli(capsys, "serve", cfg)
+    assert rc == 2 and err.count("\n") == 0, err
+    assert "CONVEYOR_TEST_UNSET_KEY" in err and "export" in err, err
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        cfg = _yaml(tmp_path, "port.yaml", {"model": {"path": ckpt},
+                                           "serve": {"host": "127.0.0.1", "port": port}})
+        rc, err = _cli(capsys, "serve", cfg)
+    assert rc == 2 and err.count("\n") == 0 and f"serve.port {port}" in err and "in use" in err, err
+    import ray
+
+    assert not ray.is_initialized()  # refused before Ray started
+
+
+def test_generate_on_a_broken_checkpoint_is_one_line(ckpt, tmp_path, capsys):
+    import json
+    import shutil
+
+    def broken(name: str, damage) -> str:
+        d = tmp_path / name
+        shutil.copytree(ckpt, d)
+        damage(d)
+        return _yaml(tmp_path, f"{name}.yaml", {"model": {"path": str(d)}})
+
+    def truncate(d) -> None:
+        f = d / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+    def vocab(d) -> None:
+        c = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**c, "vocab_size": -5}))
+
+    cases = {"truncated": (truncate, "truncated"),
+             "garbage": (lambda d: (d / "model.safetensors").write_bytes(os.urandom(4096)),
+                         "not a complete safetensors file"),
+             "noweights": (lambda d: (d / "model.safetensors").unlink(), "no *.safetensors weights"),
+             "vocab": (vocab, "vocab_size must be a positive integer, got -5")}
+    for name, (damage, message) in cases.items():
+        rc, err = _cli(capsys, "generate", broken(name, damage), "--prompt", "hi")
+        assert rc == 2 and err.count("\n") == 0 and message in err, (name, err)
+        assert "[rank0]" not in err and "Traceback" not in err
+
+
+def test_config_validate_refuses_an_empty_file(tmp_path, capsys):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing here\n")
+    from cluster.cli import main
+
+    assert main(["config", "validate", str(empty)]) == 1
+    assert "the file is empty" in capsys.readouterr().out

@@ -15,11 +15,10 @@ import time
 
 import httpx
 import pytest
-
 from llm_utils import make_checkpoint
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402 - after the importorskip
+from hypothesis import HealthCheck, given, settings
 
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -163,3 +162,105 @@ def test_schemathesis_no_5xx_and_openai_errors(served):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     assert llm.num_unfinished == 0 and llm.stats.num_running_reqs == 0
     assert llm.stats.kv_cache_usage == 0.0, llm.stats
+
+
+# ---- issue 31: hostile values in every field --------------------------------------------------
+
+TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+    "type": "object", "properties": {"x": {"type": "string", "maxLength": 8}}}}}
+TOOL_TURNS = [{"role": "system", "content": "s", "name": "n"}, {"role": "user", "content": "hi"},
+              {"role": "assistant", "content": None, "tool_calls": [{
+                  "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "r"}]
+# Every field with a value of its type, nested objects included, so each leaf gets mutated.
+FULL = {
+    "/v1/completions": {"prompt": "The cat", "model": "tiny", "max_tokens": 2, "stop": ["x"],
+                        "stop_token_ids": [3], "seed": 1, "top_k": 5, "n": 1, "min_tokens": 1,
+                        "logprobs": 1, "user": "u", "priority": 0,
+                        "structured_outputs": {"choice": ["a", "b"]}},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "n"}],
+        "model": "tiny", "max_tokens": 2, "max_completion_tokens": 2, "top_logprobs": 1,
+        "logprobs": True, "seed": 1, "stop": "x",
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+            "type": "object", "properties": {"a": {"type": "integer", "maximum": 5}}}}}}}
+
+
+def _deep(depth: int) -> list:
+    v: list = []
+    for _ in range(depth):
+        v = [v]
+    return v
+
+
+def _leaves(v, path=()):
+    """(path, value) of every scalar inside v."""
+    if isinstance(v, dict):
+        for k, x in v.items():
+            yield from _leaves(x, (*path, k))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _leaves(x, (*path, i))
+    else:
+        yield path, v
+
+
+def _set(body, path, value):
+    import copy
+
+    out = copy.deepcopy(body)
+    node = out
+    for k in path[:-1]:
+        node = node[k]
+    node[path[-1]] = value
+    return out
+
+
+def _hostile_bodies(path: str, props: dict) -> list[dict]:
+    """Per leaf of the full body: a lone surrogate for a string, 2^64 and
+    -2^63-1 for an integer; per top-level field (the schema's too): all
+    three, and nesting 450 deep."""
+    base = FULL[path]
+    bodies = []
+    for p, v in _leaves(base):
+        if isinstance(v, str):
+            bodies.append(_set(base, p, "x\udc00"))
+        elif isinstance(v, int) and not isinstance(v, bool):
+            bodies += [_set(base, p, 2**64), _set(base, p, -(2**63) - 1)]
+    if path == "/v1/chat/completions":  # these render past the 96-token context: mutated alone
+        for field, value in (("tools", [TOOL]), ("messages", TOOL_TURNS)):
+            for p, v in _leaves(value):
+                if isinstance(v, str):
+                    bodies.append({**base, field: _set(value, p, "x\udc00")})
+                elif isinstance(v, int):
+                    bodies.append({**base, field: _set(value, p, 2**64)})
+    for field in set(props) | set(base):
+        for value in ("\udc00", 2**64 + 1, _deep(450), {"a": _deep(450)}):
+            bodies.append({**base, field: value})
+    return bodies
+
+
+def test_hostile_values_in_every_field_are_4xx_and_the_engine_stays_healthy(served):
+    url, llm = served
+    spec = httpx.get(f"{url}/openapi.json", headers=AUTH).json()
+    schemas = spec["components"]["schemas"]
+    sent = 0
+    with httpx.Client(base_url=url, headers={**AUTH, "Content-Type": "application/json"},
+                      timeout=60) as c:
+        for path, name in (("/v1/completions", "CompletionRequest"),
+                           ("/v1/chat/completions", "ChatRequest")):
+            r = c.post(path, json=FULL[path])
+            assert r.status_code == 200, r.text  # the base body is valid
+            for body in _hostile_bodies(path, schemas[name]["properties"]):
+                r = c.post(path, content=json.dumps(body).encode())
+                _check(r.status_code, r.content)
+                sent += 1
+        # Not UTF-8 in the request id header.
+        r = c.post("/v1/completions", json=FULL["/v1/completions"], headers={"X-Request-Id": b"\xff\xfe"})
+        _check(r.status_code, r.content)
+    assert sent > 150, sent
+    # Healthy and truthful afterwards: /health says so and a request proves it.
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "The cat", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert llm.num_unfinished == 0 and llm.client._thread.is_alive()

@@ -1,0 +1,20 @@
+"""EngineConfig: one frozen config, built once from YAML or keyword arguments.
+
+- `sections.py`: the structs (DESIGN.md §8); each field declares its rule, its
+  LLM(...) keyword and its CLI flag once (`knobs.py`);
+- `build.py`: decode, validate, resolve (`build_config`, `load_config`) and
+  the checks that need the cluster or the checkpoint.
+"""
+from engine.config.build import (ConfigError, build_config, check_cluster_fits, check_model_dir,
+                                 cli_knobs, load_config, read_config_tree)
+from engine.config.knobs import Knob, KnobInfo
+from engine.config.sections import (TOOL_CALL_PARSERS, TRITON_BLOCK_SIZES, CacheConfig, EngineConfig,
+                                    ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig,
+                                    SpeculativeConfig, StructuredOutputsConfig)
+
+_TOOL_CALL_PARSERS = TOOL_CALL_PARSERS  # the name tests/cpu/test_tool_parsers.py checks
+
+__all__ = ["CacheConfig", "ConfigError", "EngineConfig", "Knob", "KnobInfo", "ModelConfig",
+           "ParallelConfig", "SchedulerConfig", "ServeConfig", "SpeculativeConfig",
+           "StructuredOutputsConfig", "TOOL_CALL_PARSERS", "TRITON_BLOCK_SIZES", "build_config",
+           "check_cluster_fits", "check_model_dir", "cli_knobs", "load_config", "read_config_tree"]
