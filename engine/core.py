@@ -13,6 +13,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
+from engine.async_scheduling import must_wait, use_async_scheduling
 from engine.config import ConfigError, EngineConfig
 from engine.contracts import (EngineCoreOutputs, EngineCoreRequest, KVCacheInfo,
                               ModelRunnerOutput, RequestStatus, SchedulerOutput)
@@ -64,6 +65,11 @@ class EngineCore:
         self.batch_queue_size = executor.max_concurrent_batches
         self.batch_queue: deque[_Entry] | None = deque() if self.batch_queue_size > 1 else None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        self.async_scheduling = use_async_scheduling(config, executor)
+        if self.async_scheduling:  # one step in flight while the next is planned
+            self.scheduler.async_scheduling = True
+            self.batch_queue = deque()
+            self.step_fn = self.step_async
         p = config.parallel
         self._restarts = RestartBudget(p.max_restarts, p.restart_window_s) if recovery_enabled(config) else None
         self.num_restarts = 0
@@ -146,6 +152,12 @@ class EngineCore:
     def step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
         try:
             return self._step_with_batch_queue()
+        except EngineDeadError as e:
+            return self._recover(e), False
+
+    def step_async(self) -> tuple[EngineCoreOutputs | None, bool]:
+        try:
+            return self._step_async()
         except EngineDeadError as e:
             return self._recover(e), False
 
@@ -267,6 +279,39 @@ class EngineCore:
         out = fut.result()
         self._process_aborts()
         return self.scheduler.update_from_output(so, out), executed
+
+    def _step_async(self) -> tuple[EngineCoreOutputs | None, bool]:
+        """Plan and launch step N+1, then finish step N (engine/async_scheduling.py).
+        The first step of a busy period returns at once (None) so the next
+        call plans its successor while it runs."""
+        bq = self.batch_queue
+        assert bq is not None
+        self._process_aborts()
+        self._raise_if_group_failed()
+        sched = self.scheduler
+        if sched.has_requests() and not (bq and must_wait(sched)):
+            so = sched.schedule()
+            bq.append((self._launch(so), so))
+            if len(bq) == 1 and so.total_num_scheduled_tokens > 0:
+                return None, True
+        if not bq:
+            return None, False
+        fut, so = bq.popleft()
+        out = fut.result()
+        self._process_aborts()
+        return sched.update_from_output(so, out), so.total_num_scheduled_tokens > 0
+
+    def _launch(self, so: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        """Send one step to the workers without waiting; the future holds its output."""
+        ex = self.executor
+        if so.total_num_scheduled_tokens == 0:
+            return ex.execute_model(so, non_block=True)  # finished ids still reach the workers
+        if ex.overlaps_host_work:  # the mask is built while the forward runs
+            ex.execute_model(so, non_block=True)
+            return ex.sample_tokens(self.scheduler.get_grammar_bitmask(so), non_block=True)
+        grammar_output = self.scheduler.get_grammar_bitmask(so)  # CPU: before the forward
+        ex.execute_model(so, non_block=True)
+        return ex.sample_tokens(grammar_output, non_block=True)
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()

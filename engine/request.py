@@ -38,6 +38,9 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     # Speculative drafts after the last known token (engine/spec_decode/scheduling.py).
     spec_token_ids: list[int] = msgspec.field(default_factory=list)
     lora_request: LoRARequest | None = None
+    # Async scheduling: tokens sampled by steps still in flight (the worker
+    # knows them, the core not yet); the catch-up rule counts them.
+    num_output_placeholders: int = 0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:

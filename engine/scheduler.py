@@ -21,6 +21,7 @@ from engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
 from engine.lora import lora_stats
 from engine.request import Request
 from engine.request_queue import make_queue
+from engine.async_scheduling import add_placeholders, at_length_cap
 from engine.spec_decode.scheduling import SpecDecodeScheduling
 from engine.structured_output.manager import StructuredOutputManager
 
@@ -118,6 +119,8 @@ class Scheduler:
                      if config.speculative.enabled else None)
         # LoRA slots on the workers: running requests never use more distinct adapters.
         self.max_loras = config.lora.max_loras if config.lora.enable else 0
+        # Set by EngineCore when it plans a step while the previous one runs.
+        self.async_scheduling = False
 
     # ---- requests in and out -------------------------------------------------
 
@@ -181,7 +184,7 @@ class Scheduler:
                                                cc.enable_prefix_caching)
         self.finished_req_ids = set()
         for r in requests:
-            r.num_computed_tokens = 0
+            r.num_computed_tokens = r.num_output_placeholders = 0  # in-flight steps died
             if r.status != _WAITING_FOR_GRAMMAR:
                 r.status = _WAITING  # NEW for the new workers, outputs included
             self.waiting.add(r)
@@ -214,10 +217,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            # Drafts extend what the request catches up to.
-            num_new = len(request.all_token_ids) + len(request.spec_token_ids) - request.num_computed_tokens
-            if num_new == 0:  # its output is still in flight
-                i += 1
+            # Drafts and (async) tokens still in flight extend what the request catches up to.
+            ph = request.num_output_placeholders
+            num_new = len(request.all_token_ids) + ph + len(request.spec_token_ids) - request.num_computed_tokens
+            if num_new == 0 or (ph and at_length_cap(request, ph, self.max_model_len)):
+                i += 1  # its output is still in flight, or its last token is
                 continue
             if chunked:
                 num_new = self._chunk(num_new, alone)
@@ -399,6 +403,8 @@ class Scheduler:
         for rid, n in out.num_scheduled_tokens.items():
             requests[rid].num_computed_tokens += n
         self.finished_req_ids = set()
+        if self.async_scheduling:
+            add_placeholders(requests, out)
 
     # ---- outputs -------------------------------------------------------------
 
@@ -419,6 +425,8 @@ class Scheduler:
                 self.spec.verify(request, drafts, len(new_tokens or ()))
             if not new_tokens:
                 continue  # a partial prefill chunk samples nothing
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1  # async: its step's token is known now
             new_tokens, done = self._append_tokens(request, new_tokens)
             if not done and self.spec is not None:
                 self.spec.propose(request)

@@ -6,6 +6,7 @@ requests travel in full once and running ones only as deltas.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ from kernels.backends import AttentionMetadata, get_attention_backend
 from parallel.communication import IntermediateTensors
 from workers.dummy_batch import (DummyShape, blocks_needed, dummy_step, profile_sampling_params,
                                  profile_shape, warmup_shapes)
+from workers.cuda_graphs import (CudaGraphCapturer, DecodeGraphRunner, capture_sizes,
+                                 graphs_refused)
 from workers.forward_context import set_forward_context
 from workers.grammar_mask import apply_grammar_bitmask
 from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
@@ -26,6 +29,8 @@ from workers.layers.attention import find_attention_layers
 from workers.lora.mapping import set_lora_mapping
 from workers.rejection_sampler import SpecLayout, sample_with_drafts
 from workers.sampler import Sampler, SamplingMetadata
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,6 +63,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self._pending: _PendingSample | None = None
         self.lora = make_lora_manager(config, model, device)
+        # Captured decode graphs (CUDA + triton only), made by warm_up().
+        self.graphs: DecodeGraphRunner | None = None
 
     # ---- KV cache ------------------------------------------------------------
 
@@ -125,8 +132,28 @@ class ModelRunner:
                 self.dummy_run(shape)
         for cache in self.kv_caches:
             cache.zero_()
+        self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs on the real KV cache (padding writes none of it)."""
+        why = graphs_refused(self.config, self.device, self.attn_backend.name)
+        if why is not None or not self.is_first_stage or not self.kv_caches:
+            log.info("decode steps run eagerly: %s", why or "no KV cache / not the first stage")
+            return
+        sizes = capture_sizes(self.config.scheduler.max_num_seqs)
+        self.graphs = DecodeGraphRunner(self._graph_forward, sizes, self.input_batch.block_table.table.shape[1],
+                                        self.config.max_model_len, self.device, CudaGraphCapturer())
+        with torch.inference_mode():
+            self.graphs.capture_all()
+        log.info("captured decode CUDA graphs for batch sizes %s", sizes)
+
+    def _graph_forward(self, meta: AttentionMetadata, input_ids: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+        with set_forward_context(meta, self.attn_backend):
+            return self.model(input_ids, positions, None)
 
     def free_kv_cache(self) -> None:
+        self.graphs = None  # they address the cache being freed
         for attn in find_attention_layers(self.model):
             attn.kv_cache = None
         self.kv_caches = []
@@ -223,15 +250,18 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_MODEL_RUNNER_OUTPUT
         p, num_sched, req_ids = self._prepare(so)
-        meta = self._attn_metadata(p)
-        input_ids = torch.from_numpy(p.input_ids).to(self.device)
-        positions = torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
         lora_mapping = None
         if self.lora is not None:
             lora_mapping = self.lora.step_mapping(
                 [self.requests[r].lora_request for r in req_ids], p.req_indices)
-        with set_forward_context(meta, self.attn_backend), set_lora_mapping(lora_mapping):
-            out = self.model(input_ids, positions, intermediate_tensors)
+        # Captured graphs hold no LoRA deltas: a LoRA engine always runs eagerly.
+        out = self._graph_step(p, so) if self.graphs is not None and self.lora is None else None
+        if out is None:
+            meta = self._attn_metadata(p)
+            input_ids = torch.from_numpy(p.input_ids).to(self.device)
+            positions = torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
+            with set_forward_context(meta, self.attn_backend), set_lora_mapping(lora_mapping):
+                out = self.model(input_ids, positions, intermediate_tensors)
         if not self.is_last_stage:
             return out
         spec = None
@@ -246,6 +276,17 @@ class ModelRunner:
         samples = batch.num_computed_tokens[rows] + num_sched >= batch.num_tokens[rows]
         self._pending = _PendingSample(logits, req_ids, samples, spec)
         return None
+
+    def _graph_step(self, p: PreparedInputs, so: SchedulerOutput) -> torch.Tensor | None:
+        """Replay a captured graph for a decode-only step (one token per row,
+        no drafts); None: run eagerly (a prefill, or past the largest size)."""
+        n = len(p.seq_lens)
+        if len(p.input_ids) != n or so.scheduled_spec_decode_tokens:
+            return None
+        max_blocks = int(-(-int(p.seq_lens.max()) // self.block_size))
+        bt = np.ascontiguousarray(self.input_batch.block_table.table[:n, :max_blocks])
+        return self.graphs.run(p.input_ids, p.positions.astype(np.int64), p.slot_mapping,
+                               p.seq_lens, bt)
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:

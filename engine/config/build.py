@@ -230,6 +230,10 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
                     f"{cfg.model.attention_backend!r} (the Triton kernels' tiles; 'auto' is Triton on "
                     f"CUDA); other block sizes need attention_backend 'torch' or 'cpu'", cfg.cache.block_size, over)
     _validate_speculative(cfg, source, over)
+    if cfg.scheduler.async_scheduling in ("on", True) and cfg.parallel.pipeline_parallel_size > 1:
+        raise _fail(source, "scheduler.async_scheduling",
+                    "auto or off with parallel.pipeline_parallel_size > 1 (the batch queue already "
+                    "overlaps steps there)", cfg.scheduler.async_scheduling, over)
     _validate_lora(cfg, source, over)
 
 

@@ -33,6 +33,10 @@ class ModelConfig(msgspec.Struct, **_FROZEN):
     seed: Annotated[int, knob("int", kwarg=True, flag=True, help="engine seed")] = 0
     attention_backend: Annotated[str, one_of(BACKENDS, kwarg=True, flag=True)] = "auto"
     max_n: Annotated[int, at_least(1)] = 16  # cap on SamplingParams.n
+    # Never capture CUDA graphs for decode steps (vLLM's enforce_eager); graphs
+    # are used only on CUDA with the triton backend (workers/cuda_graphs.py).
+    enforce_eager: Annotated[bool, knob("bool", kwarg=True, flag=True,
+                                        help="true | false: no CUDA graphs for decode steps")] = False
 
 
 class ParallelConfig(msgspec.Struct, **_FROZEN):
@@ -82,6 +86,13 @@ class SchedulerConfig(msgspec.Struct, **_FROZEN):
     enable_chunked_prefill: Annotated[bool, knob("bool", kwarg=True, flag=True)] = True
     long_prefill_token_threshold: Annotated[int, at_least(0, kwarg=True)] = 0
     policy: Annotated[str, one_of(("fcfs", "priority"), kwarg=True, flag=True)] = "fcfs"
+    # Plan step N+1 while step N runs (vLLM's async scheduling, PP = 1 only):
+    # "auto" is on where the forward runs on an accelerator and off on CPU
+    # (BENCHMARKS.md "Async scheduling"); YAML's on/off spell true/false, which
+    # mean the same.
+    async_scheduling: Annotated[str | bool, knob(
+        "auto, on or off (or true/false)", lambda v: v in ("auto", "on", "off", True, False),
+        kwarg=True, flag=True, help="auto | on | off: plan the next step while one runs")] = "auto"
 
 
 class CacheConfig(msgspec.Struct, **_FROZEN):

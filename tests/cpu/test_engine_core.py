@@ -21,8 +21,9 @@ def _requests(n: int = 6) -> list[EngineCoreRequest]:
             for i in range(n)]
 
 
-def _run(core: EngineCore, abort_at: dict[int, str] | None = None) -> dict[str, list[int]]:
-    for r in _requests():
+def _run(core: EngineCore, abort_at: dict[int, str] | None = None,
+         requests: list[EngineCoreRequest] | None = None) -> dict[str, list[int]]:
+    for r in requests or _requests():
         core.add_request(r)
     tokens: dict[str, list[int]] = {}
     steps = 0
@@ -91,3 +92,51 @@ def test_add_request_validation():
     with pytest.raises(ValueError, match="already"):
         core.add_request(_requests(1)[0])
     core.shutdown()
+
+
+@pytest.mark.parametrize("blocks", [200, 12])  # 12: decode must preempt
+def test_async_scheduling_matches_step(blocks):
+    """Async scheduling plans step N+1 while N runs (placeholders for N's
+    tokens) and gives the tokens of the synchronous loop, preemption included."""
+    def core(queue_size: int, **kw) -> EngineCore:
+        cfg = build_config(max_model_len=min(512, (blocks - 1) * 16), max_num_batched_tokens=64,
+                           max_num_seqs=8, **kw)
+        return EngineCore(cfg, FakeExecutor(num_blocks=blocks, queue_size=queue_size, delay_s=0.002))
+
+    # Six 20-token prompts growing to 60 tokens: 11 usable blocks hold five
+    # prompts but not their growth.
+    reqs = [EngineCoreRequest(request_id=f"p{i}", prompt_token_ids=[i + 1] * 20, eos_token_id=EOS,
+                              sampling_params=SamplingParams(max_tokens=40 - i)) for i in range(6)]
+    sync = core(1, async_scheduling="off")
+    ref = _run(sync, requests=reqs)
+    sync.shutdown()
+    c = core(1, async_scheduling="on")
+    assert c.step_fn == c.step_async and c.scheduler.async_scheduling
+    sched, orig, in_flight = c.scheduler, c.scheduler.schedule, []
+
+    def spy():
+        in_flight.append(len(c.batch_queue))
+        return orig()
+
+    sched.schedule = spy
+    assert _run(c, requests=reqs) == ref
+    assert max(in_flight) == 1 and c.executor.max_in_flight == 1
+    assert (sched.num_preemptions > 0) == (blocks == 12)
+    assert not sched.requests and sched.kv_cache_manager.get_num_free_blocks() == blocks - 1
+    c.shutdown()
+
+
+def test_async_scheduling_auto_and_bounds():
+    assert not _core(1).async_scheduling  # auto: off where the forward is on the CPU
+    from engine.config import ConfigError
+    with pytest.raises(ConfigError, match="scheduler.async_scheduling"):
+        build_config(async_scheduling="sometimes")
+    with pytest.raises(ConfigError, match="scheduler.async_scheduling"):
+        build_config(async_scheduling=True, pipeline_parallel_size=2)
+    assert build_config(async_scheduling=False).scheduler.async_scheduling is False
+    # The CLI flags reach the same keys (`--async-scheduling on`, `--enforce-eager true`).
+    from cluster.options import ENGINE_OVERRIDES
+    keys = {o.flag: o.key for o in ENGINE_OVERRIDES}
+    assert keys["--async-scheduling"] == "scheduler.async_scheduling"
+    assert keys["--enforce-eager"] == "model.enforce_eager"
+    assert build_config(**{"scheduler.async_scheduling": "on"}).scheduler.async_scheduling == "on"

@@ -43,11 +43,13 @@ def _kill_rank_at_steps(llm: LLM, rank: int, at: set[int]) -> list[int]:
     return killed
 
 
-# The killed rank: TP rank 1, PP stage 1, and stage 1's TP rank 1 of a 2x2 group.
-@pytest.mark.parametrize("tp,pp,rank", [(2, 1, 1), (1, 2, 1), (2, 2, 3)])
-def test_killed_rank_costs_no_request(ckpt, reference, tp, pp, rank):
+# The killed rank: TP rank 1 (under async scheduling: the step planned while
+# one runs dies with the group), PP stage 1, and stage 1's TP rank 1 of a 2x2 group.
+@pytest.mark.parametrize("tp,pp,rank,async_", [(2, 1, 1, "on"), (1, 2, 1, "auto"), (2, 2, 3, "auto")])
+def test_killed_rank_costs_no_request(ckpt, reference, tp, pp, rank, async_):
     llm = LLM(model=ckpt, executor="mp", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, async_scheduling=async_)
+    assert llm.engine.async_scheduling == (async_ == "on")
     try:
         before = llm.worker_pids()
         killed = _kill_rank_at_steps(llm, rank, {6})

@@ -102,7 +102,7 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int, 
 
 
 @pytest.mark.parametrize("hq,hkv", [(32, 8), (8, 8)])
-@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("bs", [16, 32, 64])
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
 def test_mixed_batch_bf16(d, bs, hq, hkv) -> None:
     seed = _seed()
@@ -112,7 +112,7 @@ def test_mixed_batch_bf16(d, bs, hq, hkv) -> None:
     _check(b.run(), b.ref(), torch.bfloat16, seed, f"mixed d={d} bs={bs} specs={specs}")
 
 
-@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("bs", [16, 32, 64])
 @pytest.mark.parametrize("d", [64, 80, 96, 128, 256])
 def test_decode_bf16_default_path(d, bs) -> None:
     """Few long decodes: the heuristic picks split-KV on a full-size GPU."""
@@ -133,7 +133,7 @@ def test_split_kv_forced(segs) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("d,bs", [(128, 16), (256, 32), (80, 16)])
+@pytest.mark.parametrize("d,bs", [(128, 16), (256, 32), (80, 16), (64, 64)])
 def test_other_dtypes(dtype, d, bs) -> None:
     seed = _seed()
     rng = np.random.default_rng(seed)
