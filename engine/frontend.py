@@ -61,6 +61,22 @@ def check_engine_limits(ids: list[int], sp: SamplingFields, config: EngineConfig
             f"have (max_tokens, or max_model_len {max_len} minus the {n}-token prompt)")
     if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
+    _check_token_ids(sp, vocab_size)
+
+
+def _check_token_ids(sp: SamplingFields, vocab_size: int) -> None:
+    """Token ids the sampler indexes the logits with: below the vocab size."""
+    if not vocab_size:
+        return
+    if sp.logit_bias and max(sp.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias token ids must be < the vocab size {vocab_size}, "
+                         f"got {max(sp.logit_bias)}")
+    if sp.allowed_token_ids is not None:
+        if max(sp.allowed_token_ids) >= vocab_size:
+            raise ValueError(f"allowed_token_ids must be < the vocab size {vocab_size}, "
+                             f"got {max(sp.allowed_token_ids)}")
+        if len(sp.allowed_token_ids) > vocab_size:
+            raise ValueError(f"allowed_token_ids must hold at most {vocab_size} ids")
 
 
 class Frontend:
@@ -92,7 +108,8 @@ class Frontend:
             extra["stop_token_ids"] = sorted(set(sp.stop_token_ids) | self.extra_eos)
         now = time.time()
         children = [EngineCoreRequest(request_id=f"{request_id}-{k}{id_suffix}", prompt_token_ids=ids,
-                                      sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k), **extra),
+                                      sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k), **extra,
+                                                                      **_child_only(k, sp)),
                                       eos_token_id=self.eos_token_id, arrival_time=now, priority=priority)
                     for k in range(sp.n)]
         return PreparedRequest(request_id, text, ids, children)
@@ -115,6 +132,12 @@ class Frontend:
         self._valid_specs[key] = None
         if len(self._valid_specs) > _VALID_SPECS_CACHED:
             self._valid_specs.popitem(last=False)
+
+
+def _child_only(k: int, sp: SamplingFields) -> dict[str, object]:
+    """Prompt logprobs are the prompt's, not a choice's: only child 0 computes
+    them (the others may then read the prefix cache)."""
+    return {"prompt_logprobs": None} if k and sp.prompt_logprobs is not None else {}
 
 
 def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:

@@ -13,7 +13,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, GrammarOutput, ModelRunnerOutput,
-                              NewRequestData, SchedulerOutput)
+                              NewRequestData, PromptLogprobs, SchedulerOutput)
 from kernels.backends import AttentionMetadata, get_attention_backend
 from parallel.communication import IntermediateTensors
 from workers.dummy_batch import (DummyShape, blocks_needed, dummy_step, profile_sampling_params,
@@ -22,6 +22,7 @@ from workers.forward_context import set_forward_context
 from workers.grammar_mask import apply_grammar_bitmask
 from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
 from workers.layers.attention import find_attention_layers
+from workers.prompt_logprobs import compute_prompt_logprobs
 from workers.rejection_sampler import SpecLayout, sample_with_drafts
 from workers.sampler import Sampler, SamplingMetadata
 
@@ -36,6 +37,8 @@ class _PendingSample:
     samples: np.ndarray
     # Set when some row verifies drafts: logits has one row per draft + 1.
     spec: SpecLayout | None = None
+    # This step's prompt logprobs (rows with prompt_logprobs in prefill).
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 class ModelRunner:
@@ -236,7 +239,10 @@ class ModelRunner:
         batch = self.input_batch
         rows = np.arange(len(req_ids))
         samples = batch.num_computed_tokens[rows] + num_sched >= batch.num_tokens[rows]
-        self._pending = _PendingSample(logits, req_ids, samples, spec)
+        plp = compute_prompt_logprobs(self.model.compute_logits, out,
+                                      [self.requests[r] for r in req_ids],
+                                      batch.num_computed_tokens[rows], num_sched, p.query_start_loc)
+        self._pending = _PendingSample(logits, req_ids, samples, spec, plp)
         return None
 
     @torch.inference_mode()
@@ -262,7 +268,7 @@ class ModelRunner:
             else:
                 sampled.append([])
         return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
-                                 sampled, out.to_lists())
+                                 sampled, out.to_lists(), prompt_logprobs=pending.prompt_logprobs)
 
     def _sample_spec(self, pending: _PendingSample, states: list[CachedRequestState],
                      grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -284,4 +290,4 @@ class ModelRunner:
                 batch.append_token(row, t)
             sampled.append(toks)
         return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
-                                 sampled, logprobs)
+                                 sampled, logprobs, prompt_logprobs=pending.prompt_logprobs)
