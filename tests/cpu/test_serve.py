@@ -15,6 +15,7 @@ import time
 import httpx
 import msgspec
 import pytest
+import torch
 
 from llm_utils import make_checkpoint
 
@@ -464,6 +465,48 @@ def test_completions_echo_streamed_n2(client):
         assert texts[i].startswith(PROMPTS[0])
         assert tokens[i][0] is None and all(v is not None and v <= 0 for v in tokens[i][1:])
     assert len(tokens[0]) == len(tokens[1])
+
+
+LM_EVAL_TASKS = os.path.join(os.path.dirname(__file__), "lm_eval_tasks")
+
+
+def test_lm_eval_local_completions(server, ckpt, monkeypatch):
+    """lm-eval's own local-completions client runs loglikelihood (multiple
+    choice) and loglikelihood_rolling (perplexity) on the repo's tiny task;
+    every score equals transformers' on the token ids lm-eval sent."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import evaluator
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+    from llm_utils import hf_logprobs
+
+    seen = []
+    parse = LocalCompletionsAPI.parse_logprobs
+
+    def spy(outputs, tokens=None, ctxlens=None, **kw):
+        res = parse(outputs, tokens=tokens, ctxlens=ctxlens, **kw)
+        seen.extend(zip(tokens, ctxlens, res))
+        return res
+
+    monkeypatch.setattr(LocalCompletionsAPI, "parse_logprobs", staticmethod(spy))
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(LM_EVAL_TASKS))))
+    out = evaluator.simple_evaluate(
+        model="local-completions",
+        model_args={"model": "tiny", "base_url": f"{server}/v1/completions", "tokenizer": ckpt,
+                    "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_retries": 1,
+                    "max_length": 512},
+        tasks=["conveyor_tiny_mc", "conveyor_tiny_rolling"],
+        task_manager=TaskManager(include_path=LM_EVAL_TASKS, include_defaults=False),
+        log_samples=False, bootstrap_iters=0)
+    assert "acc,none" in out["results"]["conveyor_tiny_mc"]
+    assert out["results"]["conveyor_tiny_rolling"]["word_perplexity,none"] > 1
+    assert len(seen) == 8 + 3  # one request per choice, one window per text
+    for ids, ctxlen, (ll, greedy) in seen:
+        ref = hf_logprobs(ckpt, ids[:ctxlen], ids[ctxlen:])
+        cont = torch.tensor(ids[ctxlen:])
+        assert abs(ll - ref.gather(1, cont[:, None]).sum().item()) < 1e-4 * len(cont)
+        assert greedy == bool((ref.argmax(-1) == cont).all())
 
 
 def test_null_means_absent(server):
