@@ -513,7 +513,7 @@ def test_null_means_absent(server):
     nulls = {k: None for k in ("n", "presence_penalty", "frequency_penalty", "logprobs", "stream", "echo",
                                "min_p", "repetition_penalty", "seed", "stop", "temperature", "top_p",
                                "max_tokens")}
-    r = _post(server, "/v1/completions", {"prompt": PROMPTS[0], **nulls})
+    r = _post(server, "/v1/completions", {"prompt": PROMPTS[0], **nulls, "ignore_eos": True})
     assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["logprobs"] is None
     r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                **nulls, "top_logprobs": None, "max_tokens": 3})
