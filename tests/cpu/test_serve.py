@@ -474,6 +474,8 @@ def test_lm_eval_local_completions(server, ckpt, monkeypatch):
     """lm-eval's own local-completions client runs loglikelihood (multiple
     choice) and loglikelihood_rolling (perplexity) on the repo's tiny task;
     every score equals transformers' on the token ids lm-eval sent."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pytest.importorskip("lm_eval")
     from lm_eval import evaluator
     from lm_eval.models.openai_completions import LocalCompletionsAPI
