@@ -87,7 +87,8 @@ class ResponseBuilding:
         if job.kind == "completion":
             text, lp, offset = self._echo_prefix(job, idx)
             if k is not None:
-                lp = P.join_completion_logprobs(lp, self.fmt.completion(a.token_ids, a.logprobs, k, offset)[0])
+                out = self.fmt.completion(a.token_ids, a.logprobs, k, offset)[0]
+                lp = P.join_completion_logprobs(lp, out)
             return P.completion_choice(idx, text + a.text, lp, a.reason, a.stop_reason)
         lp = self.fmt.chat(a.token_ids, a.logprobs, k) if k is not None else None
         choice = P.chat_choice(idx, a.text, lp, a.reason, a.stop_reason)

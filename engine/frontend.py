@@ -108,8 +108,8 @@ class Frontend:
             extra["stop_token_ids"] = sorted(set(sp.stop_token_ids) | self.extra_eos)
         now = time.time()
         children = [EngineCoreRequest(request_id=f"{request_id}-{k}{id_suffix}", prompt_token_ids=ids,
-                                      sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k), **extra,
-                                                                      **_child_only(k, sp)),
+                                      sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k),
+                                                                      **extra, **_child_only(k, sp)),
                                       eos_token_id=self.eos_token_id, arrival_time=now, priority=priority)
                     for k in range(sp.n)]
         return PreparedRequest(request_id, text, ids, children)
