@@ -77,14 +77,17 @@ class ModelRunner:
 
     # ---- profile and warm-up ------------------------------------------------------
 
-    def dummy_run(self, shape: DummyShape) -> None:
+    def dummy_run(self, shape: DummyShape, with_prompt_logprobs: bool = False) -> None:
         """One synthetic step through the real path (paged attention in a
         forward context, logits and the sampler on the last stage; a non-first
         stage gets zero IntermediateTensors instead of a PP receive), then its
         requests are removed again. Needs a KV cache of enough blocks."""
         if self.input_batch.num_reqs or self.requests:
             raise RuntimeError("dummy_run() needs an idle runner")
-        step, cleanup = dummy_step(shape, self.block_size, profile_sampling_params(self.vocab_size))
+        sp = profile_sampling_params(self.vocab_size)
+        if with_prompt_logprobs:  # the profile's peak includes their logits passes
+            sp = sp.clone(prompt_logprobs=sp.logprobs)
+        step, cleanup = dummy_step(shape, self.block_size, sp)
         inter = None if self.is_first_stage else self._zero_intermediates(shape.num_tokens)
         try:
             if self.execute_model(step, inter) is None:
@@ -109,7 +112,7 @@ class ModelRunner:
         num_blocks = blocks_needed(shape, self.block_size) + 1
         self.allocate_kv_cache(num_blocks, dtype)
         try:
-            self.dummy_run(shape)
+            self.dummy_run(shape, with_prompt_logprobs=True)
             return num_blocks * self.kv_bytes_per_block(dtype)
         finally:
             self.free_kv_cache()
