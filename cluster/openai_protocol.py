@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.json_limits import check_json_value
 
@@ -115,9 +115,29 @@ class _BoundedFields(BaseModel):
         return v
 
 
+# OpenAI's spec marks these nullable (and clients send null for "not set"):
+# an explicit null means the field is absent, so its default applies. The
+# vLLM extras get the same rule.
+_NULL_MEANS_ABSENT = frozenset({
+    "n", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "stream", "echo",
+    "min_p", "repetition_penalty", "seed", "stop", "temperature", "top_p", "max_tokens",
+    "max_completion_tokens", "stream_options", "user", "logit_bias", "top_k", "min_tokens",
+    "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+    "priority", "suffix", "best_of", "add_generation_prompt", "allowed_token_ids",
+    "prompt_logprobs", "parallel_tool_calls"})
+
+
 class _SamplingFields(_BoundedFields):
     """Fields shared by both endpoints (OpenAI + vLLM extras)."""
     model_config = _MODEL_CONFIG
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict) and None in data.values():
+            return {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_ABSENT}
+        return data
+
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -129,8 +149,10 @@ class _SamplingFields(_BoundedFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Token id (a string, as JSON keys are) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     # vLLM extras
+    allowed_token_ids: list[int] | None = None
     top_k: int | None = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -189,11 +211,7 @@ def check_unsupported(req: CompletionRequest | ChatRequest) -> None:
     """Reject features we do not implement instead of silently ignoring them."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", "echo", "unsupported_parameter")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         if req.best_of is not None and req.best_of != req.n:
@@ -221,6 +239,7 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int | N
     from cluster.structured_request import structured_outputs_of
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    logit_bias = _logit_bias(req.logit_bias)
     kwargs: dict[str, Any] = dict(
         n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, min_p=req.min_p,
@@ -229,13 +248,26 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int | N
         include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, skip_special_tokens=req.skip_special_tokens,
-        structured_outputs=structured_outputs_of(req.response_format, req.structured_outputs))
+        structured_outputs=structured_outputs_of(req.response_format, req.structured_outputs),
+        logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids)
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         param = renames.get(field, field) if field in kwargs else None
         raise bad_request(str(e), param) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as string keys; the bounds are SamplingParams'."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.lstrip("-").isdigit()):
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def render_messages(req: ChatRequest) -> list[dict[str, Any]]:
@@ -319,6 +351,13 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 # ---- logprobs -----------------------------------------------------------------------
 
+def join_completion_logprobs(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
+    """Two completions-shape logprobs one after the other (echoed prompt, then output)."""
+    if a is None:
+        return b
+    return {key: a[key] + b[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
 def _finite(x: float) -> float:
     # JSON has no -inf; vLLM clamps the same way.
     return x if math.isfinite(x) else -9999.0
@@ -347,20 +386,29 @@ class LogprobFormatter:
         # top-k; sorting and cutting at k recovers exactly the top-k.
         return sorted(d.items(), key=lambda kv: -kv[1])[:k]
 
-    def completion(self, token_ids: list[int], lps: list[dict[int, float]], k: int,
+    def completion(self, token_ids: list[int], lps: Sequence[dict[int, float] | None], k: int,
                    offset: int) -> tuple[dict[str, Any], int]:
         """offset: characters of this choice's tokens already sent (the
-        text_offset base); returns the logprobs and the next offset."""
+        text_offset base); returns the logprobs and the next offset. A None
+        entry (the first prompt token) gets null logprob and top_logprobs."""
         tokens, token_lps, tops, offsets = [], [], [], []
         for tid, d in zip(token_ids, lps):
             s = self.token(tid)
             tokens.append(s)
-            token_lps.append(_finite(d.get(tid, -math.inf)))
-            tops.append({self.token(t): _finite(v) for t, v in self._top(d, k)} if k else None)
+            token_lps.append(None if d is None else _finite(d.get(tid, -math.inf)))
+            tops.append({self.token(t): _finite(v) for t, v in self._top(d, k)}
+                        if k and d is not None else None)
             offsets.append(offset)
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}, offset
+
+    def prompt(self, token_ids: list[int], lps: list[dict[int, float] | None] | None,
+               k: int) -> tuple[dict[str, Any], int]:
+        """Echoed prompt tokens in the completions shape: the first token (and
+        any without logprobs) has null token_logprobs / top_logprobs."""
+        lps = list(lps or [])[:len(token_ids)]
+        return self.completion(token_ids, lps + [None] * (len(token_ids) - len(lps)), k, 0)
 
     def _entry(self, tid: int, lp: float) -> dict[str, Any]:
         s = self.token(tid)

@@ -95,6 +95,13 @@ class _Job:
     prepared: list[PreparedRequest] = field(default_factory=list)  # one per prompt
     cached: dict[int, int] = field(default_factory=dict)  # prompt -> its prefix-cache hit
     lora: LoRARequest | None = None  # the adapter `model` named; None = the base model
+    # Completions echo: each prompt's text, put before its choices' text (and,
+    # with logprobs, its prompt logprobs before theirs).
+    echo: list[str] | None = None
+    # max_tokens 0: the engine samples one token, which the response drops.
+    drop_output: bool = False
+    # Per prompt index, once they arrive: the prompt logprobs (echo + logprobs).
+    prompt_logprobs: dict[int, list[dict[int, float] | None]] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -175,13 +182,16 @@ class OpenAIServer(ResponseBuilding):
                                 "(serve.allow_client_priority is false)", "priority",
                                 "unsupported_parameter")
 
-    def _completion_prompts(self, prompt: Any, n: int) -> list[list[int]]:
+    @staticmethod
+    def _prompt_items(prompt: Any) -> list[Any]:
         if isinstance(prompt, str):
-            items: list[Any] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
-            items = [prompt]
-        else:
-            items = list(prompt)
+            return [prompt]
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return [prompt]
+        return list(prompt)
+
+    def _completion_prompts(self, prompt: Any, n: int) -> list[list[int]]:
+        items = self._prompt_items(prompt)
         if not items or any(isinstance(p, str) and not p for p in items):
             raise P.bad_request("prompt must not be empty", "prompt")
         self._check_cost(len(items) * n)  # before tokenizing thousands of prompts
@@ -286,15 +296,30 @@ class OpenAIServer(ResponseBuilding):
         job = await RP.off_loop(self._prep_pool, self._completion_job, req, request)
         return await self._respond(job)
 
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.llm.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
+
+
     async def chat(self, req: P.ChatRequest, request: Request) -> Response:
         return await self._respond(await RP.off_loop(self._prep_pool, self._chat_job, req, request))
 
     def _completion_job(self, req: P.CompletionRequest, request: Request) -> _Job:  # sync: any thread
         P.check_unsupported(req)
         lora = self._check_model(req.model)
-        sp = self._params(req, req.max_tokens)
+        # max_tokens 0 with echo (score the prompt only): one token is sampled
+        # and dropped. Without echo, 0 stays an error (nothing to return).
+        prompt_only = req.max_tokens == 0 and req.echo
+        sp = self._params(req, 1 if prompt_only else req.max_tokens)
+        if req.echo and req.logprobs is not None:
+            sp = sp.clone(prompt_logprobs=req.logprobs)
         prompts = self._completion_prompts(req.prompt, sp.n)
-        return self._job("completion", request, req, prompts, sp, "prompt", lora=lora)
+        job = self._job("completion", request, req, prompts, sp, "prompt", lora=lora)
+        job.drop_output = prompt_only
+        if req.echo:
+            job.echo = [p if isinstance(p, str) else self._decode(ids)
+                        for p, ids in zip(self._prompt_items(req.prompt), prompts)]
+        return job
 
     def _chat_job(self, req: P.ChatRequest, request: Request) -> _Job:
         P.check_unsupported(req)

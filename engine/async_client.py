@@ -42,6 +42,8 @@ class _Stream:
     children: list[RequestState]
     pending: dict[int, CompletionOutput] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    # Child 0's (only it computes them); every delta from then on carries them.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     final: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -61,6 +63,8 @@ class _Stream:
                 acc.logprobs = (acc.logprobs or []) + d.logprobs
             acc.finish_reason, acc.stop_reason = d.finish_reason, d.stop_reason
         self.num_cached_tokens = num_cached_tokens
+        if self.prompt_logprobs is None and self.children:
+            self.prompt_logprobs = self.children[0].prompt_logprobs
         self.ready.set()
         if self.finished:
             self.final.set()
@@ -79,7 +83,7 @@ class _Stream:
         self.pending = {}
         self.ready.clear()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs,
-                             self.num_cached_tokens, self.finished)
+                             self.num_cached_tokens, self.finished, self.prompt_logprobs)
 
 
 @dataclass
@@ -339,8 +343,10 @@ async def collect(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
     """Accumulate a delta stream into one final RequestOutput."""
     final: RequestOutput | None = None
     acc: dict[int, CompletionOutput] = {}
+    prompt_logprobs = None
     async for ro in gen:
         final = ro
+        prompt_logprobs = prompt_logprobs or ro.prompt_logprobs
         for d in ro.outputs:
             c = acc.setdefault(d.index, CompletionOutput(d.index, "", [], logprobs=None))
             c.text += d.text
@@ -350,6 +356,7 @@ async def collect(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
             c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
     assert final is not None
     final.outputs = [acc[k] for k in sorted(acc)]
+    final.prompt_logprobs = prompt_logprobs
     return final
 
 

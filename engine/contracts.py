@@ -153,12 +153,27 @@ class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
     row_start: list[int] | None = None
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of prompt tokens at positions first_pos, first_pos + 1, ...
+    (position 0 never has one). Per position: column 0 is the prompt's own
+    token, then the top-k (descending); token_ids and logprobs align."""
+    first_pos: int
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
 class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
     num_nans_in_logits: dict[str, int] | None = None
+    # Requests with prompt_logprobs whose prefill chunk ran this step: the
+    # positions that chunk predicts (a chunk of the prompt at a time).
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])
@@ -171,6 +186,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False, omit_defaults=
     stop_reason: int | str | None = None
     # One {token_id: logprob} dict per new token, when logprobs were asked for.
     new_logprobs: list[dict[int, float]] | None = None
+    # The whole prompt's logprobs (positions 1..), with the request's first token.
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
     # finish_reason STOP because the grammar completed: the last token is output

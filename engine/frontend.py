@@ -68,6 +68,22 @@ def check_engine_limits(ids: list[int], sp: SamplingFields, config: EngineConfig
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
     if vocab_size and sp.stop_token_ids and max(sp.stop_token_ids) >= vocab_size:
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {max(sp.stop_token_ids)}")
+    _check_token_ids(sp, vocab_size)
+
+
+def _check_token_ids(sp: SamplingFields, vocab_size: int) -> None:
+    """Token ids the sampler indexes the logits with: below the vocab size."""
+    if not vocab_size:
+        return
+    if sp.logit_bias and max(sp.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias token ids must be < the vocab size {vocab_size}, "
+                         f"got {max(sp.logit_bias)}")
+    if sp.allowed_token_ids is not None:
+        if max(sp.allowed_token_ids) >= vocab_size:
+            raise ValueError(f"allowed_token_ids must be < the vocab size {vocab_size}, "
+                             f"got {max(sp.allowed_token_ids)}")
+        if len(sp.allowed_token_ids) > vocab_size:
+            raise ValueError(f"allowed_token_ids must hold at most {vocab_size} ids")
 
 
 class Frontend:
@@ -111,7 +127,8 @@ class Frontend:
             extra["stop_token_ids"] = sorted(set(sp.stop_token_ids) | self.extra_eos)
         now = time.time()
         children = [EngineCoreRequest(request_id=f"{request_id}-{k}{id_suffix}", prompt_token_ids=ids,
-                                      sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k), **extra),
+                                      sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k),
+                                                                      **extra, **_child_only(k, sp)),
                                       eos_token_id=self.eos_token_id, arrival_time=now, priority=priority,
                                       lora_request=lora_request)
                     for k in range(sp.n)]
@@ -211,6 +228,10 @@ class LoRARegistry:
         if lr is None:
             raise KeyError(model)
         return lr
+def _child_only(k: int, sp: SamplingFields) -> dict[str, object]:
+    """Prompt logprobs are the prompt's, not a choice's: only child 0 computes
+    them (the others may then read the prefix cache)."""
+    return {"prompt_logprobs": None} if k and sp.prompt_logprobs is not None else {}
 
 
 def _maybe_tokenizer(config: EngineConfig) -> Tokenizer | None:

@@ -90,7 +90,8 @@ class LLM:
             sts = [st for _, st in reqs]
             results.append(RequestOutput(prep.request_id, prep.prompt, prep.prompt_token_ids,
                                          [st.completion() for st in sts],
-                                         max(st.num_cached_tokens for st in sts), True))
+                                         max(st.num_cached_tokens for st in sts), True,
+                                         sts[0].prompt_logprobs))
         return results
 
     def _make_requests(self, prompt: Prompt, sp: SamplingParams, priority: int = 0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.contracts import EngineCoreOutput, FinishReason
+from engine.contracts import EngineCoreOutput, FinishReason, PromptLogprobs
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -37,6 +37,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    # SamplingParams.prompt_logprobs=k: one entry per prompt token, None for
+    # the first, then {token_id: logprob} with the top-k and the prompt token.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -53,6 +56,7 @@ class RequestState:
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def make(cls, request_id: str, index: int, sp: SamplingParams, prompt_token_ids: list[int],
@@ -79,6 +83,9 @@ class RequestState:
         self.num_cached_tokens = o.num_cached_tokens
         if self.logprobs is not None and o.new_logprobs:
             self.logprobs.extend(o.new_logprobs)
+        if o.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = prompt_logprob_dicts(o.prompt_logprobs,
+                                                        self.sampling_params.prompt_logprobs or 0)
         stop_str = None
         if self.detokenizer is not None:
             stop_str = self.detokenizer.update(
@@ -109,3 +116,14 @@ class RequestState:
             cum = sum(d.get(t, 0.0) for d, t in zip(self.logprobs, self.token_ids))
         return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason,
                                 self.stop_reason, self.logprobs, cum)
+
+
+def prompt_logprob_dicts(plp: PromptLogprobs, k: int) -> list[dict[int, float] | None]:
+    """vLLM's shape: None for position 0, then per position the top-k and the
+    prompt token (k + 1 entries when the prompt token is not in the top-k)."""
+    out: list[dict[int, float] | None] = [None] * plp.first_pos
+    for ids, vals in zip(plp.token_ids, plp.logprobs):
+        d = {ids[j]: vals[j] for j in range(1, min(k + 1, len(ids)))}
+        d[ids[0]] = vals[0]
+        out.append(d)
+    return out

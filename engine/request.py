@@ -5,7 +5,7 @@ from typing import Any
 
 import msgspec
 
-from engine.contracts import EngineCoreRequest, FinishReason, RequestStatus
+from engine.contracts import EngineCoreRequest, FinishReason, PromptLogprobs, RequestStatus
 from engine.lora import LoRARequest
 from engine.sampling_params import SamplingFields
 
@@ -41,6 +41,10 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     # Async scheduling: tokens sampled by steps still in flight (the worker
     # knows them, the core not yet); the catch-up rule counts them.
     num_output_placeholders: int = 0
+    # prompt_logprobs asked for and not yet sent: what the prefill chunks
+    # produced so far (positions 1..), sent whole with the first token. While
+    # set, the prefix cache is not read (a cached position has no logits).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -49,11 +53,14 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
         max_tokens = sp.max_tokens if sp.max_tokens is not None else max_model_len - len(prompt)
         # A resubmitted request (its engine died) goes on after the tokens it has.
         outputs = list(req.output_token_ids)
+        # A resubmitted request with tokens already delivered its prompt logprobs.
+        plp = PromptLogprobs(1, [], []) if sp.prompt_logprobs is not None and not outputs else None
         return cls(request_id=req.request_id, prompt_token_ids=prompt, sampling_params=sp,
                    eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
                    priority=req.priority, cache_salt=req.cache_salt, max_tokens=max_tokens,
                    all_token_ids=prompt + outputs, output_token_ids=outputs,
-                   num_prompt_tokens=len(prompt), lora_request=req.lora_request)
+                   num_prompt_tokens=len(prompt), lora_request=req.lora_request,
+                   prompt_logprobs=plp)
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +73,19 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs | None) -> None:
+        """Append a prefill chunk's positions; positions already held (a chunk
+        recomputed after preemption or a worker rebuild) are skipped."""
+        acc = self.prompt_logprobs
+        if chunk is None or acc is None:
+            return
+        skip = acc.first_pos + len(acc) - chunk.first_pos
+        if skip < 0:
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs skipped positions "
+                               f"{acc.first_pos + len(acc)}..{chunk.first_pos - 1}")
+        acc.token_ids.extend(chunk.token_ids[skip:])
+        acc.logprobs.extend(chunk.logprobs[skip:])
 
     @property
     def use_structured_output(self) -> bool:

@@ -27,6 +27,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# OpenAI's logit_bias bounds: at most 300 entries, each bias in [-100, 100].
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
+# The engine also caps allowed_token_ids at its vocab size (frontend).
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
 _INT64 = 2**63
 
 
@@ -51,6 +56,13 @@ class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's prompt_logprobs: for k, every prompt position after the first
+    # gets {token_id: logprob} with the top-k plus the prompt's own token.
+    prompt_logprobs: int | None = None
+    # Added to the logits before sampling (OpenAI's logit_bias; ids < vocab).
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: every other token is masked out.
+    allowed_token_ids: list[int] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -121,6 +133,14 @@ class SamplingParams(SamplingFields):
             _bool(name, getattr(self, name))
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.logit_bias is not None:
+            _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            _int_list("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
         _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=1e4, lo_open=True)
@@ -148,6 +168,17 @@ def _float(name: str, v: object, lo: float | None = None, hi: float | None = Non
         raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
     if hi is not None and v > hi:
         raise ValueError(f"{name} must be <= {hi}, got {v}")
+
+
+def _logit_bias(v: object) -> None:
+    """Token ids >= 0 (the vocab bound is the engine's: frontend), biases finite in [-100, 100]."""
+    if not isinstance(v, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {v!r}")
+    if len(v) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(v)}")
+    for tid, bias in v.items():
+        _int("logit_bias", tid, lo=0)
+        _float("logit_bias", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
 
 
 def _bool(name: str, v: object) -> None:

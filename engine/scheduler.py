@@ -423,6 +423,8 @@ class Scheduler:
             drafts = so.scheduled_spec_decode_tokens.get(rid)
             if drafts:
                 self.spec.verify(request, drafts, len(new_tokens or ()))
+            if mro.prompt_logprobs is not None:
+                request.add_prompt_logprobs(mro.prompt_logprobs.get(rid))
             if not new_tokens:
                 continue  # a partial prefill chunk samples nothing
             if request.num_output_placeholders:
@@ -434,6 +436,8 @@ class Scheduler:
             out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(request.num_cached_tokens, 0))
             if mro.logprobs is not None and request.sampling_params.logprobs is not None:
                 out.new_logprobs = self._logprobs_for(mro, i, request, len(new_tokens))
+            if request.prompt_logprobs is not None:  # the prompt is done: send them once
+                out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if done:
                 out.finish_reason = request.get_finished_reason()
                 out.stop_reason = request.stop_reason

@@ -60,6 +60,7 @@ def profile_sampling_params(vocab_size: int) -> SamplingParams:
     # leaves the global RNG (unseeded requests' randomness) untouched.
     return SamplingParams(temperature=1.0, seed=0, top_k=min(50, vocab_size), top_p=0.9, min_p=0.05,
                           max_tokens=1, logprobs=min(MAX_LOGPROBS, vocab_size),
+                          logit_bias={0: 1.0}, allowed_token_ids=list(range(vocab_size)),
                           presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, GrammarOutput, ModelRunnerOutput,
-                              NewRequestData, SchedulerOutput)
+                              NewRequestData, PromptLogprobs, SchedulerOutput)
 from kernels.backends import AttentionMetadata, get_attention_backend
 from parallel.communication import IntermediateTensors
 from workers.dummy_batch import (DummyShape, blocks_needed, dummy_step, profile_sampling_params,
@@ -27,6 +27,7 @@ from workers.grammar_mask import apply_grammar_bitmask
 from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
 from workers.layers.attention import find_attention_layers
 from workers.lora.mapping import set_lora_mapping
+from workers.prompt_logprobs import compute_prompt_logprobs
 from workers.rejection_sampler import SpecLayout, sample_with_drafts
 from workers.sampler import Sampler, SamplingMetadata
 
@@ -43,6 +44,8 @@ class _PendingSample:
     samples: np.ndarray
     # Set when some row verifies drafts: logits has one row per draft + 1.
     spec: SpecLayout | None = None
+    # This step's prompt logprobs (rows with prompt_logprobs in prefill).
+    prompt_logprobs: dict[str, PromptLogprobs] | None = None
 
 
 class ModelRunner:
@@ -84,14 +87,17 @@ class ModelRunner:
 
     # ---- profile and warm-up ------------------------------------------------------
 
-    def dummy_run(self, shape: DummyShape) -> None:
+    def dummy_run(self, shape: DummyShape, with_prompt_logprobs: bool = False) -> None:
         """One synthetic step through the real path (paged attention in a
         forward context, logits and the sampler on the last stage; a non-first
         stage gets zero IntermediateTensors instead of a PP receive), then its
         requests are removed again. Needs a KV cache of enough blocks."""
         if self.input_batch.num_reqs or self.requests:
             raise RuntimeError("dummy_run() needs an idle runner")
-        step, cleanup = dummy_step(shape, self.block_size, profile_sampling_params(self.vocab_size))
+        sp = profile_sampling_params(self.vocab_size)
+        if with_prompt_logprobs:  # the profile's peak includes their logits passes
+            sp = sp.clone(prompt_logprobs=sp.logprobs)
+        step, cleanup = dummy_step(shape, self.block_size, sp)
         inter = None if self.is_first_stage else self._zero_intermediates(shape.num_tokens)
         try:
             if self.execute_model(step, inter) is None:
@@ -116,7 +122,7 @@ class ModelRunner:
         num_blocks = blocks_needed(shape, self.block_size) + 1
         self.allocate_kv_cache(num_blocks, dtype)
         try:
-            self.dummy_run(shape)
+            self.dummy_run(shape, with_prompt_logprobs=True)
             return num_blocks * self.kv_bytes_per_block(dtype)
         finally:
             self.free_kv_cache()
@@ -274,7 +280,10 @@ class ModelRunner:
         batch = self.input_batch
         rows = np.arange(len(req_ids))
         samples = batch.num_computed_tokens[rows] + num_sched >= batch.num_tokens[rows]
-        self._pending = _PendingSample(logits, req_ids, samples, spec)
+        plp = compute_prompt_logprobs(self.model.compute_logits, out,
+                                      [self.requests[r] for r in req_ids],
+                                      batch.num_computed_tokens[rows], num_sched, p.query_start_loc)
+        self._pending = _PendingSample(logits, req_ids, samples, spec, plp)
         return None
 
     def _graph_step(self, p: PreparedInputs, so: SchedulerOutput) -> torch.Tensor | None:
@@ -311,7 +320,7 @@ class ModelRunner:
             else:
                 sampled.append([])
         return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
-                                 sampled, out.to_lists())
+                                 sampled, out.to_lists(), prompt_logprobs=pending.prompt_logprobs)
 
     def _sample_spec(self, pending: _PendingSample, states: list[CachedRequestState],
                      grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
@@ -333,7 +342,7 @@ class ModelRunner:
                 batch.append_token(row, t)
             sampled.append(toks)
         return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
-                                 sampled, logprobs)
+                                 sampled, logprobs, prompt_logprobs=pending.prompt_logprobs)
 
 
 def make_lora_manager(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> Any:

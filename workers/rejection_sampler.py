@@ -136,12 +136,14 @@ def _verify_rows(x: torch.Tensor, meta: SamplingMetadata, rows: list[_DraftRow],
 
 
 def _argmax_only(states: list[SamplingRow]) -> bool:
-    """Every row's processing is a bare argmax: greedy, no penalties, min_tokens
-    already met (so at every draft position too), no logprobs."""
+    """Every row's processing is a bare argmax: greedy, no penalties, no
+    logit_bias / allowed_token_ids, min_tokens already met (so at every draft
+    position too), no logprobs."""
     for st in states:
         p = st.sampling_params
         if (p.temperature >= _GREEDY_EPS or p.logprobs is not None or p.repetition_penalty != 1.0
                 or p.frequency_penalty or p.presence_penalty
+                or p.logit_bias or p.allowed_token_ids is not None
                 or len(st.output_token_ids) < p.min_tokens):
             return False
     return True

@@ -7,7 +7,8 @@ seeded request owns its torch.Generator.
 
 Order (vLLM's):
   1. raw logprobs: log_softmax of the unmodified logits (fp32), if asked for;
-  2. min_tokens: EOS and stop_token_ids -> -inf while too few tokens are out;
+  2. allowed_token_ids (others -> -inf), then logit_bias (added);
+     min_tokens: EOS and stop_token_ids -> -inf while too few tokens are out;
   3. penalties: repetition (prompt + output), frequency, presence (output);
   4. greedy rows: argmax;
   5. random rows: / temperature, top-k, top-p, min-p, softmax, then the
@@ -81,6 +82,10 @@ class SamplingMetadata:
     penalties: Penalties | None = None
     # (row ids, token ids) set to -inf: EOS + stop ids of rows below min_tokens.
     min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [B, V] bool, True = not allowed; None when no row has allowed_token_ids.
+    disallowed: torch.Tensor | None = None
+    # ((row ids, token ids), biases) added to the logits: logit_bias.
+    logit_bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int,
@@ -109,6 +114,8 @@ class SamplingMetadata:
             max_num_logprobs=max(logprobs) if logprobs else None,
             penalties=_build_penalties(rows, vocab_size, device),
             min_tokens_index=_build_min_tokens(rows, vocab_size, device),
+            disallowed=_build_disallowed(params, vocab_size, device),
+            logit_bias=_build_logit_bias(params, vocab_size, device),
         )
 
 
@@ -199,6 +206,37 @@ def _build_min_tokens(rows: Sequence[SamplingRow], vocab_size: int,
             torch.tensor(tok_ids, dtype=torch.int64, device=device))
 
 
+def _build_disallowed(params: list[SamplingParams], vocab_size: int,
+                      device: torch.device) -> torch.Tensor | None:
+    if all(p.allowed_token_ids is None for p in params):
+        return None
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            mask[i] = True
+            ids = [t for t in p.allowed_token_ids if 0 <= t < vocab_size]
+            mask[i, torch.tensor(ids, dtype=torch.int64)] = False
+    return mask.to(device)
+
+
+def _build_logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device
+                      ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    row_ids: list[int] = []
+    tok_ids: list[int] = []
+    biases: list[float] = []
+    for i, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            if 0 <= t < vocab_size:  # checked at the edge; never crash a step
+                row_ids.append(i)
+                tok_ids.append(t)
+                biases.append(b)
+    if not row_ids:
+        return None
+    index = (torch.tensor(row_ids, dtype=torch.int64, device=device),
+             torch.tensor(tok_ids, dtype=torch.int64, device=device))
+    return index, _f32(biases, device)
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor  # [B] int64
@@ -248,6 +286,10 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata
     raw_logprobs = None
     if meta.max_num_logprobs is not None:
         raw_logprobs = torch.log_softmax(x, dim=-1)
+    if meta.disallowed is not None:
+        x = x.masked_fill(meta.disallowed, float("-inf"))
+    if meta.logit_bias is not None:
+        x = x.index_put(meta.logit_bias[0], meta.logit_bias[1], accumulate=True)
     x = _apply_min_tokens(x, meta.min_tokens_index)
     if meta.penalties is not None:
         x = apply_penalties(x, meta.penalties)

@@ -38,7 +38,11 @@ class KVCacheManager:
 
         The hit is capped at num_tokens - 1: the last token must be computed to
         produce logits."""
-        if not self.enable_caching:
+        # prompt_logprobs still to compute: every prompt position needs its
+        # logits, so nothing is read from the cache (vLLM V1 skips it too);
+        # its blocks are still cached for later requests, and once the prompt
+        # logprobs were sent (a preempted request resuming) the cache is read.
+        if not self.enable_caching or request.prompt_logprobs is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

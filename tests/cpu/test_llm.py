@@ -274,5 +274,65 @@ def test_data_parallel_two_engines_match_one(ckpts, prompts, refs):
         m = llm.get_metrics()
         assert sum(v for k, v in m.items() if k.startswith("conveyor:prefix_cache_hits_total")) > 0
         assert m['conveyor:router_index_blocks{engine="1"}'] > 0
+
+
+def _check_prompt_logprobs(path, prompt, plp, k):
+    """vLLM's shape, and every value against transformers' log-softmax (fp32, 1e-4)."""
+    ref = hf_logprobs(path, prompt[:1], prompt[1:])  # row j predicts prompt[j + 1]
+    assert len(plp) == len(prompt) and plp[0] is None
+    for j, d in enumerate(plp[1:]):
+        tok = prompt[j + 1]
+        top = torch.topk(ref[j], k).indices.tolist() if k else []
+        assert set(d) == set(top) | {tok}
+        for t, v in d.items():
+            assert abs(v - ref[j, t].item()) < 1e-4
+
+
+def test_prompt_logprobs_chunked_prefix_cached_n(ckpts, monkeypatch):
+    """prompt_logprobs under chunked prefill (32-token budget, 7-row logits
+    passes) with prefix caching on: a request that asks for them never reads
+    the cache (every position needs its logits) but fills it for later ones."""
+    import workers.prompt_logprobs as wp
+    monkeypatch.setattr(wp, "ROWS_PER_PASS", 7)
+    path = ckpts["llama"]
+    ps = random_prompts(2, 70, 90, seed=21)
+    llm = LLM(model=path, max_num_batched_tokens=32, enable_prefix_caching=True)
+    try:
+        warm = llm.generate([ps[0]], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert warm.prompt_logprobs is None
+        sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+        outs = llm.generate(ps, sp, use_tqdm=False)
+        assert outs[0].num_cached_tokens == 0  # cached blocks exist, but are not read
+        for p, o in zip(ps, outs):
+            _check_prompt_logprobs(path, p, o.prompt_logprobs, 3)
+        again = llm.generate([ps[1]], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert again.num_cached_tokens >= 64  # written by the prompt-logprobs request
+        # k = 0: the prompt token alone; n = 2: one set for the prompt (child 0 computes it).
+        o = llm.generate([ps[1]], SamplingParams(n=2, max_tokens=2, prompt_logprobs=0, seed=3),
+                         use_tqdm=False)[0]
+        assert len(o.outputs) == 2
+        _check_prompt_logprobs(path, ps[1], o.prompt_logprobs, 0)
+        one = llm.generate([[7]], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+        assert one.prompt_logprobs == [None]
+    finally:
+        llm.shutdown()
+
+
+def test_logit_bias_and_allowed_token_ids_effect(ckpts, prompts):
+    llm = LLM(model=ckpts["llama"])
+    try:
+        forced = llm.generate(prompts[:2], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                          logit_bias={42: 100.0}), use_tqdm=False)
+        assert all(o.outputs[0].token_ids == [42] * 5 for o in forced)
+        allowed = [11, 12, 13]
+        outs = llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=1.0, seed=0,
+                                                        ignore_eos=True, allowed_token_ids=allowed),
+                            use_tqdm=False)
+        assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs)
+        with pytest.raises(ValueError, match="logit_bias token ids must be < the vocab size"):
+            llm.generate([[5]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+        with pytest.raises(ValueError, match="allowed_token_ids must be < the vocab size"):
+            llm.generate([[5]], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+        assert not llm.engine.has_work()
     finally:
         llm.shutdown()

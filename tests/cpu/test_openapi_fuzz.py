@@ -92,7 +92,7 @@ def _check(status: int, content: bytes) -> None:
 # Fields whose valid values the schema cannot say (unsupported features, the
 # served model's name, a prompt the tokenizer/vocab accepts). Steered cases
 # drop or fix them so the remaining random fields reach the engine.
-_REFUSED = frozenset({"model", "echo", "suffix", "best_of", "logit_bias", "stream_options",
+_REFUSED = frozenset({"model", "echo", "suffix", "best_of", "logit_bias", "allowed_token_ids", "stream_options",
                       "tools", "tool_choice", "response_format"})
 
 

@@ -7,12 +7,13 @@ import pytest
 
 from engine import LLM, SamplingParams
 from executors.base import EngineDeadError
-from llm_utils import (close_or_why, engine_top5, hf_greedy, hf_top5, make_checkpoint, random_prompts,
-                       wait_pids_gone)
+from llm_utils import (close_or_why, engine_top5, hf_greedy, hf_logprobs, hf_top5, make_checkpoint,
+                       random_prompts, wait_pids_gone)
 from tiny_models import make_tiny_model
 
-# logprobs=5: vLLM's parity rule needs our top-5 at the first divergence.
-GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
+# logprobs=5: vLLM's parity rule needs our top-5 at the first divergence;
+# prompt_logprobs=2: the prompt's logprobs come back from the output rank.
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5, prompt_logprobs=2)
 
 
 def _assert_close_to_hf(path, prompts, got, ref, what: str) -> None:
@@ -39,9 +40,23 @@ def _run(path, prompts, tp, pp, **kw):
     llm = LLM(model=path, executor="mp" if tp * pp > 1 else "uniproc", tensor_parallel_size=tp,
               pipeline_parallel_size=pp, max_num_batched_tokens=64, enable_prefix_caching=True, **kw)
     try:
-        return [o.outputs[0] for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
+    for o in outs:  # the prompt's logprobs ride along on the first output
+        o.outputs[0].prompt_logprobs = o.prompt_logprobs
+    return [o.outputs[0] for o in outs]
+
+
+def _assert_prompt_logprobs(path, prompts, got, what: str) -> None:
+    """Every prompt position's top-2 + prompt token vs transformers (fp32, 1e-4)."""
+    for p, g in zip(prompts, got):
+        assert len(g.prompt_logprobs) == len(p) and g.prompt_logprobs[0] is None, what
+        if len(p) > 1:
+            ref = hf_logprobs(path, p[:1], p[1:])
+            for j, d in enumerate(g.prompt_logprobs[1:]):
+                assert p[j + 1] in d and len(d) in (2, 3), what
+                assert all(abs(v - ref[j, t].item()) < 1e-4 for t, v in d.items()), f"{what}: pos {j + 1}"
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -50,8 +65,11 @@ def test_tp_pp_parity(family, ckpts, prompts):
     ref = hf_greedy(path, prompts, 32)
     tp1 = _run(path, prompts, 1, 1)
     assert [o.token_ids for o in tp1] == ref
+    _assert_prompt_logprobs(path, prompts, tp1, "tp=1")
     for tp, pp in LAYOUTS:
-        _assert_close_to_hf(path, prompts, _run(path, prompts, tp, pp), ref, f"tp={tp} pp={pp}")
+        got = _run(path, prompts, tp, pp)
+        _assert_close_to_hf(path, prompts, got, ref, f"tp={tp} pp={pp}")
+        _assert_prompt_logprobs(path, prompts, got, f"tp={tp} pp={pp}")
 
 
 def test_replicated_kv_heads_and_odd_vocab(tmp_path):

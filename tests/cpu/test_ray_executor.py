@@ -49,11 +49,15 @@ def prompts():
     return random_prompts(6, 1, 100, seed=21)
 
 
+PROMPT_LP = SamplingParams(max_tokens=1, prompt_logprobs=2)
+
+
 @pytest.fixture(scope="module")
 def reference(ckpt, prompts):
     llm = LLM(model=ckpt, max_num_batched_tokens=64)
     try:
-        return _ids_and_top5(llm, prompts)
+        plp = [o.prompt_logprobs for o in llm.generate(prompts[:2], PROMPT_LP, use_tqdm=False)]
+        return _ids_and_top5(llm, prompts), plp
     finally:
         llm.shutdown()
 
@@ -64,9 +68,15 @@ def test_ray_parity_with_uniproc(ray_local, ckpt, prompts, reference, tp, pp):
               max_num_batched_tokens=64)
     try:
         got = _ids_and_top5(llm, prompts)
+        # prompt logprobs through the Ray workers' output rank equal uniproc's
+        plp = [o.prompt_logprobs for o in llm.generate(prompts[:2], PROMPT_LP, use_tqdm=False)]
     finally:
         llm.shutdown()
-    _assert_close(got, reference, f"tp={tp} pp={pp}")
+    _assert_close(got, reference[0], f"tp={tp} pp={pp}")
+    for g, r in zip(plp, reference[1]):
+        assert g[0] is None and len(g) == len(r)
+        for dg, dr in zip(g[1:], r[1:]):
+            assert dg.keys() == dr.keys() and all(abs(dg[t] - dr[t]) < 1e-4 for t in dr)
 
 
 def test_worker_death_mid_stream_is_recovered(ray_local, ckpt, prompts):

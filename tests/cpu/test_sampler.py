@@ -351,3 +351,58 @@ def test_logprobs_zero_gives_sampled_column_only() -> None:
     assert out.logprobs is not None and out.logprobs.shape == (2, 1)
     lists = out.to_lists()
     assert lists is not None and [len(t) for t in lists.token_ids] == [1, 1]
+
+
+# ---------------------------------------------------------------- logit_bias, allowed_token_ids
+
+
+def test_logit_bias_forces_and_bans_tokens_greedy_and_random() -> None:
+    logits = torch.randn(4, 40, generator=torch.Generator().manual_seed(3))
+    rows = [row(temperature=0.0, logit_bias={17: 100.0}),
+            row(temperature=1.0, seed=5, logit_bias={17: 100.0}),
+            row(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0}, logprobs=2),
+            row(temperature=0.0)]
+    out = sample(logits, rows)
+    got = out.sampled_token_ids.tolist()
+    assert got[0] == 17 and got[1] == 17
+    assert got[2] == int(logits[2].topk(2).indices[1])  # the banned argmax gives way
+    assert got[3] == int(logits[3].argmax())  # rows without a bias are untouched
+    # Logprobs stay the raw model's (vLLM's default), not the biased ones.
+    raw = torch.log_softmax(logits[2], -1)
+    assert out.logprobs[2, 0].item() == pytest.approx(raw[got[2]].item(), abs=1e-6)
+
+
+def test_logit_bias_adds_exactly() -> None:
+    logits = torch.zeros(1, 5)
+    meta = SamplingMetadata.build([row(temperature=0.0, logit_bias={1: 0.5, 3: -2.0})], 5, CPU)
+    from workers.sampler import process_logits
+    x, _ = process_logits(logits, meta)
+    assert x.tolist() == [[0.0, 0.5, 0.0, -2.0, 0.0]]
+    assert logits.abs().sum() == 0  # the caller's logits are never modified
+
+
+def test_allowed_token_ids_restrict_support() -> None:
+    logits = torch.zeros(2, 30)
+    rows = [row(temperature=1.0, seed=s, allowed_token_ids=[3, 7, 11]) for s in range(2)]
+    seen = set()
+    for _ in range(40):
+        seen.update(sample(logits, rows).sampled_token_ids.tolist())
+        rows = [row(temperature=1.0, seed=r.sampling_params.seed + 2, allowed_token_ids=[3, 7, 11])
+                for r in rows]
+    assert seen == {3, 7, 11}
+    greedy = sample(torch.randn(1, 30), [row(temperature=0.0, allowed_token_ids=[9])])
+    assert greedy.sampled_token_ids.tolist() == [9]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"logit_bias": {5: 100.5}}, "logit_bias must be <= 100"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias must be finite"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias must be >= 0"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "at most 300"),
+    ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids must be >= 0"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be <= 20"),
+])
+def test_bias_allowed_prompt_logprobs_validation(kw: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)

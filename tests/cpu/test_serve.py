@@ -15,6 +15,7 @@ import time
 import httpx
 import msgspec
 import pytest
+import torch
 
 from llm_utils import make_checkpoint
 
@@ -415,6 +416,140 @@ def test_n2_stop_and_logprobs(client, refs):
     assert "".join(c.token for c in content) == r.choices[0].message.content
 
 
+def _post(server: str, path: str, body: dict) -> dict:
+    r = httpx.post(f"{server}{path}", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _check_echo_logprobs(lp: dict, ids: list[int], ref, n_out: int) -> None:
+    """OpenAI's legacy shape: the prompt's tokens first (null at position 0),
+    each value transformers' log-softmax (fp32, 1e-4), top-1 its maximum."""
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + n_out
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for j in range(1, len(ids)):
+        assert abs(lp["token_logprobs"][j] - ref[j - 1, ids[j]].item()) < 1e-4
+        (top,) = lp["top_logprobs"][j].values()
+        assert abs(top - ref[j - 1].max().item()) < 1e-4
+    offs = lp["text_offset"]
+    assert offs[0] == 0 and all(offs[j + 1] == offs[j] + len(lp["tokens"][j]) for j in range(len(offs) - 1))
+
+
+def test_completions_echo_prompt_logprobs_match_transformers(server, ckpt, refs):
+    from engine.tokenizer import load_tokenizer
+    from llm_utils import hf_logprobs
+
+    text = PROMPTS[1]
+    tok = load_tokenizer(ckpt)
+    ids = tok.encode(text)
+    ref = hf_logprobs(ckpt, ids[:1], ids[1:])  # row j predicts ids[j + 1]
+    greedy = refs["completion"][1]
+    for prompt in (text, ids):  # a string and token ids (lm-eval sends ids)
+        for max_tokens in (1, 0):  # lm-eval's loglikelihood shape, and prompt-only scoring
+            r = _post(server, "/v1/completions", {"model": "tiny", "prompt": prompt, "echo": True,
+                                                   "logprobs": 1, "max_tokens": max_tokens,
+                                                   "temperature": 0})
+            c = r["choices"][0]
+            _check_echo_logprobs(c["logprobs"], ids, ref, max_tokens)
+            echoed = text if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)
+            assert c["text"] == echoed + (greedy.text[:len(c["text"]) - len(echoed)] if max_tokens else "")
+            assert r["usage"]["completion_tokens"] == max_tokens
+    # Echo without logprobs: prompt text + the greedy completion.
+    r = _post(server, "/v1/completions", {"prompt": text, "echo": True, "max_tokens": MAX_TOKENS,
+                                          "temperature": 0})
+    assert r["choices"][0]["text"] == text + greedy.text and r["choices"][0]["logprobs"] is None
+    # lm-eval's batch: several token-id prompts in one request, choices in order.
+    r = _post(server, "/v1/completions", {"prompt": [ids, ids[:5]], "echo": True, "logprobs": 1,
+                                          "max_tokens": 1, "temperature": 0, "seed": 1234})
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    _check_echo_logprobs(r["choices"][0]["logprobs"], ids, ref, 1)
+    _check_echo_logprobs(r["choices"][1]["logprobs"], ids[:5], ref, 1)
+
+
+def test_completions_echo_streamed_n2(client):
+    texts: dict[int, str] = {0: "", 1: ""}
+    tokens: dict[int, list] = {0: [], 1: []}
+    for ch in client.completions.create(model="tiny", prompt=PROMPTS[0], echo=True, logprobs=1, n=2,
+                                        max_tokens=3, temperature=1.0, seed=3, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.text
+            tokens[c.index] += c.logprobs.token_logprobs
+    for i in (0, 1):
+        assert texts[i].startswith(PROMPTS[0])
+        assert tokens[i][0] is None and all(v is not None and v <= 0 for v in tokens[i][1:])
+    assert len(tokens[0]) == len(tokens[1])
+
+
+LM_EVAL_TASKS = os.path.join(os.path.dirname(__file__), "lm_eval_tasks")
+
+
+def test_lm_eval_local_completions(server, ckpt, monkeypatch):
+    """lm-eval's own local-completions client runs loglikelihood (multiple
+    choice) and loglikelihood_rolling (perplexity) on the repo's tiny task;
+    every score equals transformers' on the token ids lm-eval sent."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pytest.importorskip("lm_eval")
+    from lm_eval import evaluator
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+    from llm_utils import hf_logprobs
+
+    seen = []
+    parse = LocalCompletionsAPI.parse_logprobs
+
+    def spy(outputs, tokens=None, ctxlens=None, **kw):
+        res = parse(outputs, tokens=tokens, ctxlens=ctxlens, **kw)
+        seen.extend(zip(tokens, ctxlens, res))
+        return res
+
+    monkeypatch.setattr(LocalCompletionsAPI, "parse_logprobs", staticmethod(spy))
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(LM_EVAL_TASKS))))
+    out = evaluator.simple_evaluate(
+        model="local-completions",
+        model_args={"model": "tiny", "base_url": f"{server}/v1/completions", "tokenizer": ckpt,
+                    "tokenizer_backend": "huggingface", "tokenized_requests": True, "max_retries": 1,
+                    "max_length": 512},
+        tasks=["conveyor_tiny_mc", "conveyor_tiny_rolling"],
+        task_manager=TaskManager(include_path=LM_EVAL_TASKS, include_defaults=False),
+        log_samples=False, bootstrap_iters=0)
+    assert "acc,none" in out["results"]["conveyor_tiny_mc"]
+    assert out["results"]["conveyor_tiny_rolling"]["word_perplexity,none"] > 1
+    assert len(seen) == 8 + 3  # one request per choice, one window per text
+    for ids, ctxlen, (ll, greedy) in seen:
+        ref = hf_logprobs(ckpt, ids[:ctxlen], ids[ctxlen:])
+        cont = torch.tensor(ids[ctxlen:])
+        assert abs(ll - ref.gather(1, cont[:, None]).sum().item()) < 1e-4 * len(cont)
+        assert greedy == bool((ref.argmax(-1) == cont).all())
+
+
+def test_null_means_absent(server):
+    nulls = {k: None for k in ("n", "presence_penalty", "frequency_penalty", "logprobs", "stream", "echo",
+                               "min_p", "repetition_penalty", "seed", "stop", "temperature", "top_p",
+                               "max_tokens")}
+    r = _post(server, "/v1/completions", {"prompt": PROMPTS[0], **nulls, "ignore_eos": True})
+    assert r["usage"]["completion_tokens"] == 16 and r["choices"][0]["logprobs"] is None
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                               **nulls, "top_logprobs": None, "max_tokens": 3})
+    assert r["usage"]["completion_tokens"] <= 3 and len(r["choices"]) == 1
+
+
+def test_logit_bias_and_allowed_token_ids_http(server, ckpt):
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ckpt)
+    r = _post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+                                          "logit_bias": {"42": 100}, "ignore_eos": True})
+    assert r["choices"][0]["text"] == tok.decode([42] * 4)
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                               "max_tokens": 6, "temperature": 1.0, "seed": 5,
+                                               "allowed_token_ids": [42, 43], "ignore_eos": True,
+                                               "logprobs": True})
+    got = {t for c in r["choices"][0]["logprobs"]["content"] for t in [c["token"]]}
+    assert got <= {tok.decode([42]), tok.decode([43])}
+
+
 def test_models_and_request_id(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     r = httpx.post(f"{server}/v1/completions", headers={**AUTH, "X-Request-Id": "my-req-42"},
@@ -450,8 +585,16 @@ ERRORS = [  # (path, raw body, status, code, param)
      b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}',
      400, "context_length_exceeded", "messages"),
     ("/v1/completions", b'{"prompt": "x", "model": "gpt-9"}', 404, "model_not_found", "model"),
-    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 1}}', 400, "unsupported_parameter",
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 101}}', 400, "invalid_value", "logit_bias"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"five": 1}}', 400, "invalid_value", "logit_bias"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"100000": 1}}', 400, "invalid_value",
      "logit_bias"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-1": 1}}',
+     400, "invalid_value", "logit_bias"),
+    ("/v1/completions", b'{"prompt": "x", "allowed_token_ids": [100000]}', 400, "invalid_value",
+     "allowed_token_ids"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0, "echo": false}', 400, "invalid_value",
+     "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "stream_options": {"include_usage": true}}', 400,
      "invalid_value", "stream_options"),
 ]
