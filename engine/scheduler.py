@@ -21,6 +21,7 @@ from engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
 from engine.lora import lora_stats
 from engine.request import Request
 from engine.request_queue import make_queue
+from engine.stopping import check_stop, grammar_done
 from engine.async_scheduling import add_placeholders, at_length_cap
 from engine.spec_decode.scheduling import SpecDecodeScheduling
 from engine.structured_output.manager import StructuredOutputManager
@@ -28,46 +29,6 @@ from engine.structured_output.manager import StructuredOutputManager
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
-
-
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """EOS, then stop_token_ids, then the length caps (vLLM's order).
-    min_tokens suppresses only the first two: the caps always hold, so a
-    request never grows past max_model_len (the block table's width)."""
-    sp = request.sampling_params
-    num_output = len(request.output_token_ids)
-    if num_output >= sp.min_tokens:
-        last = request.output_token_ids[-1]
-        if not sp.ignore_eos and last == request.eos_token_id:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-        if sp.stop_token_ids and last in sp.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = last
-            return True
-    if len(request.all_token_ids) >= max_model_len or num_output >= request.max_tokens:
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
-    return False
-
-
-def _grammar_done(request: Request, grammar, token: int) -> bool:
-    """Advance the matcher by an accepted token; a complete output stops the request."""
-    if not grammar.accept_tokens([token]):
-        # The mask allowed only grammar tokens, so this is an engine defect:
-        # end the request rather than emit output that does not parse.
-        request.status = RequestStatus.FINISHED_ERROR
-        # A matcher that hit its resource limits (a schema that forces
-        # unbounded nesting: "Too many items") says why: the client's mistake.
-        why = getattr(grammar, "error", lambda: None)()
-        request.stop_reason = (f"structured output grammar failed: {why}" if why
-                               else "grammar rejected a sampled token")
-        return True
-    if grammar.is_terminated():
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stopped_by_grammar = True
-        return True
-    return False
 
 
 @dataclass
@@ -460,7 +421,7 @@ class Scheduler:
             request.all_token_ids.append(tok)
             if check_stop(request, max_len):
                 return new_tokens[:n], True
-            if grammar is not None and _grammar_done(request, grammar, tok):
+            if grammar is not None and grammar_done(request, grammar, tok):
                 return new_tokens[:n], True
         hasher = self.hasher
         if hasher is not None and len(request.all_token_ids) >= (len(request.block_hashes) + 1) * self.block_size:

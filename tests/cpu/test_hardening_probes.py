@@ -235,7 +235,7 @@ def test_a_grammar_that_fails_mid_generation_is_a_400_naming_the_field(ckpt):
 def test_a_matcher_error_ends_the_request_with_its_reason():
     from sched_utils import make_request
 
-    from engine.scheduler import _grammar_done
+    from engine.stopping import grammar_done as _grammar_done
 
     req = make_request("r", [1, 2])
     grammar = SimpleNamespace(accept_tokens=lambda _t: False, error=lambda: "Too many items")

@@ -21,7 +21,7 @@ from engine.contracts import (EngineCoreOutput, EngineCoreOutputs, EngineCoreReq
                               KVCacheInfo, NewRequestData, RequestStatus)
 from engine.errors import EngineDeadError
 from engine.sampling_params import SamplingParams
-from engine.scheduler import check_stop
+from engine.stopping import check_stop
 from sched_utils import FakeExecutor, make_request
 
 PROMPT = [5, 6, 7, 8]
