@@ -31,6 +31,12 @@ class ModelConfig(msgspec.Struct, **_FROZEN):
     max_model_len: int | None = None  # None: from the checkpoint's config.json
     seed: int = 0
     attention_backend: str = "auto"
+    # The cpu backend's kernel table: "auto" (the best this CPU runs, by cpuid)
+    # or one forced: "avx512", "avx2", "portable" (benchmarks, tests).
+    cpu_isa: str = "auto"
+    # Weight-only quantization computed at load: None or "int8" (per-channel
+    # scales, fp32 math; CPU, fp32 checkpoints' linears; workers/layers/quant.py).
+    quantization: str | None = None
     max_n: int = 16  # cap on SamplingParams.n
 
 
@@ -175,6 +181,8 @@ _KWARG_MAP: dict[str, tuple[str, str]] = {
     "model": ("model", "path"), "tokenizer": ("model", "tokenizer"), "dtype": ("model", "dtype"),
     "max_model_len": ("model", "max_model_len"), "seed": ("model", "seed"),
     "attention_backend": ("model", "attention_backend"),
+    "cpu_isa": ("model", "cpu_isa"),
+    "quantization": ("model", "quantization"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "pipeline_parallel_size": ("parallel", "pipeline_parallel_size"),
     "executor": ("parallel", "executor"),
@@ -199,6 +207,8 @@ def _env_defaults() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     if "CONVEYOR_ATTENTION_BACKEND" in os.environ:
         out.setdefault("model", {})["attention_backend"] = os.environ["CONVEYOR_ATTENTION_BACKEND"]
+    if "CONVEYOR_CPU_ISA" in os.environ:
+        out.setdefault("model", {})["cpu_isa"] = os.environ["CONVEYOR_CPU_ISA"]
     return out
 
 
@@ -359,6 +369,7 @@ def _format_validation_error(err: str, tree: dict[str, Any], over: dict[str, Any
 
 _DTYPES = ("float32", "float16", "bfloat16", "auto")
 _BACKENDS = ("auto", "torch", "cpu", "triton")
+_CPU_ISAS = ("auto", "avx512", "avx2", "portable")  # kernels.cpu_attention.ISAS
 _EXECUTORS = ("uniproc", "ray", "mp")
 _STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -388,6 +399,8 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "model.max_model_len": _at_least(1, nullable=True),
     "model.seed": ("int", lambda v: True),
     "model.attention_backend": _one_of(_BACKENDS),
+    "model.cpu_isa": _one_of(_CPU_ISAS),
+    "model.quantization": _one_of((None, "int8")),
     "model.max_n": _at_least(1),
     "parallel.tensor_parallel_size": _at_least(1),
     "parallel.pipeline_parallel_size": _at_least(1),
