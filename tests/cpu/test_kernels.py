@@ -491,3 +491,33 @@ def test_cpu_int8_linear_matches_dequantized(m, cpu_isa) -> None:
     _check(out, ref, torch.float32, seed, f"int8 linear ({cpu_isa})")
     big = torch.randn(40, 200, generator=gen)  # past the kernel's rows: dequantize + GEMM
     _check(int8_linear(big, None, q=q, scale=scale), big @ deq.T, torch.float32, seed, "int8 prefill")
+
+
+def test_quantize_linears_routes_every_linear_through_int8() -> None:
+    """quantize_linears swaps each linear's fp32 weight for int8 + scales and
+    the layer's forward (parallel.layers.linear) then computes with those;
+    embeddings are left alone; the config accepts only null / int8."""
+    from engine.config import ConfigError, build_config
+    from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from workers.layers.quant import quantize_int8, quantize_linears
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.ModuleDict({"up": ColumnParallelLinear(64, 48, bias=True),
+                                 "down": RowParallelLinear(48, 64, bias=False),
+                                 "emb": VocabParallelEmbedding(10, 64)})
+    for p in model.parameters():
+        p.data = torch.randn(p.shape, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    deq = {name: (lambda q, s: q.float() * s[:, None])(*quantize_int8(model[name].weight))
+           for name in ("up", "down")}
+    emb = model["emb"].weight.clone()
+    cpu_attention.load_extension()
+    assert quantize_linears(model) == 2
+    with torch.inference_mode():
+        h = model["up"](x)
+        _check(h, x @ deq["up"].T + model["up"].bias, torch.float32, 0, "int8 column")
+        _check(model["down"](h), h @ deq["down"].T, torch.float32, 0, "int8 row")
+    assert model["up"].weight.numel() == 0 and torch.equal(model["emb"].weight, emb)
+    assert build_config(quantization="int8", max_model_len=64).model.quantization == "int8"
+    with pytest.raises(ConfigError, match="quantization"):
+        build_config(quantization="int4", max_model_len=64)
