@@ -6,12 +6,13 @@ each `--blocks` blocks, together far past L3), decode rows of `--batch`
 requests whose blocks are scattered at random, every layer read in turn as a
 forward does. Reports per layer the median time over `--rounds`, the K/V bytes
 read per second, and a sequential read of a large tensor (`sum`) on the same
-threads as the ceiling. Shapes default to bench/offline_throughput.py's 30M
+threads as the ceiling; the cpu backend once per kernel table this CPU runs
+(`--isa`, default all of them: avx512, avx2, portable). Shapes default to bench/offline_throughput.py's 30M
 Llama (8 query / 4 KV heads, head size 64, block 16), fp32.
 
 Usage:
   .venv/bin/python bench/cpu_attention.py                 # one thread, ctx 96/160/256
-  .venv/bin/python bench/cpu_attention.py --threads 2 --ctx 512
+  .venv/bin/python bench/cpu_attention.py --threads 2 --ctx 512 --isa avx2
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--isa", default="", help="comma list of kernel tables (default: every one this CPU runs)")
     return p.parse_args()
 
 
@@ -66,6 +68,7 @@ def main() -> None:
     del big
     print(f"{a.threads} thread(s); sequential read (sum of 400 MB): {seq_gbs:.1f} GB/s; "
           f"{a.layers} layers x {a.blocks} blocks ({a.layers * caches[0].numel() * 4 / 2**20:.0f} MiB)")
+    isas = a.isa.split(",") if a.isa else cpu_attention.supported_isas()
     rng = np.random.default_rng(0)
     for ctx in (int(c) for c in a.ctx.split(",")):
         nblk = -(-ctx // bs)
@@ -79,13 +82,19 @@ def main() -> None:
         plan = cpu_attention._StepPlan(table, qsl, lens)
         gb = a.batch * ctx * hkv * d * 4 * 2 / 1e9
         row = [f"ctx {ctx}:"]
-        for name, attend in (
-            ("cpu", lambda c: cpu_attention.paged_attention_cpu(query, c, table, qsl, lens, 0.125, plan)),
-            ("torch", lambda c: torch_attention.paged_attention_torch(query, c, table, qsl, lens, 0.125)),
-        ):
+        for name in isas + ["torch"]:
+            if name == "torch":
+                def attend(c: torch.Tensor) -> object:
+                    return torch_attention.paged_attention_torch(query, c, table, qsl, lens, 0.125)
+            else:
+                cpu_attention.select_isa(name)
+
+                def attend(c: torch.Tensor) -> object:
+                    return cpu_attention.paged_attention_cpu(query, c, table, qsl, lens, 0.125, plan)
             s = _median_s(lambda: [attend(c) for c in caches], a.rounds, a.layers)
-            row.append(f"{name} {s * 1e3:.3f} ms/layer {gb / s:.1f} GB/s")
+            row.append(f"{name if name == 'torch' else 'cpu/' + name} {s * 1e3:.3f} ms/layer {gb / s:.1f} GB/s")
         print("  ".join(row))
+    cpu_attention.select_isa("auto")
 
 
 if __name__ == "__main__":

@@ -97,11 +97,12 @@ def _cpu_or_torch() -> str:
     return "torch"
 
 
-def get_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def get_attention_backend(name: str, device: torch.device | str, cpu_isa: str = "auto") -> AttentionBackend:
     """Return the backend called ``name`` for tensors on ``device``.
 
     ``"auto"`` is ``"triton"`` on CUDA, and elsewhere ``"cpu"`` (the C++ kernel) when it
-    builds, else ``"torch"`` with a warning.
+    builds, else ``"torch"`` with a warning. ``cpu_isa`` picks the cpu backend's
+    kernel table (``cpu_attention.select_isa``; ValueError where this CPU cannot run it).
     ``"triton"`` on a non-CUDA device needs ``TRITON_INTERPRET=1`` set before
     the first kernel module import (tests only: the interpreter is slow).
     """
@@ -118,7 +119,7 @@ def get_attention_backend(name: str, device: torch.device | str) -> AttentionBac
             raise RuntimeError(f"the cpu attention backend runs on CPU tensors only (got {device})")
         from .cpu_attention import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(cpu_isa)
     if key == "torch":
         from .torch_attention import TorchAttentionBackend
 

@@ -5,14 +5,22 @@ Decode rows and speculative drafts (query_len <= _SHORT_QUERY) go to
 table (the torch backend gathers a padded copy and masks it every step: about
 half the decode step on CPU). Longer prefill chunks are compute-bound and stay
 on the torch backend's SDPA path. ``torch_attention.paged_attention_ref`` is the
-reference both are tested against. fp32 with head size 32/64/128 on an AVX-512
-build takes an intrinsics path (decode attention is bound by reading K/V from
-memory: with every layer's cache past L3 the portable loop read 7.5 GB/s of one
-core's 29, this path 15-16; bench/cpu_attention.py);
-every other dtype and head size the portable loop. The same extension holds the
-model's CPU-native ops: fused residual + RMSNorm and in-place neox rotary.
-It is compiled with ``-ffp-contract=off``: no product is fused into an FMA
-behind the source's back, so the rotary rounds exactly as its torch form.
+reference both are tested against.
+
+The kernels come in three tables, all in one build and chosen by cpuid at
+load: ``avx512`` (fp32 decode attention at head size 32/64/128 in AVX-512
+intrinsics: decode attention is bound by reading K/V from memory, and with
+every layer's cache past L3 the portable loop read 7.5 GB/s of one core's 29,
+this path 15-16; bench/cpu_attention.py), ``avx2`` (the same kernel 8 floats
+wide, same exp polynomial and masked tails: AVX2-only x86 such as older EPYC
+and Xeon) and ``portable`` (plain C++ loops, any CPU). The build has no
+``-march``: each ISA file raises its own target (``#pragma GCC target``), so an
+extension built on one machine runs on another. ``model.cpu_isa``
+(``CONVEYOR_CPU_ISA``) or ``select_isa`` forces one table. The same extension
+holds the model's CPU-native ops: fused residual + RMSNorm and in-place neox
+rotary (AVX-512/AVX2 in the vector tables). Everything is compiled with
+``-ffp-contract=off``: no product is fused into an FMA behind the source's back,
+so the rotary rounds exactly as its torch form on every table.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension``
 (gcc + ninja; about 30 s once, then cached under ``TORCH_EXTENSIONS_DIR`` or
@@ -35,7 +43,15 @@ from .torch_attention import _SHORT_QUERY, _prefill_one, write_kv_torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention_cpu.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# The glue and one file per kernel table. No -march: each ISA file raises its
+# own target, so a build made on one machine runs on any other x86-64 (or,
+# portable table only, any other CPU gcc builds for).
+_SOURCES = [os.path.join(_CSRC, f) for f in
+            ("paged_attention_cpu.cpp", "kernels_portable.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp")]
+# Headers the sources include: hashed into a define (see _headers_tag).
+_HEADERS = ("cpu_kernels.h", "generic_kernels.inc")
+ISAS = ("auto", "avx512", "avx2", "portable")
 _EXT_NAME = "conveyor_paged_attention_cpu"
 _lock = threading.Lock()
 _ext: ModuleType | None = None
@@ -73,14 +89,50 @@ def load_extension() -> ModuleType:
             _put_ninja_on_path()
             from torch.utils.cpp_extension import load
 
-            _ext = load(name=_EXT_NAME, sources=[_SOURCE],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            _ext = load(name=_EXT_NAME, sources=_SOURCES, extra_include_paths=[_CSRC],
+                        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", _headers_tag()],
                         extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as e:  # compiler missing, headers missing, ...
             _error = f"the CPU attention kernel did not build: {type(e).__name__}: {e}"
             raise RuntimeError(_error) from e
         logger.info("CPU attention kernel ready in %.1f s", time.perf_counter() - t0)
         return _ext
+
+
+def _headers_tag() -> str:
+    """A define naming the headers' content hash: torch rebuilds the extension
+    when sources or flags change, and the headers are neither."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for name in _HEADERS:
+        with open(os.path.join(_CSRC, name), "rb") as f:
+            h.update(f.read())
+    return f"-DCONVEYOR_CPU_HEADERS={h.hexdigest()[:12]}"
+
+
+def isa() -> str:
+    """The kernel table in use: ``avx512``, ``avx2`` or ``portable``."""
+    return load_extension().isa()
+
+
+def supported_isas() -> list[str]:
+    """The kernel tables this CPU runs, best first (cpuid at load)."""
+    return list(load_extension().supported_isas())
+
+
+def select_isa(name: str) -> str:
+    """Use kernel table ``name`` (``auto``: the best this CPU runs) for every
+    later call in this process; returns the one in use. ValueError for a name
+    this CPU cannot run, naming the ones it can."""
+    if name not in ISAS:
+        raise ValueError(f"unknown kernel ISA {name!r}; choose one of {', '.join(ISAS)}")
+    ext = load_extension()
+    if name != "auto" and name not in ext.supported_isas():
+        raise ValueError(f"kernel ISA {name!r} is not supported on this CPU; it runs "
+                         f"{', '.join(ext.supported_isas())} (model.cpu_isa / CONVEYOR_CPU_ISA)")
+    ext.set_isa(name)
+    return ext.isa()
 
 
 def available() -> bool:
@@ -149,8 +201,10 @@ class CpuAttentionBackend:
 
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_isa: str = "auto") -> None:
         load_extension()
+        self.isa = select_isa(cpu_isa)
+        logger.info("CPU kernels: %s (this CPU runs %s)", self.isa, ", ".join(supported_isas()))
 
     def write_kv(
         self,

@@ -99,7 +99,11 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
            b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except fp32 on CPU runs oneDNN with the weight packed once
     (MKL's sgemm takes a slow path on some CPUs; oneDNN measured ~2x here).
-    The packed copy is keyed by the weight's version, so reloading refreshes it."""
+    The packed copy is keyed by the weight's version, so reloading refreshes it.
+    A quantized layer (``workers/layers/quant.py``) runs its own forward."""
+    quantized = module.__dict__.get("_quantized_forward")
+    if quantized is not None:
+        return quantized(x, b)
     if not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
         return F.linear(x, w, b)
     cached = module.__dict__.get("_packed_weight")

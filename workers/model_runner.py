@@ -61,7 +61,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.max_model_len,
                                       self.block_size)
-        self.attn_backend = get_attention_backend(config.model.attention_backend, device)
+        self.attn_backend = get_attention_backend(config.model.attention_backend, device,
+                                                  cpu_isa=config.model.cpu_isa)
         self.sampler = Sampler()
         self.kv_caches: list[torch.Tensor] = []
         self._pending: _PendingSample | None = None

@@ -74,6 +74,10 @@ class Worker:
                            pp_layer_partition=cfg.parallel.pp_layer_partition)
         self.model_runner = ModelRunner(cfg, model, self.device, hf.vocab_size, ps.is_last_pp_rank(),
                                         ps.is_first_pp_rank())
+        if cfg.model.quantization == "int8":  # after the runner: it loads the CPU kernels
+            from workers.layers.quant import quantize_linears
+
+            quantize_linears(model)
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit this rank's budget (the executor takes the min over ranks)."""

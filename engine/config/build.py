@@ -37,6 +37,8 @@ def _env_defaults() -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     if "CONVEYOR_ATTENTION_BACKEND" in os.environ:
         out.setdefault("model", {})["attention_backend"] = os.environ["CONVEYOR_ATTENTION_BACKEND"]
+    if "CONVEYOR_CPU_ISA" in os.environ:
+        out.setdefault("model", {})["cpu_isa"] = os.environ["CONVEYOR_CPU_ISA"]
     return out
 
 

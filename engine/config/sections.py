@@ -9,6 +9,7 @@ from engine.config.knobs import at_least, finite_in, int_in, knob, one_of
 _FROZEN = dict(frozen=True, forbid_unknown_fields=True, kw_only=True)
 
 DTYPES = ("float32", "float16", "bfloat16", "auto")
+CPU_ISAS = ("auto", "avx512", "avx2", "portable")  # == kernels.cpu_attention.ISAS
 BACKENDS = ("auto", "torch", "cpu", "triton")
 EXECUTORS = ("uniproc", "ray", "mp")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -33,6 +34,12 @@ class ModelConfig(msgspec.Struct, **_FROZEN):
     seed: Annotated[int, knob("int", kwarg=True, flag=True, help="engine seed")] = 0
     attention_backend: Annotated[str, one_of(BACKENDS, kwarg=True, flag=True)] = "auto"
     max_n: Annotated[int, at_least(1)] = 16  # cap on SamplingParams.n
+    # The cpu backend's kernel table: "auto" (the best this CPU runs, by cpuid)
+    # or one forced (benchmarks, tests).
+    cpu_isa: Annotated[str, one_of(CPU_ISAS, kwarg=True, flag=True)] = "auto"
+    # Weight-only quantization computed at load: None or "int8" (per-channel
+    # scales, fp32 math; CPU, fp32 checkpoints' linears; workers/layers/quant.py).
+    quantization: Annotated[str | None, one_of((None, "int8"), kwarg=True, flag=True)] = None
     # Never capture CUDA graphs for decode steps (vLLM's enforce_eager); graphs
     # are used only on CUDA with the triton backend (workers/cuda_graphs.py).
     enforce_eager: Annotated[bool, knob("bool", kwarg=True, flag=True,

@@ -42,6 +42,17 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=["avx512", "avx2", "portable"])
+def cpu_isa(request):
+    """Each CPU kernel table this machine runs (the rest skip), forced for the
+    test, then back to the best one."""
+    if request.param not in cpu_attention.supported_isas():
+        pytest.skip(f"this CPU does not run the {request.param} kernels")
+    assert cpu_attention.select_isa(request.param) == request.param
+    yield request.param
+    cpu_attention.select_isa("auto")
+
+
 def _seed() -> int:
     env = os.environ.get("KERNEL_TEST_SEED")
     return int(env) if env else int.from_bytes(os.urandom(4), "little")
@@ -222,11 +233,13 @@ CPU_CASES = [
     (torch.bfloat16, 8, 1, 80, 16),
     (torch.float32, 6, 2, 40, 8),
     (torch.float32, 4, 4, 64, 128),
+    (torch.float32, 8, 2, 128, 16),  # the vector tables' other head sizes
+    (torch.float32, 4, 1, 32, 16),
 ]
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,d,bs", CPU_CASES)
-def test_cpu_backend_matches_loop_reference(dtype, hq, hkv, d, bs) -> None:
+def test_cpu_backend_matches_loop_reference(dtype, hq, hkv, d, bs, cpu_isa) -> None:
     """Decode rows, short (draft-sized) queries and prefill chunks in one batch."""
     seed = _seed()
     rng = np.random.default_rng(seed)
@@ -235,11 +248,11 @@ def test_cpu_backend_matches_loop_reference(dtype, hq, hkv, d, bs) -> None:
     b = Batch(seed, specs, hq, hkv, d, bs, dtype)
     out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu,
                                             b.seq_lens_cpu, b.scale)
-    _check(out, b.ref(), dtype, seed, f"cpu backend specs={specs}")
+    _check(out, b.ref(), dtype, seed, f"cpu backend ({cpu_isa}) specs={specs}")
 
 
 @pytest.mark.parametrize("temperature", [50.0, 1e-3])
-def test_cpu_kernel_softmax_extremes(temperature) -> None:
+def test_cpu_kernel_softmax_extremes(temperature, cpu_isa) -> None:
     """Scores spread past exp's fp32 range (a near one-hot softmax: the
     kernel's exp must flush to 0, not overflow) and squeezed together (all
     weights ~equal): fp32 heads of 64 take the vectorised path."""
@@ -250,10 +263,10 @@ def test_cpu_kernel_softmax_extremes(temperature) -> None:
     b.scale *= temperature
     out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu,
                                             b.seq_lens_cpu, b.scale)
-    _check(out, b.ref(), torch.float32, seed, f"cpu backend, scale x{temperature}")
+    _check(out, b.ref(), torch.float32, seed, f"cpu backend ({cpu_isa}), scale x{temperature}")
 
 
-def test_cpu_backend_reads_a_strided_query_and_int64_table() -> None:
+def test_cpu_backend_reads_a_strided_query_and_int64_table(cpu_isa) -> None:
     seed = _seed()
     b = Batch(seed, [(1, 37), (3, 90), (1, 5)], 8, 2, 64, 16, torch.float32)
     wide = torch.randn(b.num_tokens, 12, 64)
@@ -394,7 +407,7 @@ def test_cpu_write_kv_matches_torch(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_rms_norm_matches_torch(dtype) -> None:
+def test_cpu_rms_norm_matches_torch(dtype, cpu_isa) -> None:
     from workers.layers.layernorm import RMSNorm
 
     seed = _seed()
@@ -413,8 +426,8 @@ def test_cpu_rms_norm_matches_torch(dtype) -> None:
         _check(out, ref_out, dtype, seed, "rms_norm")
 
 
-@pytest.mark.parametrize("head,rotary_dim", [(64, 64), (40, 20)])
-def test_cpu_rotary_matches_torch_bit_for_bit(head, rotary_dim) -> None:
+@pytest.mark.parametrize("head,rotary_dim", [(64, 64), (40, 20), (128, 64)])
+def test_cpu_rotary_matches_torch_bit_for_bit(head, rotary_dim, cpu_isa) -> None:
     """The native neox rotary (in place, on the strided q/k views a qkv split
     gives) rounds every product as the torch form does: equal, not close."""
     from workers.layers.rotary import RotaryEmbedding
@@ -437,3 +450,74 @@ def test_cpu_rotary_matches_torch_bit_for_bit(head, rotary_dim) -> None:
         assert torch.equal(v, qkv[:, (hq + hkv) * head:]), "v is left as it was"
         with pytest.raises(RuntimeError, match="position out of range"):
             rope(torch.tensor([0] * (t - 1) + [512]), q, k)
+
+
+def test_cpu_isa_choice() -> None:
+    """The best table by cpuid unless forced; a name this CPU cannot run (or
+    no table at all) is refused with the ones it can; the backend applies
+    model.cpu_isa."""
+    supported = cpu_attention.supported_isas()
+    assert supported[-1] == "portable" and cpu_attention.isa() == supported[0]
+    with pytest.raises(ValueError, match="unknown kernel ISA 'sse9'"):
+        cpu_attention.select_isa("sse9")
+    try:
+        assert get_attention_backend("cpu", "cpu", cpu_isa="portable").isa == "portable"
+        assert cpu_attention.isa() == "portable"
+        for name in ("avx512", "avx2"):
+            if name not in supported:
+                with pytest.raises(ValueError, match="not supported on this CPU"):
+                    cpu_attention.select_isa(name)
+    finally:
+        assert cpu_attention.select_isa("auto") == supported[0]
+
+
+@pytest.mark.parametrize("m", [1, 6])
+def test_cpu_int8_linear_matches_dequantized(m, cpu_isa) -> None:
+    """Weight-only int8: the kernel equals fp32 math on the dequantized weight
+    (K = 200: the vector loops' tails; 6 rows: a block of 4 and one of 2)."""
+    from workers.layers.quant import int8_linear, quantize_int8
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(37, 200, generator=gen)
+    w[3] = 0.0  # an all-zero row: scale 1, zeros out
+    x, bias = torch.randn(m, 200, generator=gen), torch.randn(37, generator=gen)
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) == 127 and scale[3] == 1.0
+    deq = q.float() * scale[:, None]
+    assert ((deq - w).abs() <= scale[:, None] / 2 + 1e-6).all(), "round to nearest"
+    out = int8_linear(x, bias, q=q, scale=scale)
+    ref = x @ deq.T + bias
+    _check(out, ref, torch.float32, seed, f"int8 linear ({cpu_isa})")
+    big = torch.randn(40, 200, generator=gen)  # past the kernel's rows: dequantize + GEMM
+    _check(int8_linear(big, None, q=q, scale=scale), big @ deq.T, torch.float32, seed, "int8 prefill")
+
+
+def test_quantize_linears_routes_every_linear_through_int8() -> None:
+    """quantize_linears swaps each linear's fp32 weight for int8 + scales and
+    the layer's forward (parallel.layers.linear) then computes with those;
+    embeddings are left alone; the config accepts only null / int8."""
+    from engine.config import ConfigError, build_config
+    from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from workers.layers.quant import quantize_int8, quantize_linears
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.ModuleDict({"up": ColumnParallelLinear(64, 48, bias=True),
+                                 "down": RowParallelLinear(48, 64, bias=False),
+                                 "emb": VocabParallelEmbedding(10, 64)})
+    for p in model.parameters():
+        p.data = torch.randn(p.shape, generator=gen)
+    x = torch.randn(3, 64, generator=gen)
+    deq = {name: (lambda q, s: q.float() * s[:, None])(*quantize_int8(model[name].weight))
+           for name in ("up", "down")}
+    emb = model["emb"].weight.clone()
+    cpu_attention.load_extension()
+    assert quantize_linears(model) == 2
+    with torch.inference_mode():
+        h = model["up"](x)
+        _check(h, x @ deq["up"].T + model["up"].bias, torch.float32, 0, "int8 column")
+        _check(model["down"](h), h @ deq["down"].T, torch.float32, 0, "int8 row")
+    assert model["up"].weight.numel() == 0 and torch.equal(model["emb"].weight, emb)
+    assert build_config(quantization="int8", max_model_len=64).model.quantization == "int8"
+    with pytest.raises(ConfigError, match="quantization"):
+        build_config(quantization="int4", max_model_len=64)

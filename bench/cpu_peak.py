@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""This machine's limits and how close the model's linears come to them.
+
+1. fp32 FMA peak: a C loop of independent FMA chains (AVX-512 and AVX2 widths,
+   whichever the CPU runs), on one thread and on every core at once: GFLOP/s
+   per core.
+2. Memory bandwidth: a read (sum) and a copy of 1 GiB, one thread and all.
+3. The linears as the model runs them (``parallel.layers.linear``: oneDNN with
+   the weight packed once; fp32) at M = 1, 16, 64, 256, 2048 rows for the
+   30M (the bench's), Qwen2-0.5B and Llama-3.2-1B shapes: each layer's qkv,
+   o, gate_up and down, and the lm_head (M <= 256: the model computes logits
+   only for the rows that sample). GFLOP/s, share of the all-core FMA peak
+   (prefill MFU) and, at M = 1, the weight bytes read per second as a share of
+   the measured read bandwidth (decode bandwidth use).
+
+Usage:
+  .venv/bin/python bench/cpu_peak.py                       # everything
+  .venv/bin/python bench/cpu_peak.py --models 30m --rows 1,2048
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from parallel.layers import linear  # noqa: E402
+
+# (hidden, intermediate, query heads, kv heads, head dim, vocab)
+SHAPES = {
+    "30m": (512, 1408, 8, 4, 64, 8192),
+    "0.5b": (896, 4864, 14, 2, 64, 151936),
+    "1b": (2048, 8192, 32, 8, 64, 128256),
+}
+
+# 12 independent FMA chains per width: enough to cover 4-cycle latency on 2 ports.
+_FMA_SRC = r"""
+#include <immintrin.h>
+#define CHAINS(T, SET1, FMA, ADD, RED) \
+  T a0 = SET1(0.f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, \
+    a8 = a0, a9 = a0, a10 = a0, a11 = a0; \
+  const T b = SET1(1e-7f), c = SET1(0.999999f); \
+  for (long i = 0; i < iters; ++i) { \
+    a0 = FMA(a0, c, b); a1 = FMA(a1, c, b); a2 = FMA(a2, c, b); a3 = FMA(a3, c, b); \
+    a4 = FMA(a4, c, b); a5 = FMA(a5, c, b); a6 = FMA(a6, c, b); a7 = FMA(a7, c, b); \
+    a8 = FMA(a8, c, b); a9 = FMA(a9, c, b); a10 = FMA(a10, c, b); a11 = FMA(a11, c, b); } \
+  T s = ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))); \
+  s = ADD(s, ADD(ADD(a8, a9), ADD(a10, a11))); \
+  float out[sizeof(T) / 4]; RED(out, s); return out[0];
+
+__attribute__((target("avx512f"))) float fma512(long iters) {
+  CHAINS(__m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_add_ps, _mm512_storeu_ps)
+}
+__attribute__((target("avx2,fma"))) float fma256(long iters) {
+  CHAINS(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_storeu_ps)
+}
+"""
+
+
+def _fma_lib() -> ctypes.CDLL:
+    d = tempfile.mkdtemp(prefix="cpu_peak_")
+    src, lib = os.path.join(d, "fma.c"), os.path.join(d, "fma.so")
+    with open(src, "w") as f:
+        f.write(_FMA_SRC)
+    subprocess.run(["gcc", "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
+    dll = ctypes.CDLL(lib)  # ctypes drops the GIL during each call
+    for name in ("fma512", "fma256"):
+        getattr(dll, name).argtypes = [ctypes.c_long]
+        getattr(dll, name).restype = ctypes.c_float
+    return dll
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _parallel_s(fn: Callable[[], object], threads: int) -> float:
+    """Wall time of `threads` threads each running fn once, started together."""
+    barrier = threading.Barrier(threads + 1)
+
+    def body() -> None:
+        barrier.wait()
+        fn()
+
+    ts = [threading.Thread(target=body) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def fma_peak(cores: int) -> dict[str, tuple[float, float]]:
+    """width name -> (GFLOP/s on one core, GFLOP/s per core with all busy)."""
+    flags, dll, out = _cpu_flags(), _fma_lib(), {}
+    for name, lanes, need in (("avx512", 16, "avx512f"), ("avx2", 8, "fma")):
+        if need not in flags:
+            continue
+        fn, iters = getattr(dll, "fma512" if lanes == 16 else "fma256"), 50_000_000
+        flops = iters * 12 * lanes * 2
+        fn(iters // 10)
+        one = min(_parallel_s(lambda: fn(iters), 1) for _ in range(3))
+        alln = min(_parallel_s(lambda: fn(iters), cores) for _ in range(3))
+        out[name] = (flops / one / 1e9, flops / alln / 1e9)
+    return out
+
+
+def _median_s(fn: Callable[[], object], rounds: int) -> float:
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bandwidth(cores: int) -> dict[str, float]:
+    """GB/s: read (sum) and copy (read + write bytes) of 1 GiB, 1 thread and all."""
+    x = torch.ones(2**28)
+    y = torch.empty_like(x)
+    nbytes, out = x.numel() * 4, {}
+    for threads in sorted({1, cores}):
+        torch.set_num_threads(threads)
+        out[f"read x{threads}"] = nbytes / _median_s(lambda: x.sum(), 5) / 1e9
+        out[f"copy x{threads}"] = 2 * nbytes / _median_s(lambda: y.copy_(x), 5) / 1e9
+    torch.set_num_threads(cores)
+    return out
+
+
+def _layer_linears(spec: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+    h, i, hq, hkv, d, v = spec
+    return {"qkv": (h, (hq + 2 * hkv) * d), "o": (hq * d, h), "gate_up": (h, 2 * i),
+            "down": (i, h), "lm_head": (h, v)}
+
+
+def _time_linear(k: int, n: int, m: int) -> float:
+    """Median seconds of one linear [m, k] x [n, k]^T as the model runs it."""
+    holder = torch.nn.Module()
+    w = torch.randn(n, k) * 0.02
+    x = torch.randn(m, k)
+    flops = 2 * m * n * k
+    rounds = max(3, min(20, int(2e10 // max(flops, 1))))
+    with torch.inference_mode():
+        return _median_s(lambda: linear(holder, x, w), rounds)
+
+
+def linears(models: list[str], rows: list[int], peak_all: float, read_bw: float) -> None:
+    print(f"\nlinears, fp32, {torch.get_num_threads()} threads (parallel.layers.linear: oneDNN, packed "
+          f"weight); % of the all-core FMA peak {peak_all:.0f} GFLOP/s; at M=1 the weight GB/s read "
+          f"as % of the {read_bw:.1f} GB/s read bandwidth")
+    for model in models:
+        lin = _layer_linears(SHAPES[model])
+        for m in rows:
+            tot_s = tot_flops = tot_bytes = 0.0
+            cells = []
+            for name, (k, n) in lin.items():
+                if name == "lm_head" and m > 256:
+                    continue
+                s = _time_linear(k, n, m)
+                gf = 2 * m * n * k / s / 1e9
+                cells.append(f"{name} {gf:.0f}" + (f" ({k * n * 4 / s / 1e9:.1f} GB/s)" if m == 1 else ""))
+                if name != "lm_head":
+                    tot_s, tot_flops, tot_bytes = tot_s + s, tot_flops + 2 * m * n * k, tot_bytes + k * n * 4
+            layer = tot_flops / tot_s / 1e9
+            extra = (f", {tot_bytes / tot_s / 1e9:.1f} GB/s = {100 * tot_bytes / tot_s / 1e9 / read_bw:.0f}% "
+                     f"of read bw" if m == 1 else "")
+            print(f"  {model:5} M={m:<5} layer {layer:6.1f} GFLOP/s = {100 * layer / peak_all:4.1f}% of peak"
+                  f"{extra} | " + ", ".join(cells))
+
+
+def int8_decode(models: list[str], rows: list[int]) -> None:
+    """Weight-only int8 (workers/layers/quant.py) against the fp32 linear at
+    decode-sized M: the per-layer linears' time and speedup."""
+    from kernels import cpu_attention
+    from workers.layers.quant import int8_linear, quantize_int8
+
+    cpu_attention.load_extension()
+    print(f"\nweight-only int8 vs fp32, kernel table {cpu_attention.isa()}, {torch.get_num_threads()} threads")
+    holder = torch.nn.Module()
+    for model in models:
+        for m in rows:
+            t32 = t8 = 0.0
+            for name, (k, n) in _layer_linears(SHAPES[model]).items():
+                if name == "lm_head":
+                    continue
+                w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
+                q, scale = quantize_int8(w)
+                with torch.inference_mode():
+                    t32 += _median_s(lambda: linear(holder, x, w), 10)
+                    t8 += _median_s(lambda: int8_linear(x, None, q=q, scale=scale), 10)
+            print(f"  {model:5} M={m:<3} layer linears fp32 {t32 * 1e3:.3f} ms, int8 {t8 * 1e3:.3f} ms: "
+                  f"{t32 / t8:.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="30m,0.5b,1b")
+    p.add_argument("--rows", default="1,16,64,256,2048")
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--int8", action="store_true", help="only the int8-vs-fp32 decode linears (M <= 16)")
+    a = p.parse_args()
+    if a.int8:
+        torch.set_num_threads(a.cores)
+        int8_decode([m.strip() for m in a.models.split(",")], [1, 4, 16])
+        return
+    torch.set_num_threads(a.cores)
+    flags = sorted(f for f in _cpu_flags() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
+    print(f"{a.cores} cores; flags: {' '.join(flags)}")
+    peaks = fma_peak(a.cores)
+    for name, (one, per_core) in peaks.items():
+        print(f"fp32 FMA peak {name}: {one:.1f} GFLOP/s on one core alone, {per_core:.1f} per core "
+              f"with {a.cores} busy ({per_core * a.cores:.1f} all)")
+    bw = bandwidth(a.cores)
+    print("memory bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()))
+    best = next(iter(peaks.values()), (0.0, 0.0))
+    linears([m.strip() for m in a.models.split(",")], [int(r) for r in a.rows.split(",")],
+            best[1] * a.cores, bw[f"read x{a.cores}"])
+
+
+if __name__ == "__main__":
+    main()

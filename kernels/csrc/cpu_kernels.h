@@ -1,0 +1,100 @@
+// The CPU kernels' shared types and the per-ISA kernel tables.
+//
+// One build serves every x86 machine: kernels_portable.cpp is compiled for the
+// baseline ISA, kernels_avx2.cpp and kernels_avx512.cpp raise the target with
+// `#pragma GCC target` for their own code only, and the glue
+// (paged_attention_cpu.cpp) picks a table by cpuid at load (or as told by
+// set_isa). Nothing here may have external linkage and inline code compiled
+// under a raised target: the linker would keep one copy of it for every
+// caller, also on a CPU without that ISA. So the ISA files keep their code in
+// an anonymous namespace and allocate nothing (scratch comes from the glue).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace conveyor_cpu {
+
+struct Shape {
+  int64_t block_size, hkv, dim, group, max_blocks;
+  int64_t q_tok_stride, q_head_stride;  // query / out strides, elements
+};
+
+// What every request of one paged_attention_short call shares.
+template <typename T>
+struct AttnBatch {
+  const T* query;
+  const T* cache;  // [num_blocks, 2, block_size, Hkv, D]
+  T* out;
+  float scale;
+  Shape s;
+};
+
+// One request: its block-table row, first query token, query and sequence length.
+struct Req {
+  const int32_t* blocks;
+  int64_t start, q_len, seq_len;
+};
+
+// Floats of scratch one request needs: scaled queries, accumulators, scores, denominators.
+inline int64_t scratch_floats(const Shape& s, const Req& r) {
+  const int64_t rows = r.q_len * s.hkv * s.group;
+  return rows * (2 * s.dim + r.seq_len + 1);
+}
+
+template <typename T>
+using AttendFn = void (*)(const AttnBatch<T>&, const Req&, float* scratch);
+
+// Neox rotary over rows [lo, hi) of fp32 query and key (see rotary_neox).
+struct RotaryArgs {
+  const int64_t* pos;
+  const float* table;  // [P, rd]: cos half then sin half
+  int64_t rd, head_size;
+  float* x[2];
+  int64_t stride[2], heads[2];
+};
+using RotaryRowsFn = void (*)(const RotaryArgs&, int64_t lo, int64_t hi);
+
+// RMSNorm over rows [lo, hi) of a [T, h] tensor (see rms_norm).
+template <typename T>
+struct RmsArgs {
+  const T* in;
+  const T* weight;
+  T* out;
+  int64_t h;
+  float eps;
+};
+template <typename T>
+using RmsRowsFn = void (*)(const RmsArgs<T>&, int64_t lo, int64_t hi);
+
+// Weight-only int8 linear over output columns [lo, hi): y[m, n] =
+// scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]); x [m, k] fp32, w [n, k] int8.
+struct Int8LinearArgs {
+  const float* x;
+  const int8_t* w;
+  const float* scale;
+  const float* bias;  // nullptr: none
+  float* y;           // [m, n]
+  int64_t m, k, n;
+};
+using Int8LinearFn = void (*)(const Int8LinearArgs&, int64_t lo, int64_t hi);
+
+struct KernelTable {
+  const char* name;
+  AttendFn<float> (*attend_f32)(int64_t dim);  // the fastest fp32 kernel for this head size
+  AttendFn<c10::Half> attend_f16;
+  AttendFn<c10::BFloat16> attend_bf16;
+  RotaryRowsFn rotary;
+  RmsRowsFn<float> rms_f32;
+  RmsRowsFn<c10::Half> rms_f16;
+  RmsRowsFn<c10::BFloat16> rms_bf16;
+  Int8LinearFn int8_linear;
+};
+
+const KernelTable* table_portable();
+const KernelTable* table_avx2();    // nullptr off x86
+const KernelTable* table_avx512();  // nullptr off x86
+
+}  // namespace conveyor_cpu

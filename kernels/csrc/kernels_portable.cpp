@@ -1,0 +1,24 @@
+// The portable kernels: the plain C++ loops compiled for the baseline ISA
+// (whatever the build's flags give: SSE2 on x86-64, NEON on aarch64).
+#include "cpu_kernels.h"
+
+#include <cmath>
+#include <limits>
+
+namespace {
+#include "generic_kernels.inc"
+
+conveyor_cpu::AttendFn<float> attend_f32(int64_t) { return &attend_generic<float>; }
+}  // namespace
+
+namespace conveyor_cpu {
+
+const KernelTable* table_portable() {
+  static const KernelTable t{"portable", &attend_f32, &attend_generic<c10::Half>,
+                             &attend_generic<c10::BFloat16>, &rotary_rows_generic, &rms_rows<float>,
+                             &rms_rows<c10::Half>, &rms_rows<c10::BFloat16>,
+                             &int8_linear_generic};
+  return &t;
+}
+
+}  // namespace conveyor_cpu

@@ -1,0 +1,66 @@
+"""Weight-only int8 (``model.quantization: int8``) for decode-bound CPU serving.
+
+At load every linear layer's fp32 weight becomes int8 with one fp32 scale per
+output channel (``scale = max|w_row| / 127``, round to nearest), and the fp32
+copy is dropped: a quarter of the bytes to read per decode step. Activations
+stay fp32 and so does the math: decode-sized inputs (``<= INT8_KERNEL_ROWS``
+rows) go to the CPU extension's ``int8_linear`` (the weight converted in
+registers, per kernel table); larger ones (prefill chunks, compute-bound)
+dequantize the weight to fp32 for that call and run the fp32 GEMM. Embeddings
+and the lm_head stay fp32 (the lm_head may share the embedding's storage).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import cpu_attention
+
+# Up to this many input rows the int8 kernel (weight bytes bound) beats a
+# dequantize + fp32 GEMM (bench/cpu_peak.py --int8).
+INT8_KERNEL_ROWS = 16
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scales [N]); an all-zero row gets scale 1."""
+    w = w.detach().float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def int8_linear(x: torch.Tensor, bias: torch.Tensor | None, *, q: torch.Tensor,
+                scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] fp32 -> x @ (q * scale)^T + bias, fp32."""
+    ext = cpu_attention.loaded()
+    if ext is not None and x.dim() == 2 and x.shape[0] <= INT8_KERNEL_ROWS and x.dtype == torch.float32:
+        b = None if bias is None else bias.float().contiguous()
+        return ext.int8_linear(x.contiguous(), q, scale, b)
+    return F.linear(x, (q.float() * scale[:, None]).to(x.dtype), bias)
+
+
+def quantize_linears(model: nn.Module) -> int:
+    """Quantize every linear layer of ``model`` in place (see the module doc);
+    returns how many. Needs the CPU kernels (the cpu attention backend)."""
+    from parallel.layers import _LinearBase
+
+    if cpu_attention.loaded() is None:
+        raise RuntimeError("quantization: int8 needs the cpu attention backend's kernels "
+                           f"({cpu_attention.build_error() or 'set model.attention_backend: cpu'})")
+    count = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, _LinearBase) or not isinstance(w, torch.Tensor) or w.dim() != 2:
+            continue
+        if w.dtype != torch.float32:
+            raise RuntimeError(f"quantization: int8 quantizes fp32 weights (dtype float32), got {w.dtype}")
+        q, scale = quantize_int8(w)
+        # parallel.layers.linear calls it (parallel/ never imports workers/).
+        module.__dict__["_quantized_forward"] = functools.partial(int8_linear, q=q, scale=scale)
+        module.weight.data = torch.empty(0, dtype=w.dtype)  # the fp32 copy is not read again
+        count += 1
+    return count
