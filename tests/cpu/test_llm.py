@@ -274,6 +274,8 @@ def test_data_parallel_two_engines_match_one(ckpts, prompts, refs):
         m = llm.get_metrics()
         assert sum(v for k, v in m.items() if k.startswith("conveyor:prefix_cache_hits_total")) > 0
         assert m['conveyor:router_index_blocks{engine="1"}'] > 0
+    finally:
+        llm.shutdown()
 
 
 def _check_prompt_logprobs(path, prompt, plp, k):
