@@ -86,7 +86,9 @@ async def _clients(url: str, n: int, until: float, tokens: int) -> list[float]:
     return tpots
 
 
-async def _attacker(url: str, body: dict, until: float, codes: Counter, kind: str) -> None:
+async def _attacker(url: str, body: dict, until: float, codes: Counter, kind: str,
+                    interval: float) -> None:
+    """Sends `body` again `interval` s after each answer (0: a closed-loop flood)."""
     import httpx
 
     data = json.dumps(body).encode()
@@ -95,15 +97,17 @@ async def _attacker(url: str, body: dict, until: float, codes: Counter, kind: st
             r = await c.post(f"{url}/v1/completions", content=data,
                              headers={"Content-Type": "application/json"})
             codes[f"{kind} {r.status_code}"] += 1
+            await asyncio.sleep(interval)
 
 
 def _attackers(url: str, args: argparse.Namespace, until: float, codes: Counter) -> list:
     bomb = {"prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": "a{100000}"}}
     huge = {"prompt": "the cat sat " * 160_000, "max_tokens": 8}  # 1.92 MB
     mid = {"prompt": "the cat sat " * 1_500, "max_tokens": 8}  # 18k characters: under the bound
-    return ([_attacker(url, bomb, until, codes, "bomb") for _ in range(args.bombs)]
-            + [_attacker(url, huge, until, codes, "2MB") for _ in range(args.big)]
-            + [_attacker(url, mid, until, codes, "18k") for _ in range(args.big)])
+    i = args.interval
+    return ([_attacker(url, bomb, until, codes, "bomb", i) for _ in range(args.bombs)]
+            + [_attacker(url, huge, until, codes, "2MB", i) for _ in range(args.big)]
+            + [_attacker(url, mid, until, codes, "18k", i) for _ in range(args.big)])
 
 
 async def _attack(url: str, args: argparse.Namespace) -> None:
@@ -117,7 +121,8 @@ def _phase(url: str, args: argparse.Namespace, attack: bool) -> tuple[list[float
     proc = None
     if attack:
         proc = subprocess.Popen([sys.executable, __file__, "--attack", url, "--seconds", str(args.seconds),
-                                 "--bombs", str(args.bombs), "--big", str(args.big)],
+                                 "--bombs", str(args.bombs), "--big", str(args.big),
+                                 "--interval", str(args.interval)],
                                 cwd=REPO, stdout=subprocess.PIPE, text=True)
         time.sleep(1.0)  # the attack is under way before the measurement starts
     tpots = asyncio.run(_clients(url, args.clients, time.monotonic() + args.seconds - 1.5, args.tokens))
@@ -139,6 +144,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32, help="output tokens per plain request")
     ap.add_argument("--bombs", type=int, default=8, help="concurrent grammar-bomb senders")
     ap.add_argument("--big", type=int, default=2, help="concurrent senders of each large prompt")
+    ap.add_argument("--interval", type=float, default=1.0,
+                    help="each attacker's pause after an answer (0: a closed-loop flood)")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # the server child: PORT
     ap.add_argument("--attack", default=None, help=argparse.SUPPRESS)  # the attackers' child: URL
     args = ap.parse_args()
