@@ -126,11 +126,22 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # off by default, so one client cannot jump every other client's queue.
     # Off, a request that sends a non-default priority gets 400.
     allow_client_priority: bool = False
+    # Stored /v1/responses (store: true): a sqlite file in this directory
+    # behind one named Ray actor (None: <tmpdir>/conveyor-responses), at most
+    # responses_max_entries of them (oldest dropped), each kept responses_ttl_s.
+    responses_store_dir: str | None = None
+    responses_max_entries: int = 10000
+    responses_ttl_s: float = 86400.0
 
 
 class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
     backend: str = "llguidance"
     compile_threads: int = 1  # grammar compiles run here, never on the step loop
+    # JSON schemas (response_format, structured_outputs.json, tool parameters):
+    # false (default, xgrammar's strict mode) = an object declaring properties
+    # without additionalProperties admits no other keys; true = JSON Schema's
+    # open default (engine/structured_output/schema.py).
+    allow_additional_properties: bool = False
 
 
 class SpeculativeConfig(msgspec.Struct, **_FROZEN):
@@ -427,8 +438,11 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
                             lambda v: v is None or 0 <= v <= 64),
     "serve.tool_call_parser": _one_of(_TOOL_CALL_PARSERS),
     "serve.allow_client_priority": ("bool", lambda v: True),
+    "serve.responses_max_entries": ("int in 1..10000000", lambda v: 1 <= v <= 10_000_000),
+    "serve.responses_ttl_s": _finite_in(1.0, 365 * 86400.0),
     "structured_outputs.backend": _one_of(("llguidance",)),
     "structured_outputs.compile_threads": ("int in 1..64", lambda v: 1 <= v <= 64),
+    "structured_outputs.allow_additional_properties": ("bool", lambda v: True),
     "speculative.method": ("null or ngram", lambda v: v in (None, "ngram")),
     "speculative.num_speculative_tokens": ("int in 1..8", lambda v: 1 <= v <= 8),
     "speculative.prompt_lookup_min": ("int in 1..16", lambda v: 1 <= v <= 16),
