@@ -75,8 +75,10 @@ def test_create_retrieve_delete_through_the_client(api):
         again = await c.delete(f"/v1/responses/{r.id}")
         return r, got, gone, missing, again
     r, got, gone, missing, again = _run(api, go)
-    assert r.object == "response" and r.id.startswith("resp_") and r.status == "incomplete"
-    assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 8
+    assert r.object == "response" and r.id.startswith("resp_")
+    cut = r.usage.output_tokens == 8  # else the model stopped (EOS) first
+    assert r.status == ("incomplete" if cut else "completed") and 0 < r.usage.output_tokens <= 8
+    assert (r.incomplete_details.reason if cut else r.incomplete_details) == ("max_output_tokens" if cut else None)
     assert r.output[0].type == "message" and r.output_text and r.instructions == "Be brief."
     assert got.id == r.id and got.output_text == r.output_text
     assert gone is None or getattr(gone, "deleted", True)
@@ -96,12 +98,13 @@ def test_stream_event_sequence_matches_the_json_response(api):
     kinds = [e.type for e in events]
     assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added", "response.output_text.delta"]
+    final = "response.incomplete" if plain.usage.output_tokens == 12 else "response.completed"
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.incomplete"]
+                          "response.output_item.done", final]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert text == plain.output_text == events[-1].response.output_text
-    assert events[-1].response.usage.output_tokens == 12
+    assert events[-1].response.usage.output_tokens == plain.usage.output_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
