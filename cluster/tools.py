@@ -150,34 +150,38 @@ def tool_plan(req: P.ChatRequest, parser_name: str,
         specs = [ToolSpec(s.name, close_objects(s.parameters)) for s in specs]
     parser = get_tool_parser(parser_name)
     max_calls = 1 if req.parallel_tool_calls is False else MAX_PARALLEL_CALLS
-    everything = StructuredOutputsParams(grammar=parser.grammar(specs, max_calls))
-    _compile_check(check, everything, "tools", "the tools do not compile to a grammar")
+    everything = _compile_check(check, lambda: StructuredOutputsParams(grammar=parser.grammar(specs, max_calls)),
+                                "tools", "the tools do not compile to a grammar")
     if mode == "none":
         return None
     names = frozenset(s.name for s in specs)
     answer = structured_outputs_of(req.response_format, req.structured_outputs)
     if mode == "auto":
         # One grammar: the calls, or the answer in the requested JSON shape.
-        constraint = None if answer is None else _calls_or_answer(req, parser, specs, max_calls,
-                                                                   answer, allow_additional_properties)
-        if constraint is not None:
-            _compile_check(check, constraint, "response_format",
-                           "the tools and the response format do not compile to one grammar")
+        constraint = None if answer is None else _compile_check(
+            check, lambda: _calls_or_answer(req, parser, specs, max_calls, answer, allow_additional_properties),
+            "response_format", "the tools and the response format do not compile to one grammar")
         return ToolPlan(mode, parser, names, constraint, max_calls)
     # required/named: the call is constrained; a response_format is for the
     # final answer of a later turn (OpenAI accepts both at once).
     chosen = [s for s in specs if s.name == named] if mode == "named" else specs
-    constraint = (everything if mode == "required"
-                  else StructuredOutputsParams(grammar=parser.grammar(chosen, 1)))
+    constraint = everything if mode == "required" else _compile_check(
+        check, lambda: StructuredOutputsParams(grammar=parser.grammar(chosen, 1)), "tools",
+        "the tools do not compile to a grammar")
     return ToolPlan(mode, parser, names, constraint, max_calls, frozenset(s.name for s in chosen))
 
 
-def _compile_check(check: Callable[[StructuredOutputsParams], None], so: StructuredOutputsParams,
-                   param: str, what: str) -> None:
-    try:  # ValueError: too long a grammar, or a schema llguidance refuses
+def _compile_check(check: Callable[[StructuredOutputsParams], None],
+                   build: Callable[[], StructuredOutputsParams], param: str,
+                   what: str) -> StructuredOutputsParams:
+    """build() and compile-check a constraint; a ValueError (too long a grammar,
+    a schema llguidance refuses) is a 400 naming `param`. APIErrors pass."""
+    try:
+        so = build()
         check(so)
     except ValueError as e:
         raise P.bad_request(f"{what}: {e}", param) from None
+    return so
 
 
 def _calls_or_answer(req: P.ChatRequest, parser: ToolParser, specs: list[ToolSpec], max_calls: int,

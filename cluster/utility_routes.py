@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster import openai_protocol as P
+from cluster.tools import tool_specs
 
 if TYPE_CHECKING:
     from cluster.openai_server import OpenAIServer
@@ -47,6 +48,7 @@ def _tokenize(server: OpenAIServer, req: TokenizeRequest) -> dict[str, Any]:
     if req.messages is not None:
         chat = P.ChatRequest(messages=req.messages, tools=req.tools,
                              add_generation_prompt=req.add_generation_prompt)
+        tool_specs(chat)  # the template gets tools only once they are checked, as in chat
         ids = server._chat_prompt(chat)  # the template holds its special tokens (as chat runs it)
     else:
         ids = server._tokenize(req.prompt or "", req.add_special_tokens, "prompt")

@@ -313,13 +313,19 @@ def test_forced_call_cut_by_max_tokens_is_a_length_call(api, parser, max_tokens)
         kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named, max_tokens=max_tokens,
                   temperature=0.0)
         plain = await client.chat.completions.create(**kw)
-        async with client.chat.completions.stream(**kw) as s:
-            streamed = await s.get_final_completion()
-        return plain, streamed
-    for comp in _run(api, go, parser):
-        ch = comp.choices[0]
-        assert ch.finish_reason == "length" and not (ch.message.content or "").strip(), ch
-        assert [tc.function.name for tc in ch.message.tool_calls] == ["get_weather"]
+        chunks = [ch async for ch in await client.chat.completions.create(stream=True, **kw)]
+        return plain, chunks
+    plain, chunks = _run(api, go, parser)
+    ch = plain.choices[0]
+    assert ch.finish_reason == "length" and not (ch.message.content or "").strip(), ch
+    calls = [(tc.function.name, tc.function.arguments) for tc in ch.message.tool_calls]
+    assert [name for name, _ in calls] == ["get_weather"]
+    deltas = [c.delta for chunk in chunks for c in chunk.choices]
+    assert not "".join(d.content or "" for d in deltas).strip()
+    streamed = [tc for d in deltas for tc in d.tool_calls or []]
+    assert [tc.function.name for tc in streamed if tc.id] == ["get_weather"]
+    assert "".join(tc.function.arguments or "" for tc in streamed) == calls[0][1]
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices][-1] == "length"
 
 
 def test_unparsable_echoed_arguments_and_developer_role(api):
