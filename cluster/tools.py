@@ -191,6 +191,8 @@ def _calls_or_answer(req: P.ChatRequest, parser: ToolParser, specs: list[ToolSpe
         schema: Any = {"type": "object"}
     elif answer.kind == "json":
         schema = json.loads(answer.json) if isinstance(answer.json, str) else answer.json
+        if not isinstance(schema, dict):
+            raise ValueError("the JSON schema must be an object")
         schema = schema if allow_additional else close_objects(schema)
     else:
         param = "structured_outputs" if req.structured_outputs is not None else "response_format"

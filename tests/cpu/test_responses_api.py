@@ -189,7 +189,7 @@ def test_openai_agents_runs_a_tool_then_its_output_type(api):
         agent = agents.Agent(name="calc", instructions="Add the numbers.", tools=[add], output_type=Answer,
                              model=model, model_settings=agents.ModelSettings(
                                  tool_choice="required", temperature=0.0, max_tokens=300))
-        return await agents.Runner.run(agent, "What is 2 plus 3?", max_turns=4)
+        return await agents.Runner.run(agent, "What is 2 plus 3?", max_turns=8)
     result = _run(api, go)
     assert calls and isinstance(result.final_output, Answer)
 
