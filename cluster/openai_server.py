@@ -48,6 +48,7 @@ from engine.frontend import ContextLengthError, PreparedRequest
 from engine.lora import LoRARequest
 from engine.output_processor import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tokenizer import DEFAULT_CHAT_TEMPLATE
 
 log = logging.getLogger("conveyor.serve")
 
@@ -135,7 +136,8 @@ class OpenAIServer(ResponseBuilding):
         self.fmt = P.LogprobFormatter(llm.tokenizer)
         self.draining = False
         # Heavy jobs (RP.off_loop); not the default executor, which health checks use.
-        self._prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-prep")
+        self.prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="conveyor-prep")
+        self.response_store: Any = None  # /v1/responses' (None: in-process, cluster/responses_api.py)
 
     async def start(self) -> None:
         """Start the engine's output pump on the loop that serves requests.
@@ -205,7 +207,7 @@ class OpenAIServer(ResponseBuilding):
         if tok is None:
             raise P.bad_request("this model has no tokenizer: chat is unavailable", "messages")
         try:
-            messages, extra = template_input(req)
+            messages, extra = template_input(req, tok.chat_template or DEFAULT_CHAT_TEMPLATE)
             text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                            **extra)
         except ValueError as e:
@@ -293,16 +295,15 @@ class OpenAIServer(ResponseBuilding):
 
     async def completions(self, req: P.CompletionRequest, request: Request) -> Response:
         """req: validated by FastAPI (the route's body model) or validate_model."""
-        job = await RP.off_loop(self._prep_pool, self._completion_job, req, request)
+        job = await RP.off_loop(self.prep_pool, self._completion_job, req, request)
         return await self._respond(job)
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.llm.tokenizer
         return tok.decode(ids, skip_special_tokens=False) if tok is not None else ""
 
-
     async def chat(self, req: P.ChatRequest, request: Request) -> Response:
-        return await self._respond(await RP.off_loop(self._prep_pool, self._chat_job, req, request))
+        return await self._respond(await RP.off_loop(self.prep_pool, self.chat_job, req, request))
 
     def _completion_job(self, req: P.CompletionRequest, request: Request) -> _Job:  # sync: any thread
         P.check_unsupported(req)
@@ -321,11 +322,13 @@ class OpenAIServer(ResponseBuilding):
                         for p, ids in zip(self._prompt_items(req.prompt), prompts)]
         return job
 
-    def _chat_job(self, req: P.ChatRequest, request: Request) -> _Job:
+    def chat_job(self, req: P.ChatRequest, request: Request) -> _Job:  # sync: any thread
+        """A validated chat request, ready to run (also /v1/responses' path)."""
         P.check_unsupported(req)
         lora = self._check_model(req.model)
         plan = tool_plan(req, self.config.serve.tool_call_parser,
-                         self.llm.frontend.validate_structured_outputs)
+                         self.llm.frontend.validate_structured_outputs,
+                         self.config.structured_outputs.allow_additional_properties)
         sp = self._params(req, P.chat_max_tokens(req)[0], plan)
         return self._job("chat", request, req, [self._chat_prompt(req)], sp, "messages", plan, lora)
 
@@ -387,15 +390,24 @@ class OpenAIServer(ResponseBuilding):
         self.metrics.in_progress.dec()
 
     async def _respond(self, job: _Job) -> Response:
-        self._admit(job)
         if job.req.stream:
-            return _ReleasingStream(self._guarded_sse(job), lambda: self._release(job),
-                                    media_type="text/event-stream", headers=_SSE_HEADERS)
+            return self.event_stream(job, self._guarded_sse(job))
+        return JSONResponse(await self.collect(job))
+
+    async def collect(self, job: _Job) -> dict[str, Any]:
+        """Run a non-streamed job to its JSON body, holding its admission slots."""
+        self._admit(job)
         try:
-            return JSONResponse(await self._collect(job))
+            return await self._collect(job)
         finally:
             self._release(job)
             await self._abort_all(job)
+
+    def event_stream(self, job: _Job, body: AsyncIterator[bytes]) -> Response:
+        """Admit the job and stream `body` (built over `_guarded_sse(job)`)."""
+        self._admit(job)
+        return _ReleasingStream(body, lambda: self._release(job), media_type="text/event-stream",
+                                headers=_SSE_HEADERS)
 
     async def _abort_all(self, job: _Job) -> None:
         # No-op for finished requests; makes a cancelled handler's abort explicit.
@@ -499,6 +511,10 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
         return server.models()
 
     lora_routes.add_routes(app, lambda: server.llm.frontend.loras, guarded, _ERROR_RESPONSES)
+    from cluster.responses_api import add_responses_routes
+    from cluster.utility_routes import add_utility_routes
+    add_utility_routes(app, server, guarded, _ERROR_RESPONSES)
+    add_responses_routes(app, server, guarded, _ERROR_RESPONSES)
 
     @app.get("/health")
     async def health() -> Response:

@@ -38,6 +38,7 @@ from ray.serve import Application
 from cluster import cpu_layout
 from cluster.engine_actor import CoreActorPlacement
 from cluster.ray_core_client import RayCoreClient
+from cluster.response_store import RayResponseStore
 from engine.config import EngineConfig, check_model_dir, load_config
 from executors.ray_placement import worker_bundle
 
@@ -181,6 +182,10 @@ class OpenAIDeployment:
         name = model_name_of(self.config)
         self.server = OpenAIServer(self.llm, self.config, ServeMetrics(self.llm, name),
                                    max_admitted=max_admitted(self.config))
+        # Stored /v1/responses live in the cluster, shared by every replica.
+        sc = self.config.serve
+        self.server.response_store = RayResponseStore(sc.responses_store_dir, sc.responses_max_entries,
+                                                      sc.responses_ttl_s)
 
     def __serve_build_asgi_app__(self) -> Any:
         from cluster.openai_server import build_api

@@ -86,12 +86,14 @@ class ToolSession:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.eager = plan.constraint is not None  # the grammar fixed the format
+        self.eager = plan.eager  # the grammar fixed the format
+        # Eager streams read names only to complete a call cut before its name did.
+        self.names = plan.forced if self.eager else plan.names
         self._streams: dict[int, _ChoiceStream] = {}
 
     def finish_choice(self, choice: dict[str, Any], text: str) -> dict[str, Any]:
         """A non-streamed chat choice: calls out of its content."""
-        parsed = self.plan.parser.parse(text, self.plan.names, self.eager)
+        parsed = self.plan.parser.parse(text, self.names, self.eager)
         if parsed.calls:
             calls = parsed.calls[:self.plan.max_calls]
             choice["message"] = {"role": "assistant",
@@ -107,7 +109,7 @@ class ToolSession:
         the last. [] when nothing can be said yet."""
         st = self._streams.get(idx)
         if st is None:
-            stream = self.plan.parser.stream(self.plan.names, self.eager)
+            stream = self.plan.parser.stream(self.names, self.eager)
             st = self._streams[idx] = _ChoiceStream(stream, self.plan.max_calls)
         final = choice["finish_reason"] is not None
         pieces = st.stream.feed(text) + (st.stream.finish() if final else [])

@@ -25,6 +25,7 @@ from cluster.structured_request import structured_outputs_of
 from cluster.tool_parsers import ToolParser, ToolSpec, get_tool_parser
 from engine.json_limits import JSONLimitError, check_json_value
 from engine.structured_output.params import StructuredOutputsParams
+from engine.structured_output.schema import close_objects
 
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -80,8 +81,16 @@ class ToolPlan:
     mode: str  # "auto" | "required" | "named"
     parser: ToolParser
     names: frozenset[str]
-    constraint: StructuredOutputsParams | None  # the grammar for required/named
+    # The grammar: the calls for required/named; under "auto" with a JSON
+    # response_format, calls or the schema-shaped answer; else None.
+    constraint: StructuredOutputsParams | None
     max_calls: int = MAX_PARALLEL_CALLS  # 1 with parallel_tool_calls false; later calls are dropped
+    forced: frozenset[str] = frozenset()  # required/named: the names the grammar admits
+
+    @property
+    def eager(self) -> bool:
+        """The grammar fixes the calls' format (required/named): read them eagerly."""
+        return self.mode != "auto"
 
 
 def _validate(cls: type[BaseModel], obj: Any, param: str, where: str) -> Any:
@@ -129,39 +138,84 @@ def _choice(req: P.ChatRequest, specs: list[ToolSpec]) -> tuple[str, str | None]
 
 
 def tool_plan(req: P.ChatRequest, parser_name: str,
-              check: Callable[[StructuredOutputsParams], None]) -> ToolPlan | None:
-    """Validate the tool fields; `check` compile-checks a constraint (ValueError)."""
+              check: Callable[[StructuredOutputsParams], None],
+              allow_additional_properties: bool = False) -> ToolPlan | None:
+    """Validate the tool fields; `check` compile-checks a constraint (ValueError).
+    allow_additional_properties False: every schema is closed (structured_outputs
+    config; engine/structured_output/schema.py)."""
     specs = tool_specs(req)
     mode, named = _choice(req, specs)
     if not specs:
         return None
+    if not allow_additional_properties:
+        specs = [ToolSpec(s.name, close_objects(s.parameters)) for s in specs]
     parser = get_tool_parser(parser_name)
     max_calls = 1 if req.parallel_tool_calls is False else MAX_PARALLEL_CALLS
-    try:  # ValueError: too long a grammar, or a schema llguidance refuses
-        everything = StructuredOutputsParams(grammar=parser.grammar(specs, max_calls))
-        check(everything)
-    except ValueError as e:
-        raise P.bad_request(f"the tools do not compile to a grammar: {e}", "tools") from None
+    everything = _compile_check(check, lambda: StructuredOutputsParams(grammar=parser.grammar(specs, max_calls)),
+                                "tools", "the tools do not compile to a grammar")
     if mode == "none":
         return None
-    constraint = None
-    if mode in ("required", "named"):
-        if structured_outputs_of(req.response_format, req.structured_outputs) is not None:
-            raise P.bad_request(f'tool_choice "{mode}" cannot be combined with response_format '
-                                "or structured_outputs", "tool_choice")
-        chosen = [s for s in specs if s.name == named] if mode == "named" else specs
-        constraint = (everything if mode == "required"
-                      else StructuredOutputsParams(grammar=parser.grammar(chosen, 1)))
-    return ToolPlan(mode, parser, frozenset(s.name for s in specs), constraint, max_calls)
+    names = frozenset(s.name for s in specs)
+    answer = structured_outputs_of(req.response_format, req.structured_outputs)
+    if mode == "auto":
+        # One grammar: the calls, or the answer in the requested JSON shape.
+        constraint = None if answer is None else _compile_check(
+            check, lambda: _calls_or_answer(req, parser, specs, max_calls, answer, allow_additional_properties),
+            "response_format", "the tools and the response format do not compile to one grammar")
+        return ToolPlan(mode, parser, names, constraint, max_calls)
+    # required/named: the call is constrained; a response_format is for the
+    # final answer of a later turn (OpenAI accepts both at once).
+    chosen = [s for s in specs if s.name == named] if mode == "named" else specs
+    constraint = everything if mode == "required" else _compile_check(
+        check, lambda: StructuredOutputsParams(grammar=parser.grammar(chosen, 1)), "tools",
+        "the tools do not compile to a grammar")
+    return ToolPlan(mode, parser, names, constraint, max_calls, frozenset(s.name for s in chosen))
+
+
+def _compile_check(check: Callable[[StructuredOutputsParams], None],
+                   build: Callable[[], StructuredOutputsParams], param: str,
+                   what: str) -> StructuredOutputsParams:
+    """build() and compile-check a constraint; a ValueError (too long a grammar,
+    a schema llguidance refuses) is a 400 naming `param`. APIErrors pass."""
+    try:
+        so = build()
+        check(so)
+    except ValueError as e:
+        raise P.bad_request(f"{what}: {e}", param) from None
+    return so
+
+
+def _calls_or_answer(req: P.ChatRequest, parser: ToolParser, specs: list[ToolSpec], max_calls: int,
+                     answer: StructuredOutputsParams, allow_additional: bool) -> StructuredOutputsParams:
+    """The "auto" grammar with a JSON answer format (json_schema / json_object)."""
+    if answer.kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif answer.kind == "json":
+        schema = json.loads(answer.json) if isinstance(answer.json, str) else answer.json
+        if not isinstance(schema, dict):
+            raise ValueError("the JSON schema must be an object")
+        schema = schema if allow_additional else close_objects(schema)
+    else:
+        param = "structured_outputs" if req.structured_outputs is not None else "response_format"
+        raise P.bad_request(f"with tools under tool_choice \"auto\", only a JSON answer format "
+                            f"(json_schema or json_object) can be combined; got {answer.kind}", param)
+    return StructuredOutputsParams(grammar=parser.grammar_or_json(specs, max_calls, schema))
 
 
 # ---- the chat template's input ---------------------------------------------------------
 
-def template_input(req: P.ChatRequest) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def template_input(req: P.ChatRequest, template: str | None = None
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(messages, extra template variables). Assistant tool calls carry their
     arguments as objects (what HF templates render with `tojson`); a tool
-    message must answer a call made earlier in the conversation."""
+    message must answer a call made earlier in the conversation. `template`:
+    the chat template's source; one that never mentions the `developer` role
+    gets those turns as `system` (OpenAI's newer name for it)."""
     messages = P.render_messages(req)
+    if template is not None and "developer" not in template:
+        for d in messages:
+            if d["role"] == "developer":
+                d["role"] = "system"
     seen: set[str] = set()
     for i, (m, d) in enumerate(zip(req.messages, messages)):
         if m.tool_calls:
@@ -183,13 +237,17 @@ def template_input(req: P.ChatRequest) -> tuple[list[dict[str, Any]], dict[str, 
 def _rendered_call(i: int, raw: Any, seen: set[str]) -> dict[str, Any]:
     call = _validate(AssistantToolCall, raw, "messages", f"messages[{i}].tool_calls")
     try:
-        args = json.loads(call.function.arguments)
+        args: Any = json.loads(call.function.arguments)
         check_json_value(args, f"messages[{i}].tool_calls.arguments")  # nesting the template can render
     except JSONLimitError as e:
         raise P.bad_request(str(e), "messages") from None
-    except (ValueError, RecursionError):  # RecursionError: nested past the parser's stack
-        raise P.bad_request(f"messages[{i}].tool_calls: arguments of {call.id!r} are not valid JSON",
+    except RecursionError:  # nested past the parser's stack
+        raise P.bad_request(f"messages[{i}].tool_calls: arguments of {call.id!r} nest too deeply",
                             "messages") from None
+    except ValueError:
+        # Clients echo truncated calls back verbatim: the template gets the
+        # text as it was (OpenAI accepts these too).
+        args = call.function.arguments
     seen.add(call.id)
     return {"id": call.id, "type": "function",
             "function": {"name": call.function.name, "arguments": args}}

@@ -323,4 +323,5 @@ def make_structured_output_manager(config: EngineConfig, vocab_size: int) -> Str
 
     so = config.structured_outputs
     return StructuredOutputManager(so.backend, config.model.tokenizer or config.model.path,
-                                   vocab_size, lambda: eos_token_id_of(config), so.compile_threads)
+                                   vocab_size, lambda: eos_token_id_of(config), so.compile_threads,
+                                   so.allow_additional_properties)

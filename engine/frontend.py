@@ -156,7 +156,8 @@ class Frontend:
             vocab = self.vocab_size or len(self.tokenizer)
             self._grammar_backend = make_backend(self.config.structured_outputs.backend,
                                                  self.config.model.tokenizer or self.config.model.path,
-                                                 vocab, self.eos_token_id)
+                                                 vocab, self.eos_token_id,
+                                                 self.config.structured_outputs.allow_additional_properties)
         try:
             self._grammar_backend.validate(params)
         except ValueError as e:

@@ -91,6 +91,17 @@ class ToolParser(ABC):
         calls to `tools` in this parser's format, each call's arguments valid
         for its tool's parameters."""
 
+    def grammar_or_json(self, tools: list[ToolSpec], max_calls: int, schema: dict[str, Any]) -> str:
+        """A Lark grammar whose sentences are grammar(tools, max_calls)'s, or
+        one JSON value valid for `schema` (tool_choice "auto" with a JSON
+        response format: the model calls tools or answers in that shape)."""
+        calls = self.grammar(tools, max_calls)
+        head = "start:"
+        if not calls.startswith(head):  # every parser's grammar opens with its start rule
+            raise ValueError(f"{self.name}: the call grammar does not open with its start rule")
+        return (f"start: calls | answer\nanswer: %json {compact_schema(schema)}\n"
+                f"calls:{calls[len(head):]}")
+
     def parse(self, text: str, names: frozenset[str], eager: bool = False) -> ParsedMessage:
         s = self.stream(names, eager)
         return fold(s.feed(text) + s.finish())
@@ -202,6 +213,26 @@ def call_from_json(text: str, names: frozenset[str], args_keys: tuple[str, ...])
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_NAME_HEAD = '{"name": "'  # how every call grammar (call_rules) opens a call
+
+
+def partial_call(text: str, names: frozenset[str]) -> list[Piece]:
+    """An eager (required/named) call cut off before its name was complete:
+    the call it was becoming, with no arguments yet (OpenAI's shape for a call
+    cut by max_tokens). The name: the one name of `names` the text can still
+    become, else what the text has of it. [] when `text` is not a call's start
+    ("" is one: the caller knows a call had begun)."""
+    body = text.lstrip()
+    if _NAME_HEAD.startswith(body):
+        prefix = ""
+    elif body.startswith(_NAME_HEAD):
+        prefix = body[len(_NAME_HEAD):].split('"', 1)[0]
+    else:
+        return []
+    fits = sorted(n for n in names if n.startswith(prefix))
+    return [CallStart(fits[0] if len(fits) == 1 else prefix)]
 
 
 def held_prefix_len(text: str, tag: str) -> int:

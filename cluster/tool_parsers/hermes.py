@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from cluster.tool_parsers.base import (Content, EagerCall, Piece, ToolParser, ToolSpec, ToolStream,
                                        call_from_json, call_header, call_rules, held_prefix_len,
-                                       repeat)
+                                       partial_call, repeat)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ARGS_KEYS = ("arguments", "parameters")
@@ -57,11 +57,15 @@ class HermesStream(ToolStream):
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
         if not self.in_call:
-            _content(out, self.buf)
+            held = self.buf.lstrip()
+            if self.eager and held and OPEN.startswith(held):  # cut inside the opening tag
+                out.extend(partial_call("", self.names))
+            else:
+                _content(out, self.buf)
         elif self.call is None:
             out.append(self._settle(self.buf, ""))
-        elif not self.call.started:
-            out.append(Content(OPEN + self.buf))
+        elif not self.call.started:  # eager, cut before the name was complete
+            out.extend(partial_call(self.buf, self.names) or [Content(OPEN + self.buf)])
         self.buf, self.in_call, self.call = "", False, None
         return out
 

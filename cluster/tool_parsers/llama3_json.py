@@ -5,7 +5,8 @@ content; once a call fails to parse, the rest of the text is content."""
 from __future__ import annotations
 
 from cluster.tool_parsers.base import (Content, EagerCall, ObjectEnd, Piece, ToolParser, ToolSpec,
-                                       ToolStream, call_from_json, call_header, call_rules, repeat)
+                                       ToolStream, call_from_json, call_header, call_rules, partial_call,
+                                       repeat)
 
 PYTHON_TAG = "<|python_tag|>"
 _ARGS_KEYS = ("parameters", "arguments")
@@ -86,14 +87,21 @@ class Llama3JsonStream(ToolStream):
 
     def finish(self) -> list[Piece]:
         # Held text: undecided start, an open object, or separators after the last call.
-        if self.call is not None and self.call.started:
+        cut: list[Piece] = []
+        if self.eager and self.call is None and self.state == _START and self.buf.strip():
+            cut = partial_call("", self.names)  # cut inside <|python_tag|>
+        elif self.eager and self.call is not None and not self.call.started:
+            cut = partial_call(self.buf, self.names)  # cut before the name was complete
+        if cut:
+            rest = ""
+        elif self.call is not None and self.call.started:
             rest = ""  # an eager call cut off: its arguments so far were sent
         elif self.state != _CALLS or self.buf.strip(_SEPARATORS):
             rest = self.buf
         else:
             rest = ""
         self.buf, self.state, self.end, self.call = "", _CONTENT, None, None
-        return [Content(rest)] if rest else []
+        return cut + ([Content(rest)] if rest else [])
 
 
 class Llama3JsonParser(ToolParser):

@@ -172,12 +172,23 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # (engine/router/policy.py). Offline LLM(...) and batch jobs too, so its
     # flag is among the engine options.
     router: Annotated[str, one_of(ROUTER_POLICIES, kwarg=True, flag=True, cli_group="engine")] = "kv_aware"
+    # Stored /v1/responses (store: true): a sqlite file in this directory
+    # behind one named Ray actor (None: <tmpdir>/conveyor-responses), at most
+    # responses_max_entries of them (oldest dropped), each kept responses_ttl_s.
+    responses_store_dir: Annotated[str | None, knob("null or a directory")] = None
+    responses_max_entries: Annotated[int, int_in(1, 10_000_000)] = 10000
+    responses_ttl_s: Annotated[float, finite_in(1.0, 365 * 86400.0)] = 86400.0
 
 
 class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
     backend: Annotated[str, one_of(("llguidance",))] = "llguidance"
     # grammar compiles run here, never on the step loop
     compile_threads: Annotated[int, int_in(1, 64)] = 1
+    # JSON schemas (response_format, structured_outputs.json, tool parameters):
+    # false (default, xgrammar's strict mode) = an object declaring properties
+    # without additionalProperties admits no other keys; true = JSON Schema's
+    # open default (engine/structured_output/schema.py).
+    allow_additional_properties: Annotated[bool, _BOOL] = False
 
 
 class SpeculativeConfig(msgspec.Struct, **_FROZEN):

@@ -58,14 +58,16 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def make_backend(name: str, tokenizer_dir: str, vocab_size: int,
-                 eos_token_id: int | None) -> StructuredOutputBackend:
-    """tokenizer_dir holds tokenizer.json; vocab_size is the model's (logits) width."""
+def make_backend(name: str, tokenizer_dir: str, vocab_size: int, eos_token_id: int | None,
+                 allow_additional_properties: bool = False) -> StructuredOutputBackend:
+    """tokenizer_dir holds tokenizer.json; vocab_size is the model's (logits) width;
+    allow_additional_properties: JSON Schema's open default for objects that
+    declare properties (False: closed, engine/structured_output/schema.py)."""
     _load_builtin()
     factory = _BACKENDS.get(name)
     if factory is None:
         raise ValueError(f"unknown structured-output backend {name!r}; known: {sorted(_BACKENDS)}")
-    return factory(tokenizer_dir, vocab_size, eos_token_id)
+    return factory(tokenizer_dir, vocab_size, eos_token_id, allow_additional_properties)
 
 
 def _load_builtin() -> None:

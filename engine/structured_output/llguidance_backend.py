@@ -13,6 +13,7 @@ import numpy as np
 
 from engine.structured_output.backend import register_backend
 from engine.structured_output.params import StructuredOutputsParams
+from engine.structured_output.schema import close_objects
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 # Bounds on one grammar's lexer work, in llguidance's fuel units (~50k/ms to
@@ -52,7 +53,10 @@ class LLGuidanceGrammar:
 
 
 class LLGuidanceBackend:
-    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, tokenizer_dir: str, vocab_size: int, eos_token_id: int | None,
+                 allow_additional_properties: bool = False) -> None:
+        # False: schemas without additionalProperties admit no undeclared keys (schema.py).
+        self.allow_additional_properties = allow_additional_properties
         path = os.path.join(tokenizer_dir, "tokenizer.json")
         if not os.path.isfile(path):
             raise ValueError(f"structured outputs need a tokenizer: {path} not found")
@@ -97,8 +101,7 @@ class LLGuidanceBackend:
         if drafted:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, stride, rows)
 
-    @staticmethod
-    def grammar_text(params: StructuredOutputsParams) -> str:
+    def grammar_text(self, params: StructuredOutputsParams) -> str:
         kind = params.kind
         if kind == "json":
             schema = params.json
@@ -109,6 +112,8 @@ class LLGuidanceBackend:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, dict):
                 raise ValueError("structured_outputs.json must be a JSON object (a schema)")
+            if not self.allow_additional_properties:
+                schema = close_objects(schema)
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         if kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_JSON_OPTIONS)
@@ -159,5 +164,6 @@ class LLGuidanceBackend:
 
 
 @register_backend("llguidance")
-def _make(tokenizer_dir: str, vocab_size: int, eos_token_id: int | None) -> LLGuidanceBackend:
-    return LLGuidanceBackend(tokenizer_dir, vocab_size, eos_token_id)
+def _make(tokenizer_dir: str, vocab_size: int, eos_token_id: int | None,
+          allow_additional_properties: bool = False) -> LLGuidanceBackend:
+    return LLGuidanceBackend(tokenizer_dir, vocab_size, eos_token_id, allow_additional_properties)

@@ -58,11 +58,13 @@ class StructuredOutputStats:
 
 class StructuredOutputManager:
     def __init__(self, backend_name: str, tokenizer_dir: str, vocab_size: int,
-                 eos_token_id: Callable[[], int | None], compile_threads: int = 1) -> None:
+                 eos_token_id: Callable[[], int | None], compile_threads: int = 1,
+                 allow_additional_properties: bool = False) -> None:
         """eos_token_id is called once, when the backend is first needed."""
         self.vocab_size = vocab_size
         self.num_words = (vocab_size + 31) // 32
         self._args = (backend_name, tokenizer_dir, vocab_size)
+        self._allow_additional = allow_additional_properties
         self._eos = eos_token_id
         self._lock = threading.Lock()
         self._backend: StructuredOutputBackend | None = None
@@ -75,7 +77,7 @@ class StructuredOutputManager:
     def backend(self) -> StructuredOutputBackend:
         with self._lock:  # compile threads and the step loop may race here
             if self._backend is None:  # built on first use: unstructured engines never pay
-                self._backend = make_backend(*self._args, self._eos())
+                self._backend = make_backend(*self._args, self._eos(), self._allow_additional)
         return self._backend
 
     def validate(self, params: StructuredOutputsParams) -> None:

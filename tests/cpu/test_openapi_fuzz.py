@@ -80,6 +80,10 @@ def _check(status: int, content: bytes) -> None:
     assert status < 500, f"{status}: {content[:500]!r}"
     if status >= 400:
         _assert_openai_error(status, json.loads(content))
+    elif content.startswith(b"event: response."):  # a Responses stream: typed events, no [DONE]
+        kinds = [ln[7:] for ln in content.decode().split("\n") if ln.startswith("event: ")]
+        assert kinds[0] == "response.created" and kinds[-1] in (
+            "response.completed", "response.incomplete"), kinds[-3:]
     elif content.startswith(b"data: "):  # a stream: errors go in-band, then [DONE]
         events = [ln[6:] for ln in content.decode().split("\n\n") if ln.startswith("data: ")]
         assert events[-1] == "[DONE]", events[-3:]
@@ -93,13 +97,15 @@ def _check(status: int, content: bytes) -> None:
 # served model's name, a prompt the tokenizer/vocab accepts). Steered cases
 # drop or fix them so the remaining random fields reach the engine.
 _REFUSED = frozenset({"model", "echo", "suffix", "best_of", "logit_bias", "allowed_token_ids", "stream_options",
-                      "tools", "tool_choice", "response_format"})
+                      "tools", "tool_choice", "response_format", "text", "previous_response_id"})
 
 
 def _steer(path: str, body: dict) -> dict:
     out = {k: v for k, v in body.items() if k not in _REFUSED}
     if path == "/v1/completions":
         out["prompt"] = "The cat"
+    elif path == "/v1/responses":
+        out["input"] = "The cat"
     else:
         out["messages"] = [{"role": "user", "content": "hi"}]
     return out

@@ -74,7 +74,8 @@ def server(ckpt, refs, tmp_path_factory):  # refs first: no in-process engine be
     from cluster.serve_app import run_serve
 
     os.environ[KEY_ENV] = KEY  # before ray.init: replicas inherit the environment
-    cfg = _write_config(str(tmp_path_factory.mktemp("cfg") / "engine.yaml"), ckpt, _free_port())
+    cfg = _write_config(str(tmp_path_factory.mktemp("cfg") / "engine.yaml"), ckpt, _free_port(),
+                        responses_store_dir=str(tmp_path_factory.mktemp("responses")))
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:
         yield run_serve(cfg, blocking=False)
@@ -559,6 +560,24 @@ def test_models_and_request_id(server, client):
     assert r.json()["id"] == "cmpl-" + r.headers["x-request-id"]
 
 
+def test_responses_live_in_the_cluster_store(server, client):
+    """Stored responses sit in one named Ray actor over sqlite: a follow-up
+    continues after that actor is killed (recreated over the same file)."""
+    import ray
+
+    from cluster.response_store import ACTOR_NAME, ACTOR_NAMESPACE
+
+    r = client.responses.create(model="tiny", input="Hello", max_output_tokens=4, temperature=0.0)
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    ray.kill(ray.get_actor(ACTOR_NAME, namespace=ACTOR_NAMESPACE))
+    follow = client.responses.create(model="tiny", previous_response_id=r.id, input="More",
+                                     max_output_tokens=2, temperature=0.0)
+    assert follow.usage.input_tokens > r.usage.input_tokens
+    client.responses.delete(r.id)
+    r404 = httpx.get(f"{server}/v1/responses/{r.id}", headers=AUTH)
+    assert r404.status_code == 404 and r404.json()["error"]["code"] == "response_not_found"
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 ERRORS = [  # (path, raw body, status, code, param)
@@ -585,6 +604,8 @@ ERRORS = [  # (path, raw body, status, code, param)
      b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000}',
      400, "context_length_exceeded", "messages"),
     ("/v1/completions", b'{"prompt": "x", "model": "gpt-9"}', 404, "model_not_found", "model"),
+    ("/v1/responses", b'{"input": "x", "previous_response_id": "resp_x"}', 404, "response_not_found",
+     "previous_response_id"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 101}}', 400, "invalid_value", "logit_bias"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"five": 1}}', 400, "invalid_value", "logit_bias"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"100000": 1}}', 400, "invalid_value",
@@ -622,7 +643,8 @@ def test_error_statuses_and_shape(server):
     assert httpx.get(f"{server}/health").status_code == 200
 
 
-PROTECTED = [("GET", "/v1/models", None), ("GET", "/metrics", None),
+PROTECTED = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/v1/models/tiny", None),
+             ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [5]}),
              ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
              ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                "max_tokens": 1})]

@@ -117,6 +117,46 @@ def test_response_format_and_structured_outputs_both_routes(api):
     assert re.fullmatch(r"[ac]{1,3}b", texts[6])
 
 
+def test_schemas_without_additional_properties_are_closed(api, ckpt):
+    """pydantic's own schema (no additionalProperties) admits no other keys by
+    default; structured_outputs.allow_additional_properties restores JSON
+    Schema's open default. A bare {"type": "object"} stays open."""
+    import llguidance as llg
+
+    from engine.structured_output.llguidance_backend import LLGuidanceBackend
+    from engine.structured_output.params import StructuredOutputsParams
+    from engine.structured_output.schema import close_objects
+    from engine.tokenizer import load_tokenizer
+
+    schema = Pet.model_json_schema()
+    assert "additionalProperties" not in schema
+    nested = {"type": "object", "properties": {"p": schema, "free": {"type": "object"}},
+              "allOf": [{"properties": {"x": {"type": "object", "properties": {}}}}]}
+    closed = close_objects(nested)
+    assert closed["additionalProperties"] is False and closed["properties"]["p"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["free"] and "additionalProperties" not in nested
+    assert "additionalProperties" not in closed["allOf"][0]
+    assert closed["allOf"][0]["properties"]["x"]["additionalProperties"] is False
+    tok = load_tokenizer(ckpt)
+
+    def admits(allow: bool, text: str) -> bool:
+        backend = LLGuidanceBackend(ckpt, 512, None, allow_additional_properties=allow)
+        m = llg.LLMatcher(backend.tokenizer, backend.grammar_text(StructuredOutputsParams(json=schema)),
+                          log_level=0)
+        ids = tok.encode(text, add_special_tokens=False)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+    extra = '{"name":"rex","age":3,"good":true,"x":1}'
+    assert admits(False, extra[:-7] + "}") and not admits(False, extra) and admits(True, extra)
+
+    async def go(c):
+        return await _openai(c).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "a pet"}], n=4, temperature=1.0, seed=1,
+            max_tokens=100, response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}})
+    for ch in _run(api, go).choices:
+        assert ch.finish_reason == "stop"
+        jsonschema.validate(json.loads(ch.message.content), {**schema, "additionalProperties": False})
+
+
 def test_json_object_and_text(api):
     async def go(c):
         a = await c.post("/v1/chat/completions", json={

@@ -238,6 +238,116 @@ def test_multi_turn_renders_and_generates(api, ckpt):
     assert comp.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
 
 
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 6}},
+          "required": ["answer"]}  # no additionalProperties: closed by default
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}}
+
+
+@pytest.mark.parametrize("choice,allowed", REQUIRED_MODES[:2])
+def test_forced_call_with_response_format_then_the_answer(api, choice, allowed):
+    """required/named + response_format: this turn is the call; the turn after
+    the tool result answers in the format (openai-agents sends its output type
+    on every turn)."""
+    async def go(c):
+        client = _openai(c)
+        first = await client.chat.completions.create(
+            model="tiny", messages=MSGS, tools=TOOLS, tool_choice=choice, max_tokens=400,
+            temperature=1.0, seed=5, response_format=ANSWER_FORMAT)
+        call = first.choices[0].message.tool_calls[0]
+        history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"}]
+        final = await client.chat.completions.create(
+            model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=60,
+            temperature=1.0, seed=5, response_format=ANSWER_FORMAT)
+        return first, final
+    first, final = _run(api, go)
+    _check_calls(first.choices[0], allowed, parallel=choice == "required")
+    assert final.choices[0].finish_reason == "stop" and not final.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(final.choices[0].message.content), {**ANSWER, "additionalProperties": False})
+
+
+def test_auto_with_response_format_is_calls_or_the_answer(api, ckpt):
+    """auto + response_format: one grammar admits a call (the parser's format)
+    or the schema-shaped answer, nothing else; every output is one of them."""
+    import llguidance as llg
+
+    from cluster.tools import tool_plan
+    from cluster.openai_protocol import ChatRequest
+    from engine.structured_output.llguidance_backend import LLGuidanceBackend
+    from engine.tokenizer import load_tokenizer
+
+    req = ChatRequest.model_validate({"messages": MSGS, "tools": TOOLS, "response_format": ANSWER_FORMAT})
+    plan = tool_plan(req, "hermes", lambda so: None)
+    assert plan.mode == "auto" and not plan.eager and plan.constraint is not None
+    backend, tok = LLGuidanceBackend(ckpt, 512, None), load_tokenizer(ckpt)
+
+    def admits(text: str) -> bool:
+        m = llg.LLMatcher(backend.tokenizer, plan.constraint.grammar, log_level=0)
+        ids = tok.encode(text, add_special_tokens=False)
+        return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+    call = '<tool_call>\n{"name": "add", "arguments": {"a":1,"b":2}}\n</tool_call>'
+    assert admits(call) and admits('{"answer":"hi"}')
+    assert not admits('{"answer":"hi","x":1}') and not admits("hello") and not admits(call[:-3])
+
+    async def go(c):
+        return await _openai(c).chat.completions.create(
+            model="tiny", messages=MSGS, tools=TOOLS, max_tokens=120, temperature=1.0, seed=2, n=4,
+            response_format=ANSWER_FORMAT)
+    for ch in _run(api, go).choices:
+        if ch.message.tool_calls:
+            _check_calls(ch, set(SCHEMAS))
+        else:
+            assert ch.finish_reason == "stop", ch
+            jsonschema.validate(json.loads(ch.message.content), {**ANSWER, "additionalProperties": False})
+
+
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("max_tokens", [2, 9, 24])
+def test_forced_call_cut_by_max_tokens_is_a_length_call(api, parser, max_tokens):
+    """Cut anywhere (in the tag, the name, the arguments): finish_reason
+    "length" and the partial call in tool_calls, never raw text; streamed the same."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+
+    async def go(c):
+        client = _openai(c)
+        kw = dict(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named, max_tokens=max_tokens,
+                  temperature=0.0)
+        plain = await client.chat.completions.create(**kw)
+        chunks = [ch async for ch in await client.chat.completions.create(stream=True, **kw)]
+        return plain, chunks
+    plain, chunks = _run(api, go, parser)
+    ch = plain.choices[0]
+    assert ch.finish_reason == "length" and not (ch.message.content or "").strip(), ch
+    calls = [(tc.function.name, tc.function.arguments) for tc in ch.message.tool_calls]
+    assert [name for name, _ in calls] == ["get_weather"]
+    deltas = [c.delta for chunk in chunks for c in chunk.choices]
+    assert not "".join(d.content or "" for d in deltas).strip()
+    streamed = [tc for d in deltas for tc in d.tool_calls or []]
+    assert [tc.function.name for tc in streamed if tc.id] == ["get_weather"]
+    assert "".join(tc.function.arguments or "" for tc in streamed) == calls[0][1]
+    assert [c.finish_reason for chunk in chunks for c in chunk.choices][-1] == "length"
+
+
+def test_unparsable_echoed_arguments_and_developer_role(api):
+    """LangChain echoes a truncated call verbatim: the template gets the text
+    (no 400). `developer` renders as `system` on a template without it."""
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Pa'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+
+    async def go(c):
+        client = _openai(c)
+        turn = await client.chat.completions.create(model="tiny", messages=history, max_tokens=2)
+        usage = []
+        for role in ("developer", "system"):
+            r = await client.chat.completions.create(
+                model="tiny", messages=[{"role": role, "content": "Be brief."}, *MSGS], max_tokens=1)
+            usage.append(r.usage.prompt_tokens)
+        return turn, usage
+    turn, (dev, system) = _run(api, go)
+    assert turn.choices[0].finish_reason in ("stop", "length") and dev == system
+
+
 BAD_TURN = [MSGS[0], {"role": "tool", "tool_call_id": "call_x", "content": "?"}]
 ERRORS = [
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
@@ -260,11 +370,9 @@ ERRORS = [
     ({"tools": [{"type": "retrieval"}]}, "tools"),
     ({"tools": TOOLS, "messages": BAD_TURN}, "messages"),
     ({"messages": BAD_TURN}, "messages"),
-    ({"messages": [MSGS[0], {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "add", "arguments": "{not json"}}]}]}, "messages"),
     ({"messages": [MSGS[0], {"role": "user", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "add", "arguments": "{}"}}]}]}, "messages"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ]
 

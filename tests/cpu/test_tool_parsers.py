@@ -220,3 +220,17 @@ def test_eager_deltas_name_first_then_argument_fragments(parser):
     final = ToolSession(plan).finish_choice(P.chat_choice(0, text, None, "stop"), text)
     assert [c["function"]["arguments"] for c in final["message"]["tool_calls"]] == \
         [c.arguments for c in EAGER_CALLS]
+
+
+@pytest.mark.parametrize("parser", sorted(GRAMMAR_TEXT))
+def test_eager_cut_anywhere_is_a_call_never_content(parser):
+    """max_tokens may cut a forced call in its tag or its name: still a call
+    (the one name the text can become), with the arguments it got."""
+    text = GRAMMAR_TEXT[parser]
+    p = get_tool_parser(parser)
+    end = text.index("}}") + 1
+    for i in range(1, end):
+        one = p.parse(text[:i], frozenset({"add"}), eager=True)
+        assert [c.name for c in one.calls] == ["add"] and not one.content.strip(), (i, one)
+        two = p.parse(text[:i], frozenset({"add", "get_weather"}), eager=True)
+        assert len(two.calls) == 1 and two.calls[0].name in ("", "add") and not two.content.strip(), i
