@@ -188,7 +188,7 @@ class OpenAIDeployment:
                                                       sc.responses_ttl_s)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from cluster.openai_server import build_api
+        from cluster.openai_app import build_api
 
         env = self.config.serve.api_key_env
         key = os.environ.get(env) if env else None

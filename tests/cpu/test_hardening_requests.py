@@ -81,7 +81,8 @@ def _llm(core: FakeCore, model: str = "", **kw: Any):
 
 
 def _client(llm, **server_kw: Any) -> httpx.AsyncClient:
-    from cluster.openai_server import OpenAIServer, build_api
+    from cluster.openai_app import build_api
+    from cluster.openai_server import OpenAIServer
 
     srv = OpenAIServer(llm, llm.config, **server_kw)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv, api_key=None)),
@@ -207,7 +208,8 @@ def test_admission_counts_engine_requests():
     async def run() -> None:
         core = FakeCore(finish=False)
         llm = _llm(core)
-        from cluster.openai_server import OpenAIServer, build_api
+        from cluster.openai_app import build_api
+        from cluster.openai_server import OpenAIServer
 
         srv = OpenAIServer(llm, llm.config, max_admitted=6)
         transport = httpx.ASGITransport(app=build_api(srv, api_key=None))
@@ -269,7 +271,8 @@ async def _ws_connect(app: Any, headers: list[tuple[bytes, bytes]] | None = None
 
 def test_websocket_scopes_are_refused_unless_a_route_declares_them():
     from cluster.middleware import AuthMiddleware
-    from cluster.openai_server import OpenAIServer, build_api
+    from cluster.openai_app import build_api
+    from cluster.openai_server import OpenAIServer
 
     policy_violation = 1008  # the websocket close code for "not allowed"
 

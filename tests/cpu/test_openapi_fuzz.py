@@ -40,7 +40,8 @@ def served(tmp_path_factory):
     on uvicorn's loop (the app's lifespan starts it)."""
     import uvicorn
 
-    from cluster.openai_server import OpenAIServer, build_api
+    from cluster.openai_app import build_api
+    from cluster.openai_server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 

@@ -175,7 +175,8 @@ def test_frontend_cpus_split_only_for_one_cpu_replica_running_its_model():
 async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> list[int]:
     """Tokens per SSE event of one streamed completion from a server whose
     serve.* config has `serve_fields` replaced."""
-    from cluster.openai_server import OpenAIServer, build_api
+    from cluster.openai_app import build_api
+    from cluster.openai_server import OpenAIServer
 
     srv = OpenAIServer(llm, msgspec.structs.replace(
         cfg, serve=msgspec.structs.replace(cfg.serve, **serve_fields)))
@@ -188,7 +189,8 @@ async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> lis
 
 
 def test_in_process_503_500_and_in_band_error(ckpt):
-    from cluster.openai_server import OpenAIServer, build_api
+    from cluster.openai_app import build_api
+    from cluster.openai_server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
     from engine.contracts import EngineCoreOutputs

@@ -396,7 +396,8 @@ def test_async_llm_and_metrics_endpoint(ckpts, prompts, base):
 
     import httpx
 
-    from cluster.openai_server import OpenAIServer, build_api
+    from cluster.openai_app import build_api
+    from cluster.openai_server import OpenAIServer
     from engine.async_client import AsyncLLM, collect
 
     cfg = build_config({"model": {"path": ckpts["llama"]}, "speculative": spec(3),

@@ -30,7 +30,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def api(ckpt):
     """(event loop, FastAPI app, AsyncLLM) on one loop for the whole module."""
-    from cluster.openai_server import OpenAIServer, build_api
+    from cluster.openai_app import build_api
+    from cluster.openai_server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 

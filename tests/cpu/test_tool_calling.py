@@ -42,7 +42,8 @@ def api(ckpt):
     """(loop, {parser: FastAPI app}, AsyncLLM): one engine, one app per parser."""
     import msgspec
 
-    from cluster.openai_server import OpenAIServer, build_api
+    from cluster.openai_app import build_api
+    from cluster.openai_server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 
