@@ -261,8 +261,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     os.makedirs(os.path.dirname(os.path.abspath(a.out_json)), exist_ok=True)
-    from cluster.demo_model import ensure_demo_model
     from serve_load import start_server, stop_server
+
+    from cluster.demo_model import ensure_demo_model
 
     ensure_demo_model(a.model)
     bodies = make_bodies(a.unique, a.input_len, a.output_len, 512, a.seed)

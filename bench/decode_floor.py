@@ -41,8 +41,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 def make_model(path: str, shape: dict, device: str) -> str:
     """Random bf16 weights (initialised on the device: fast) + the tests' tiny tokenizer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
     from tokenizer_utils import train_tiny_tokenizer
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **shape)
     torch.manual_seed(0)

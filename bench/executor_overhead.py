@@ -333,7 +333,7 @@ def main() -> None:
             modes["core-inproc"] = inproc_step
 
         # warm-up (also brings the cores to steady decode)
-        for name, fn in modes.items():
+        for fn in modes.values():
             for i in range(args.warmup):
                 fn(i)
         if not args.no_core:
@@ -346,7 +346,7 @@ def main() -> None:
         cpu: dict[str, list[float]] = {m: [] for m in modes}
         walls: dict[str, float] = {m: 0.0 for m in modes}
         tstart = time.monotonic()
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             for name, fn in modes.items():
                 w0 = time.monotonic()
                 deadline = w0 + max(0.0, args.max_seconds - walls[name])

@@ -32,8 +32,6 @@ from bench.routing_workloads import MultiTurn, shared_prefix, trace, write_synth
 from engine.router.events import KVEvents  # noqa: E402
 from engine.router.policy import POLICIES, Router, RouterSettings  # noqa: E402
 
-from engine.router.policy import POLICIES, Router, RouterSettings  # noqa: E402
-
 BS = 16
 LAM = float(os.environ.get("ROUTER_LAM", RouterSettings.lam))
 TRACE = os.path.join(ROOT, "bench", "data", "mooncake_synth.jsonl")

@@ -40,6 +40,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.serve_load import parse_sets  # noqa: E402
+
 OUT = os.path.join(REPO, "bench", "out", "serve_compare")
 PEER_ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 MODEL_NAME = "m30"

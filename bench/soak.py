@@ -339,7 +339,7 @@ def report(a: argparse.Namespace, tally: Tally, wall: float, idle: dict[str, flo
           f"{a.concurrency}: {c['accepted']} accepted, {c['finished']} finished, "
           f"{c['disconnected']} disconnected by the client, {c['invalid_refused']} invalid refused "
           f"(4xx), {c['backpressure_429']} x 429, {c['failed']} failed")
-    print(f"after the load: " + ", ".join(f"{k.split(':')[1]}={idle.get(k)}" for k in IDLE_KEYS))
+    print("after the load: " + ", ".join(f"{k.split(':')[1]}={idle.get(k)}" for k in IDLE_KEYS))
     print(f"server RSS: {warm / 1024:.1f} MiB after warm-up -> {end / 1024:.1f} MiB at the end "
           f"({growth:+.2%}) over {len(pids)} processes")
     for pid, title in sorted(pids.items()):

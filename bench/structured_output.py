@@ -87,7 +87,8 @@ SCHEMAS = [
 def build_model(path: str) -> str:
     """The offline bench's 30M Llama shape with vocab 512 and the demo tokenizer."""
     sys.path.insert(0, REPO)
-    from bench.offline_throughput import MODEL_SPEC, build_model as build_llama
+    from bench.offline_throughput import MODEL_SPEC
+    from bench.offline_throughput import build_model as build_llama
     from cluster.demo_model import train_tiny_tokenizer
 
     build_llama(path, dict(MODEL_SPEC, vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=3))

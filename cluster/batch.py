@@ -41,8 +41,7 @@ from typing import Any
 import msgspec
 
 from cluster.batch_engines import ActorEngine, Engine, EngineFailure, LineRunner, LocalEngine
-from cluster.options import (ENGINE_OVERRIDES, SERVE_OVERRIDES, add_override_options, add_set_option,
-                             collect_overrides)
+from cluster.options import ENGINE_OVERRIDES, SERVE_OVERRIDES, add_override_options, add_set_option, collect_overrides
 from engine.config import ConfigError, EngineConfig, check_cluster_fits, load_config
 
 log = logging.getLogger("conveyor.batch")

@@ -23,8 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from cluster.options import (ENGINE_OVERRIDES, SERVE_OVERRIDES, add_override_options, add_set_option,
-                             collect_overrides)
+from cluster.options import ENGINE_OVERRIDES, SERVE_OVERRIDES, add_override_options, add_set_option, collect_overrides
 from cluster.setup_checks import check_engine_setup, check_serve_setup
 from engine.config import ConfigError, check_cluster_fits, load_config
 
@@ -74,8 +73,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from cluster.batch import init_ray
     from cluster.openai_server import model_name_of
-    from cluster.serve_app import (direct_ingress_urls, enable_direct_ingress, replica_cpus, run_serve,
-                                   wants_direct_ingress)
+    from cluster.serve_app import (
+        direct_ingress_urls,
+        enable_direct_ingress,
+        replica_cpus,
+        run_serve,
+        wants_direct_ingress,
+    )
 
     per_replica = replica_cpus(config, use_gpu=False)  # CPU bundles; GPUs are checked below
     starts_ray = not (args.address or os.environ.get("RAY_ADDRESS"))

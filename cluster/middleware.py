@@ -10,7 +10,8 @@ from __future__ import annotations
 import hmac
 import json
 import uuid
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

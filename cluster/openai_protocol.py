@@ -21,9 +21,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.json_limits import check_json_value
-
 from engine.sampling_params import SamplingParams
-
 
 # ---- errors -----------------------------------------------------------------------
 

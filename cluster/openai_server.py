@@ -29,13 +29,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from cluster import lora_routes
 from cluster import openai_protocol as P
 from cluster import request_prep as RP
 from cluster.metrics import CONTENT_TYPE, ServeMetrics
 from cluster.openai_responses import ResponseBuilding
 from cluster.tool_response import ToolSession
 from cluster.tools import ToolPlan, template_input, tool_plan
-from cluster import lora_routes
 from engine.async_client import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, UnsendableRequestError

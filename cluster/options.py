@@ -10,8 +10,8 @@ before validation: an override is checked exactly like the file's own value.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import yaml

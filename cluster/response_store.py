@@ -129,7 +129,6 @@ class RayResponseStore:
 
     def _connect(self) -> Any:
         import ray
-
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self._actor is None:

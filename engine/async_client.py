@@ -75,7 +75,7 @@ class _Stream:
         if delay > 0.0 and not self.finished:
             try:
                 await asyncio.wait_for(self.final.wait(), delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def take(self) -> RequestOutput:

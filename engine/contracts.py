@@ -11,11 +11,10 @@ import enum
 import msgspec
 import numpy as np
 
-from engine.router.events import KVEvents
-
 # SamplingFields, not SamplingParams: decoding a message trusts the checks
 # that ran once at the edge (see engine/sampling_params.py).
 from engine.lora import LoRARequest
+from engine.router.events import KVEvents
 from engine.sampling_params import SamplingFields
 
 

@@ -15,15 +15,21 @@ from concurrent.futures import Future
 
 from engine.async_scheduling import must_wait, use_async_scheduling
 from engine.config import ConfigError, EngineConfig
-from engine.contracts import (EngineCoreOutputs, EngineCoreRequest, KVCacheInfo,
-                              ModelRunnerOutput, RequestStatus, SchedulerOutput)
+from engine.contracts import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KVCacheInfo,
+    ModelRunnerOutput,
+    RequestStatus,
+    SchedulerOutput,
+)
 from engine.frontend import resolved_max_tokens
 from engine.kv_cache.manager import cdiv
+from engine.recovery import RestartBudget, rebuild_executor, record_recovery, recovery_enabled
 from engine.request import Request
 from engine.router.events import EngineLoad, KVEventPublisher, KVEvents
 from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
-from engine.recovery import RestartBudget, rebuild_executor, record_recovery, recovery_enabled
 from executors.base import EngineDeadError, Executor
 
 log = logging.getLogger(__name__)

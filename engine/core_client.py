@@ -18,11 +18,11 @@ import queue
 import threading
 import time
 import tomllib
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from engine.config import ConfigError, EngineConfig
-from engine.contracts import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                              KVCacheInfo)
+from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, KVCacheInfo
 from engine.errors import EngineDeadError
 from engine.router.events import KVEvents
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
-from engine.lora import LoRARequest, ModelDims, check_adapter
 from engine.json_limits import utf8_problem
+from engine.lora import LoRARequest, ModelDims, check_adapter
 from engine.sampling_params import SamplingFields, child_seed
 from engine.structured_output.backend import StructuredOutputBackend, make_backend
 from engine.structured_output.params import StructuredOutputsParams

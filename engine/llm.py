@@ -14,10 +14,10 @@ from engine.config import EngineConfig, build_config, check_model_dir, load_conf
 from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
 from engine.core_client import SyncCoreEngine, remote_core_factory
+from engine.frontend import Frontend, PreparedRequest, Prompt
 from engine.lora import LoRARequest
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
-from engine.frontend import Frontend, PreparedRequest, Prompt
 from engine.spec_decode.metrics import SpecDecodeCounters
 from engine.tokenizer import Tokenizer
 

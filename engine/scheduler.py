@@ -13,17 +13,27 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.async_scheduling import add_placeholders, at_length_cap
 from engine.config import EngineConfig
-from engine.contracts import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
-                              FinishReason, GrammarOutput, ModelRunnerOutput, NewRequestData,
-                              RequestStatus, SchedulerOutput, SchedulerStats)
+from engine.contracts import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    GrammarOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    RecoveryStats,
+    RequestStatus,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
 from engine.lora import lora_stats
 from engine.request import Request
 from engine.request_queue import make_queue
-from engine.stopping import check_stop, grammar_done
-from engine.async_scheduling import add_placeholders, at_length_cap
 from engine.spec_decode.scheduling import SpecDecodeScheduling
+from engine.stopping import check_stop, grammar_done
 from engine.structured_output.manager import StructuredOutputManager
 
 _RUNNING = RequestStatus.RUNNING

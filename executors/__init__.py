@@ -1,7 +1,8 @@
 """Executors behind a small registry: name -> factory(config) -> Executor."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig

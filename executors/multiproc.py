@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from multiprocessing.process import BaseProcess
 
 import torch
 import torch.multiprocessing as mp

@@ -125,7 +125,9 @@ class DecodeGraphRunner:
         for size in reversed(self.sizes):
             meta = self._meta(size)
             ids, pos = self.input_ids[:size], self.positions[:size]
-            self.graphs[size] = self.capturer.capture(lambda: self.forward(meta, ids, pos))
+            # Bound now: capture() may replay the callable after this iteration.
+            self.graphs[size] = self.capturer.capture(
+                lambda meta=meta, ids=ids, pos=pos: self.forward(meta, ids, pos))
 
     def _pad(self, lo: int, hi: int) -> None:
         if hi <= lo:

@@ -14,14 +14,25 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, GrammarOutput, ModelRunnerOutput,
-                              NewRequestData, PromptLogprobs, SchedulerOutput)
+from engine.contracts import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    GrammarOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    PromptLogprobs,
+    SchedulerOutput,
+)
 from kernels.backends import AttentionMetadata, get_attention_backend
 from parallel.communication import IntermediateTensors
-from workers.dummy_batch import (DummyShape, blocks_needed, dummy_step, profile_sampling_params,
-                                 profile_shape, warmup_shapes)
-from workers.cuda_graphs import (CudaGraphCapturer, DecodeGraphRunner, capture_sizes,
-                                 graphs_refused)
+from workers.cuda_graphs import CudaGraphCapturer, DecodeGraphRunner, capture_sizes, graphs_refused
+from workers.dummy_batch import (
+    DummyShape,
+    blocks_needed,
+    dummy_step,
+    profile_sampling_params,
+    profile_shape,
+    warmup_shapes,
+)
 from workers.forward_context import set_forward_context
 from workers.grammar_mask import apply_grammar_bitmask
 from workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs

@@ -33,8 +33,16 @@ import torch
 
 from engine.contracts import LogprobsLists
 from engine.sampling_params import SamplingParams
-from workers.sampler import (_GREEDY_EPS, _TINY, SamplingMetadata, SamplingRow, gather_logprobs,
-                             position_seed, process_logits, random_probs)
+from workers.sampler import (
+    _GREEDY_EPS,
+    _TINY,
+    SamplingMetadata,
+    SamplingRow,
+    gather_logprobs,
+    position_seed,
+    process_logits,
+    random_probs,
+)
 
 
 @dataclass

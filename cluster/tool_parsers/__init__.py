@@ -5,8 +5,17 @@ for streaming) and writes the Lark grammar that makes "required" and named
 tool_choice produce calls in its own format, so one parser reads both."""
 from __future__ import annotations
 
-from cluster.tool_parsers.base import (ArgsDelta, CallStart, Content, ParsedMessage, Piece, ToolCall,
-                                       ToolParser, ToolSpec, ToolStream)
+from cluster.tool_parsers.base import (
+    ArgsDelta,
+    CallStart,
+    Content,
+    ParsedMessage,
+    Piece,
+    ToolCall,
+    ToolParser,
+    ToolSpec,
+    ToolStream,
+)
 from cluster.tool_parsers.hermes import HermesParser
 from cluster.tool_parsers.llama3_json import Llama3JsonParser
 

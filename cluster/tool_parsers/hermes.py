@@ -5,9 +5,20 @@ A call left open when generation ends still counts if its JSON is complete
 (some models stop right after the object)."""
 from __future__ import annotations
 
-from cluster.tool_parsers.base import (Content, EagerCall, Piece, ToolParser, ToolSpec, ToolStream,
-                                       call_from_json, call_header, call_rules, held_prefix_len,
-                                       partial_call, repeat)
+from cluster.tool_parsers.base import (
+    Content,
+    EagerCall,
+    Piece,
+    ToolParser,
+    ToolSpec,
+    ToolStream,
+    call_from_json,
+    call_header,
+    call_rules,
+    held_prefix_len,
+    partial_call,
+    repeat,
+)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ARGS_KEYS = ("arguments", "parameters")

@@ -4,9 +4,20 @@ several separated by `;`. Output that does not start with an object is plain
 content; once a call fails to parse, the rest of the text is content."""
 from __future__ import annotations
 
-from cluster.tool_parsers.base import (Content, EagerCall, ObjectEnd, Piece, ToolParser, ToolSpec,
-                                       ToolStream, call_from_json, call_header, call_rules, partial_call,
-                                       repeat)
+from cluster.tool_parsers.base import (
+    Content,
+    EagerCall,
+    ObjectEnd,
+    Piece,
+    ToolParser,
+    ToolSpec,
+    ToolStream,
+    call_from_json,
+    call_header,
+    call_rules,
+    partial_call,
+    repeat,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 _ARGS_KEYS = ("parameters", "arguments")

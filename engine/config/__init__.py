@@ -5,12 +5,29 @@
 - `build.py`: decode, validate, resolve (`build_config`, `load_config`) and
   the checks that need the cluster or the checkpoint.
 """
-from engine.config.build import (ConfigError, build_config, check_cluster_fits, check_model_dir,
-                                 cli_knobs, load_config, read_config_tree)
+from engine.config.build import (
+                                 ConfigError,
+                                 build_config,
+                                 check_cluster_fits,
+                                 check_model_dir,
+                                 cli_knobs,
+                                 load_config,
+                                 read_config_tree,
+)
 from engine.config.knobs import Knob, KnobInfo
-from engine.config.sections import (TOOL_CALL_PARSERS, TRITON_BLOCK_SIZES, CacheConfig, EngineConfig, LoRAConfig,
-                                    ModelConfig, ParallelConfig, SchedulerConfig, ServeConfig,
-                                    SpeculativeConfig, StructuredOutputsConfig)
+from engine.config.sections import (
+                                 TOOL_CALL_PARSERS,
+                                 TRITON_BLOCK_SIZES,
+                                 CacheConfig,
+                                 EngineConfig,
+                                 LoRAConfig,
+                                 ModelConfig,
+                                 ParallelConfig,
+                                 SchedulerConfig,
+                                 ServeConfig,
+                                 SpeculativeConfig,
+                                 StructuredOutputsConfig,
+)
 
 _TOOL_CALL_PARSERS = TOOL_CALL_PARSERS  # the name tests/cpu/test_tool_parsers.py checks
 

@@ -72,7 +72,7 @@ class KnobInfo:
 
 def _base_type(hint: Any) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType")) and args:
+    if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType) and args:
         hint = args[0]
     return hint if isinstance(hint, type) else object
 

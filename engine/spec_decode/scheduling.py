@@ -27,7 +27,6 @@ from engine.config import SpeculativeConfig
 from engine.request import Request
 from engine.spec_decode.ngram import NgramProposer
 
-
 MAX_BACKOFF = 16  # steps a request goes undrafted, at most, after rejected drafts
 
 

@@ -117,8 +117,14 @@ def test_litellm_completion_and_stream(base_url):
 
 def _agents_run(base_url: str, agent_kw: dict, use_responses: bool):
     """Runs one agent on the served model; agent_kw may override model_settings."""
-    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel,
-                        Runner, set_tracing_disabled)
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        set_tracing_disabled,
+    )
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)

@@ -7,7 +7,6 @@ import random
 from functools import lru_cache
 
 import torch
-
 from tiny_models import make_tiny_model
 from tokenizer_utils import train_tiny_tokenizer
 

@@ -20,13 +20,13 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ray  # noqa: E402
+from node_loss_case import PARAMS, PROMPTS, engine_config  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
+from recovery_utils import drain_all  # noqa: E402
 
 from engine.async_client import AsyncLLM  # noqa: E402
 from engine.config import build_config  # noqa: E402
 from engine.core_client import InProcCoreClient  # noqa: E402
-from node_loss_case import PARAMS, PROMPTS, engine_config  # noqa: E402
-from recovery_utils import drain_all  # noqa: E402
 
 
 def _parent_pid(pid: int) -> int:

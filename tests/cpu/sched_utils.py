@@ -3,14 +3,20 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 
 from engine.config import EngineConfig
-from engine.contracts import (EMPTY_MODEL_RUNNER_OUTPUT, EngineCoreRequest, KVCacheInfo,
-                              ModelRunnerOutput, SchedulerOutput)
+from engine.contracts import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    EngineCoreRequest,
+    KVCacheInfo,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

@@ -6,11 +6,11 @@ share one config that chunks (budget 64) and preempts (17 KV blocks)."""
 from __future__ import annotations
 
 import pytest
-
-from engine import LLM, StructuredOutputsParams
 from llm_utils import make_checkpoint, random_prompts
 from recovery_utils import greedy_and_seeded
 from structured_schemas import CHOICES, REGEXES
+
+from engine import LLM, StructuredOutputsParams
 
 PROMPTS = random_prompts(8, 30, 90, seed=61)
 PARAMS = greedy_and_seeded(8, max_tokens=32, temperature=1.0, seed=70)

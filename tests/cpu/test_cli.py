@@ -17,9 +17,9 @@ import time
 import urllib.request
 
 import pytest
+from llm_utils import make_checkpoint
 
 from cluster.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
-from llm_utils import make_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["The cat runs", "日本語の本"]

@@ -8,9 +8,20 @@ import sys
 import msgspec
 import pytest
 
-from engine.contracts import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs,
-                              EngineCoreRequest, FinishReason, LogprobsLists, ModelRunnerOutput,
-                              NewRequestData, SchedulerOutput, SchedulerStats, decoder, encode)
+from engine.contracts import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+    decoder,
+    encode,
+)
 from engine.sampling_params import SamplingParams
 
 

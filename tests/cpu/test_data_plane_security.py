@@ -8,12 +8,13 @@ insider (holding the client key) that sends garbage and replayed frames."""
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import pytest
 import ray
 import zmq
+from llm_utils import make_checkpoint, random_prompts
 from zmq.utils.monitor import recv_monitor_message
 
 from cluster.engine_actor import TO_CORE, TO_FRONTEND, CoreInput
@@ -22,7 +23,6 @@ from executors import frames as fr
 from executors.channel import DataPlane, PlaneKeys
 from executors.frames import Route, Sealer
 from executors.messages import TO_EXECUTOR, TO_WORKERS, WorkerReply, rank_sender
-from llm_utils import make_checkpoint, random_prompts
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,

@@ -16,12 +16,12 @@ import socket
 import httpx
 import pytest
 import ray
+from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
+from recovery_utils import expect_fail_fast
 
 from engine import LLM, SamplingParams
 from engine.async_client import AsyncLLM
 from engine.config import build_config
-from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
-from recovery_utils import expect_fail_fast
 
 PROMPTS = random_prompts(10, 5, 40, seed=53)
 MAX_TOKENS = 32

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import pytest
+from sched_utils import EOS, FakeExecutor
 
 from engine.config import build_config
 from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
 from engine.sampling_params import SamplingParams
-from sched_utils import EOS, FakeExecutor
 
 
 def _core(queue_size: int, delay: float = 0.0, **kw) -> EngineCore:

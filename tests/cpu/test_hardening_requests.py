@@ -15,14 +15,21 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from sched_utils import FakeExecutor, make_request
 
 from engine.config import ConfigError, build_config
-from engine.contracts import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
-                              KVCacheInfo, NewRequestData, RequestStatus)
+from engine.contracts import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    KVCacheInfo,
+    NewRequestData,
+    RequestStatus,
+)
 from engine.errors import EngineDeadError
 from engine.sampling_params import SamplingParams
 from engine.stopping import check_stop
-from sched_utils import FakeExecutor, make_request
 
 PROMPT = [5, 6, 7, 8]
 

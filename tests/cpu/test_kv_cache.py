@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import pytest
+from sched_utils import make_request
 
 from engine.contracts import RequestStatus
 from engine.kv_cache import BlockHasher, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
-from sched_utils import make_request
 
 COMMON = [0] * 16 + [1] * 16 + [2] * 16
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from llm_utils import hf_greedy, hf_logprobs, make_checkpoint, random_prompts
 
 from engine import LLM, SamplingParams
-from llm_utils import hf_greedy, hf_logprobs, make_checkpoint, random_prompts
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

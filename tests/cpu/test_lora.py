@@ -7,10 +7,10 @@ PP=2, isolation under prefix caching, and the HTTP addressing."""
 from __future__ import annotations
 
 import pytest
-
-from engine import LLM, LoRARequest, SamplingParams
 from llm_utils import make_checkpoint, random_prompts
 from lora_utils import RECIPES, hf_lora_greedy, make_adapter
+
+from engine import LLM, LoRARequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -11,12 +11,12 @@ import torch
 import torch.multiprocessing as mp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from tiny_models import FAMILIES, make_tiny_model
 
 from parallel import state
 from parallel.communication import IntermediateTensors, recv_tensor_dict, send_tensor_dict
 from parallel.layers import QKVParallelLinear, narrow_load
 from parallel.state import divide
-from tiny_models import FAMILIES, make_tiny_model
 from workers.layers.attention import find_attention_layers
 from workers.model_loader import load_hf_config, load_model
 from workers.models import get_model_class

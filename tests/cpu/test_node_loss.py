@@ -23,7 +23,6 @@ import sys
 import tempfile
 
 import pytest
-
 from llm_utils import make_checkpoint
 from node_loss_case import PARAMS, PROMPTS
 from ray_nodes import free_port, raylet_pid, start_node, stop_node, token_env, wait_nodes

@@ -4,12 +4,20 @@ weights, uneven splits, and a failing rank."""
 from __future__ import annotations
 
 import pytest
+from llm_utils import (
+    close_or_why,
+    engine_top5,
+    hf_greedy,
+    hf_logprobs,
+    hf_top5,
+    make_checkpoint,
+    random_prompts,
+    wait_pids_gone,
+)
+from tiny_models import make_tiny_model
 
 from engine import LLM, SamplingParams
 from executors.base import EngineDeadError
-from llm_utils import (close_or_why, engine_top5, hf_greedy, hf_logprobs, hf_top5, make_checkpoint,
-                       random_prompts, wait_pids_gone)
-from tiny_models import make_tiny_model
 
 # logprobs=5: vLLM's parity rule needs our top-5 at the first divergence;
 # prompt_logprobs=2: the prompt's logprobs come back from the output rank.

@@ -9,12 +9,12 @@ import signal
 
 import pytest
 import ray
+from llm_utils import close_or_why, engine_top5, make_checkpoint, random_prompts, wait_pids_gone
+from recovery_utils import drain_all, expect_fail_fast
 
 from engine import LLM, SamplingParams
 from engine.async_client import AsyncLLM
 from engine.config import build_config
-from llm_utils import close_or_why, engine_top5, make_checkpoint, random_prompts, wait_pids_gone
-from recovery_utils import drain_all, expect_fail_fast
 
 # logprobs=5: parity is vLLM's rule, which needs both sides' top-5.
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)

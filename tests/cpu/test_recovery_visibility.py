@@ -21,11 +21,11 @@ import time
 
 import httpx
 import pytest
+from llm_utils import make_checkpoint, pid_alive, random_prompts
+from recovery_utils import drain_all, greedy_and_seeded, undisturbed_tokens
 
 import engine.core
 from engine import LLM
-from llm_utils import make_checkpoint, pid_alive, random_prompts
-from recovery_utils import drain_all, greedy_and_seeded, undisturbed_tokens
 
 PROMPTS = random_prompts(4, 5, 40, seed=13)
 PARAMS = greedy_and_seeded(4, max_tokens=48, temperature=0.8, seed=70)

@@ -13,9 +13,8 @@ from typing import Annotated
 import httpx
 import jsonschema
 import pytest
-from pydantic import Field
-
 from llm_utils import make_checkpoint
+from pydantic import Field
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},

@@ -9,8 +9,8 @@ import pytest
 from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.hashing import BlockHasher
 from engine.router.events import KVEventPublisher, KVEvents
-from engine.router.policy import Router, RouterSettings, block_hashes_of
 from engine.router.index import PrefixIndex
+from engine.router.policy import Router, RouterSettings, block_hashes_of
 
 BS = 16
 

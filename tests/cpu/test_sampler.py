@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from workers.sampler import (Sampler, SamplerOutput, SamplingMetadata,
-                             apply_penalties)
+from workers.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_penalties
 
 CPU = torch.device("cpu")
 

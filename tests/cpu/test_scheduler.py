@@ -1,8 +1,9 @@
 """Scheduler scenarios with fake model outputs (vLLM's test patterns, our numbers)."""
 from __future__ import annotations
 
-from engine.contracts import ModelRunnerOutput, RequestStatus
 from sched_utils import EOS, create_requests, create_scheduler, fake_output, make_request
+
+from engine.contracts import ModelRunnerOutput, RequestStatus
 
 
 def _mro(reqs, tokens):
@@ -192,7 +193,7 @@ def test_async_abort_one_per_step():
     for r in reqs:
         s.add_request(r)
     order = [0, 8, 3, 1, 6, 4, 2, 5, 7, 9]
-    for step, idx in enumerate(order):
+    for idx in order:
         out = s.schedule()
         s.finish_requests(str(idx), RequestStatus.FINISHED_ABORTED)  # arrives mid-flight
         s.update_from_output(out, fake_output(out, s, token=5))

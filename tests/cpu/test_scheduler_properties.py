@@ -18,11 +18,17 @@ from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule, run_state_machine_as_test)
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from sched_utils import EOS, create_scheduler, fake_output, make_request, scripted_token
 
 from engine.contracts import ModelRunnerOutput, RequestStatus, SchedulerOutput
-from sched_utils import EOS, create_scheduler, fake_output, make_request, scripted_token
 
 MAX_DRAIN_STEPS = 5000  # a drain that takes longer is a livelock
 COVERAGE: Counter[str] = Counter()  # what the runs exercised, checked at the end

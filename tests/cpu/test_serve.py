@@ -16,7 +16,6 @@ import httpx
 import msgspec
 import pytest
 import torch
-
 from llm_utils import make_checkpoint
 
 KEY_ENV, KEY = "CONVEYOR_TEST_SERVE_KEY", "test-key-123"
@@ -108,8 +107,13 @@ def _metric(m: dict[str, float], name: str) -> float:
 
 def test_replica_resources_and_sizing():
     from cluster.engine_actor import CoreActorPlacement
-    from cluster.serve_app import (SERVE_HEADROOM, core_actor_placement, deployment_options,
-                                   max_admitted, replica_resources)
+    from cluster.serve_app import (
+        SERVE_HEADROOM,
+        core_actor_placement,
+        deployment_options,
+        max_admitted,
+        replica_resources,
+    )
     from engine.config import build_config
 
     ray_cfg = build_config(executor="ray", tensor_parallel_size=2, pipeline_parallel_size=2,
@@ -439,8 +443,9 @@ def _check_echo_logprobs(lp: dict, ids: list[int], ref, n_out: int) -> None:
 
 
 def test_completions_echo_prompt_logprobs_match_transformers(server, ckpt, refs):
-    from engine.tokenizer import load_tokenizer
     from llm_utils import hf_logprobs
+
+    from engine.tokenizer import load_tokenizer
 
     text = PROMPTS[1]
     tok = load_tokenizer(ckpt)
@@ -493,10 +498,10 @@ def test_lm_eval_local_completions(server, ckpt, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     pytest.importorskip("lm_eval")
+    from llm_utils import hf_logprobs
     from lm_eval import evaluator
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from lm_eval.tasks import TaskManager
-    from llm_utils import hf_logprobs
 
     seen = []
     parse = LocalCompletionsAPI.parse_logprobs

@@ -15,9 +15,9 @@ import socket
 
 import httpx
 import pytest
+from llm_utils import make_checkpoint
 
 from bench.chaos import worker_pids as chaos_worker_pids
-from llm_utils import make_checkpoint
 
 NUM_STREAMS, MAX_TOKENS = 24, 48
 PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend builds", "日本語の本"]

@@ -8,13 +8,13 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+from llm_utils import close_or_why, hf_greedy, hf_top5, make_checkpoint, random_prompts
+from sched_utils import make_request
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig, build_config
 from engine.contracts import ModelRunnerOutput, SchedulerStats
 from engine.scheduler import Scheduler, _StepPlan
-from llm_utils import close_or_why, hf_greedy, hf_top5, make_checkpoint, random_prompts
-from sched_utils import make_request
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)

@@ -11,13 +11,13 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from llm_utils import make_checkpoint, random_prompts
+from sched_utils import make_request
+from structured_schemas import REGEXES, SCHEMAS
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.contracts import GrammarOutput
 from engine.structured_output.manager import StructuredOutputManager
-from llm_utils import make_checkpoint, random_prompts
-from sched_utils import make_request
-from structured_schemas import REGEXES, SCHEMAS
 from workers.grammar_mask import apply_grammar_bitmask
 
 DRAFTS = "conveyor:spec_decode_num_draft_tokens"
@@ -54,9 +54,10 @@ def _choice_grammar(manager: StructuredOutputManager):
 # ---- the core: drafts cut by the grammar, one mask row per draft position ----------------
 
 def test_drafts_cut_at_first_token_the_grammar_rejects(manager):
+    import msgspec
+
     from engine.config import EngineConfig
     from engine.scheduler import Scheduler
-    import msgspec
 
     grammar, good = _choice_grammar(manager)
     tree = {"model": {"max_model_len": 256}, "speculative": {**SPEC, "prompt_lookup_min": 1}}

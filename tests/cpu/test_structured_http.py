@@ -10,9 +10,8 @@ import re
 import httpx
 import jsonschema
 import pytest
-from pydantic import BaseModel, Field
-
 from llm_utils import make_checkpoint
+from pydantic import BaseModel, Field
 from structured_schemas import SCHEMAS
 
 

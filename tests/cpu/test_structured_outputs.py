@@ -8,11 +8,11 @@ import re
 
 import jsonschema
 import pytest
+from llm_utils import make_checkpoint, random_prompts
+from structured_schemas import CHOICES, LARK, REGEXES, SCHEMAS
 
 from engine import LLM, SamplingParams, StructuredOutputsParams
 from engine.contracts import RequestStatus
-from llm_utils import make_checkpoint, random_prompts
-from structured_schemas import CHOICES, LARK, REGEXES, SCHEMAS
 
 FORMATS = jsonschema.FormatChecker()
 PROMPTS = ["Tell me about the cat", "Give me data", "The dog runs to the ball"]
@@ -181,10 +181,12 @@ def test_chunked_prefill_prefix_cache_and_preemption(ckpt):
 # ---- the scheduler's bitmask contract (no model) -----------------------------------
 
 def test_grammar_bitmask_only_for_sampling_structured_rows():
-    from engine.structured_output.manager import StructuredOutputManager
+    import tempfile
+
     from sched_utils import create_scheduler, fake_output, make_request
     from tokenizer_utils import train_tiny_tokenizer
-    import tempfile
+
+    from engine.structured_output.manager import StructuredOutputManager
 
     tok_dir = tempfile.mkdtemp()
     train_tiny_tokenizer(tok_dir)

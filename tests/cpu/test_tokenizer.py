@@ -347,7 +347,8 @@ def test_min_tokens_and_stop_terminated(tok: Tokenizer) -> None:
 def test_incremental_sentencepiece_style_decoder() -> None:
     """Metaspace + byte-fallback (Llama-2 style): the leading-space strip and
     <0x..> byte tokens both need the left context the detokenizer keeps."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models, pre_tokenizers, trainers
     b = Backend(models.BPE(unk_token="<unk>", byte_fallback=True))
     b.pre_tokenizer = pre_tokenizers.Metaspace()
     b.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),

@@ -12,7 +12,6 @@ import json
 import httpx
 import jsonschema
 import pytest
-
 from llm_utils import make_checkpoint
 
 WEATHER = {"type": "object", "properties": {
@@ -272,8 +271,8 @@ def test_auto_with_response_format_is_calls_or_the_answer(api, ckpt):
     or the schema-shaped answer, nothing else; every output is one of them."""
     import llguidance as llg
 
-    from cluster.tools import tool_plan
     from cluster.openai_protocol import ChatRequest
+    from cluster.tools import tool_plan
     from engine.structured_output.llguidance_backend import LLGuidanceBackend
     from engine.tokenizer import load_tokenizer
 

@@ -19,8 +19,13 @@ import torch
 from torch import nn
 
 from parallel import state
-from parallel.layers import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                             RowParallelLinear, linear)
+from parallel.layers import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    linear,
+)
 from workers.lora.mapping import add_lora, get_lora_mapping
 
 

@@ -67,7 +67,7 @@ class LoRAManager:
         ids = {lr.lora_int_id: lr for lr in req_loras if lr is not None}
         if len(ids) > self.num_slots:
             raise RuntimeError(f"{len(ids)} adapters in one step, only {self.num_slots} slots")
-        for aid, lr in ids.items():
+        for lr in ids.values():
             self._activate(lr, set(ids))
         req_slots = np.array([-1 if lr is None else self.slot_of[lr.lora_int_id] for lr in req_loras],
                              dtype=np.int64)

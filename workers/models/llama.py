@@ -15,8 +15,13 @@ from torch import nn
 
 from parallel import state
 from parallel.communication import IntermediateTensors
-from parallel.layers import (MergedColumnParallelLinear, ParallelLMHead,
-                             QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+from parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from workers.layers.activation import SiluAndMul
 from workers.layers.attention import Attention
 from workers.layers.layernorm import RMSNorm
