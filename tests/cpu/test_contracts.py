@@ -42,7 +42,7 @@ def test_round_trips():
     assert _rt(so) == so
     mro = ModelRunnerOutput(["a"], {"a": 0}, [[9]], LogprobsLists([[9, 3]], [[-0.1, -2.0]], [1]))
     assert _rt(mro) == mro
-    eco = EngineCoreOutputs([EngineCoreOutput("a", [9], FinishReason.STOP, 9, [{9: -0.1}], 16)],
+    eco = EngineCoreOutputs([EngineCoreOutput("a", [9], FinishReason.STOP, 9, [{9: -0.1}], num_cached_tokens=16)],
                             SchedulerStats(num_running_reqs=1), 1.5)
     back = _rt(eco)
     assert back == eco and back.outputs[0].finish_reason is FinishReason.STOP
