@@ -149,11 +149,13 @@ def test_http_min_tokens_without_max_tokens(ckpt):
             assert r.status_code == 200, r.text
             sp = core.added[-1].sampling_params
             assert sp.max_tokens is None and sp.min_tokens == 3
+            # An explicit null is the field left out (OpenAI's nullable fields):
+            # completions' own default of 16 applies.
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "min_tokens": 3,
                                                       "max_tokens": None})
             assert r.status_code == 200, r.text
             sp = core.added[-1].sampling_params
-            assert sp.max_tokens is None and sp.min_tokens == 3
+            assert sp.max_tokens == 16 and sp.min_tokens == 3
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "min_tokens": 300,
                                                       "max_tokens": None})
             assert r.status_code == 400 and _error(r)["param"] == "min_tokens", r.text

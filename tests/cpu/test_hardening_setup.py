@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import types
 import os
 
 import msgspec
@@ -128,6 +129,8 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
     link.actor = _SilentActor()
     client = object.__new__(RayCoreClient)
     client.link, client.dead, client.recovering = link, None, False
+    client._reader, client._closing = None, False  # no output thread in this test
+    link.sender = types.SimpleNamespace(alive=lambda: True)
     client.budget = RestartBudget(0, 600.0)
     monkeypatch.setattr(ray, "get", timeout)
     with pytest.raises(EngineDeadError, match="did not answer a health check"):
@@ -367,7 +370,10 @@ class _GpuActor:
 def test_ray_executor_hands_each_rank_its_devices(monkeypatch):
     import executors.ray_executor as rx
 
+    from engine.config import build_config
+
     ex = object.__new__(rx.RayExecutor)
+    ex.config = build_config()
     ex.world_size = 4
     ex.bundle_nodes, ex.rank_order = ["A", "B", "A", "B"], [0, 2, 1, 3]
     ex._actors = [_GpuActor(i) for i in (["5"], ["4"], ["1"], ["0"])]  # in rank order

@@ -20,7 +20,7 @@ def test_placement_two_nodes_keeps_tp_groups_local():
         cluster.wait_for_nodes()
         pg = placement_group([{"GPU": 1}] * 4, strategy="PACK")
         ray.get(pg.ready(), timeout=60)
-        actors, nodes, order, infos = place_workers(pg, 0, 4, tp=2)
+        actors, nodes, order, infos = place_workers(pg, 0, 4, tp=2, start_timeout_s=120.0)
         rank_nodes = [n for n, _, _ in infos]
         assert len(set(rank_nodes)) == 2
         assert rank_nodes[0] == rank_nodes[1] and rank_nodes[2] == rank_nodes[3]
