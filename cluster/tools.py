@@ -158,6 +158,10 @@ def tool_plan(req: P.ChatRequest, parser_name: str,
     names = frozenset(s.name for s in specs)
     answer = structured_outputs_of(req.response_format, req.structured_outputs)
     if mode == "auto":
+        if answer is not None and answer.kind not in ("json", "json_object"):
+            # A regex, choice or grammar (vLLM's structured_outputs) governs the
+            # raw text, as in vLLM; the parser still finds calls written in it.
+            return ToolPlan(mode, parser, names, None, max_calls)
         # One grammar: the calls, or the answer in the requested JSON shape.
         constraint = None if answer is None else _compile_check(
             check, lambda: _calls_or_answer(req, parser, specs, max_calls, answer, allow_additional_properties),

@@ -103,7 +103,7 @@ def test_chat_routes_on_the_whole_prompt_not_its_first_message() -> None:
 
 def _req(tokens: list[int], salt: str | None = None) -> SimpleNamespace:
     """What BlockHasher and BlockPool read of a Request, hashed as the engine does."""
-    req = SimpleNamespace(all_token_ids=list(tokens), block_hashes=[], cache_salt=salt)
+    req = SimpleNamespace(all_token_ids=list(tokens), block_hashes=[], cache_salt=salt, lora_request=None)
     BlockHasher(BS).extend(req)
     return req
 

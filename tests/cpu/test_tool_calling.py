@@ -20,10 +20,11 @@ WEATHER = {"type": "object", "properties": {
 ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
                                         "b": {"type": "integer", "minimum": 0, "maximum": 999}},
        "required": ["a", "b"], "additionalProperties": False}
+# strict: the openai client's stream helper parses only strict tools' arguments.
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "add", "parameters": ADD}},
-         {"type": "function", "function": {"name": "ping"}}]  # no parameters: arguments {}
+                                           "parameters": WEATHER, "strict": True}},
+         {"type": "function", "function": {"name": "add", "parameters": ADD, "strict": True}},
+         {"type": "function", "function": {"name": "ping", "strict": True}}]  # no parameters: arguments {}
 SCHEMAS = {"get_weather": WEATHER, "add": ADD,
            "ping": {"type": "object", "properties": {}, "additionalProperties": False}}
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -372,7 +373,6 @@ ERRORS = [
     ({"messages": BAD_TURN}, "messages"),
     ({"messages": [MSGS[0], {"role": "user", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "add", "arguments": "{}"}}]}]}, "messages"),
-    ({"tools": TOOLS, "structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs"),
     ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ]
 
