@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cluster import openai_protocol as P
 from cluster.tools import tool_specs
@@ -46,8 +46,11 @@ def _tokenize(server: OpenAIServer, req: TokenizeRequest) -> dict[str, Any]:
     if (req.prompt is None) == (req.messages is None):
         raise P.bad_request("send exactly one of prompt and messages", "prompt")
     if req.messages is not None:
-        chat = P.ChatRequest(messages=req.messages, tools=req.tools,
-                             add_generation_prompt=req.add_generation_prompt)
+        try:
+            chat = P.ChatRequest(messages=req.messages, tools=req.tools,
+                                 add_generation_prompt=req.add_generation_prompt)
+        except ValidationError as e:  # e.g. messages: [] (a chat needs at least one)
+            raise P.invalid_request(e.errors()) from None
         tool_specs(chat)  # the template gets tools only once they are checked, as in chat
         ids = server._chat_prompt(chat)  # the template holds its special tokens (as chat runs it)
     else:

@@ -231,8 +231,9 @@ def test_tokenize_detokenize_and_model_card(api, ckpt):
                 await c.get("/v1/models/tiny"), await c.get("/v1/models/other"),
                 await c.post("/tokenize", json={"prompt": "x", "model": "other"}),
                 await c.post("/detokenize", json={"tokens": [10**9]}),
-                await c.post("/tokenize", json={})]
-    t, chat, d, card, unknown, bad_model, bad_ids, neither = _run(api, go)
+                await c.post("/tokenize", json={}),
+                await c.post("/tokenize", json={"messages": []})]
+    t, chat, d, card, unknown, bad_model, bad_ids, neither, no_messages = _run(api, go)
     ids = tok.encode("Hello world")
     assert t.json() == {"count": len(ids), "max_model_len": 2048, "tokens": ids,
                         "token_strs": [tok.decode([i], skip_special_tokens=False) for i in ids]}
@@ -241,5 +242,6 @@ def test_tokenize_detokenize_and_model_card(api, ckpt):
     assert d.json() == {"prompt": "Hello world"}
     assert card.json()["id"] == "tiny" and card.json()["object"] == "model"
     for r, status, code in [(unknown, 404, "model_not_found"), (bad_model, 404, "model_not_found"),
-                            (bad_ids, 400, "invalid_value"), (neither, 400, "invalid_value")]:
+                            (bad_ids, 400, "invalid_value"), (neither, 400, "invalid_value"),
+                            (no_messages, 400, "invalid_value")]:
         assert r.status_code == status and r.json()["error"]["code"] == code, r.text
