@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,12 +31,6 @@ from collections import Counter
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(model: str, port: int) -> None:
@@ -161,7 +154,9 @@ def main() -> int:
         from llm_utils import make_checkpoint
 
         make_checkpoint("llama", args.model)
-    port = _free_port()
+    from workers.worker import free_port
+
+    port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--model", args.model, "--serve", str(port)],
                              cwd=REPO)
     url = f"http://127.0.0.1:{port}"

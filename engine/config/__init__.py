@@ -29,8 +29,6 @@ from engine.config.sections import (
                                  StructuredOutputsConfig,
 )
 
-_TOOL_CALL_PARSERS = TOOL_CALL_PARSERS  # the name tests/cpu/test_tool_parsers.py checks
-
 __all__ = ["CacheConfig", "ConfigError", "EngineConfig", "Knob", "KnobInfo", "LoRAConfig", "ModelConfig",
            "ParallelConfig", "SchedulerConfig", "ServeConfig", "SpeculativeConfig",
            "StructuredOutputsConfig", "TOOL_CALL_PARSERS", "TRITON_BLOCK_SIZES", "build_config",

@@ -4,6 +4,7 @@ new knob is written once and the keyword map, the CLI options and the error text
 are derived from the structs (see `knob_table`)."""
 from __future__ import annotations
 
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class KnobInfo:
 
 def _base_type(hint: Any) -> type:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, __import__("types").UnionType) and args:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and args:
         hint = args[0]
     return hint if isinstance(hint, type) else object
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -25,22 +24,18 @@ for p in (ROOT, os.path.join(ROOT, "tests", "cpu")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from ray_nodes import free_port  # noqa: E402  (tests/cpu is on the path only from here)
+
 MODEL = "tiny"
 # litellm fetches a price table from GitHub at import unless told not to: tests stay offline.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server:
     """uvicorn + the app on their own event loop, in a daemon thread."""
 
     def __init__(self, ckpt: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._ckpt = ckpt
         self._ready = threading.Event()

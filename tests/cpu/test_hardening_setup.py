@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import math
-import types
 import os
+import types
 
 import msgspec
 import pytest
@@ -369,7 +369,6 @@ class _GpuActor:
 
 def test_ray_executor_hands_each_rank_its_devices(monkeypatch):
     import executors.ray_executor as rx
-
     from engine.config import build_config
 
     ex = object.__new__(rx.RayExecutor)

@@ -10,6 +10,7 @@ import re
 import httpx
 import jsonschema
 import pytest
+from asgi_utils import in_process_api, openai_client, run_on
 from llm_utils import make_checkpoint
 from pydantic import BaseModel, Field
 from structured_schemas import SCHEMAS
@@ -29,37 +30,15 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def api(ckpt):
     """(event loop, FastAPI app, AsyncLLM) on one loop for the whole module."""
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
-
-    cfg = build_config({"model": {"path": ckpt, "max_model_len": 512},
-                        "serve": {"served_model_name": "tiny"}})
-    loop = asyncio.new_event_loop()
-    llm = AsyncLLM(cfg)
-    srv = OpenAIServer(llm, cfg)
-    app = build_api(srv, api_key=None)
-    loop.run_until_complete(srv.start())
-    yield loop, app, llm
-    loop.run_until_complete(llm.shutdown())
-    loop.close()
+    yield from in_process_api(ckpt, max_model_len=512)
 
 
 def _run(api, coro_fn):
     loop, app, _ = api
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
-                                     timeout=60) as c:
-            return await coro_fn(c)
-    return loop.run_until_complete(go())
+    return run_on(loop, app, coro_fn)
 
 
-def _openai(c: httpx.AsyncClient):
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=c, max_retries=0)
+_openai = openai_client
 
 
 def _assert_error(r: httpx.Response, param: str) -> None:

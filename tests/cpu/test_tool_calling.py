@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
 import jsonschema
 import pytest
+from asgi_utils import openai_client, run_on
 from llm_utils import make_checkpoint
 
 WEATHER = {"type": "object", "properties": {
@@ -64,18 +64,10 @@ def api(ckpt):
 
 def _run(api, coro_fn, parser: str = "hermes"):
     loop, apps, _ = api
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=apps[parser]),
-                                     base_url="http://t", timeout=60) as c:
-            return await coro_fn(c)
-    return loop.run_until_complete(go())
+    return run_on(loop, apps[parser], coro_fn)
 
 
-def _openai(c: httpx.AsyncClient):
-    from openai import AsyncOpenAI
-
-    return AsyncOpenAI(base_url="http://t/v1", api_key="none", http_client=c, max_retries=0)
+_openai = openai_client
 
 
 def _check_calls(choice, allowed: set[str], parallel: bool = True) -> list:

@@ -102,9 +102,9 @@ def test_grammar_sentences_parse_back(parser):
 
 
 def test_registry_matches_config():
-    from engine.config import _TOOL_CALL_PARSERS, ConfigError, build_config
+    from engine.config import TOOL_CALL_PARSERS, ConfigError, build_config
 
-    assert set(TOOL_PARSERS) == set(_TOOL_CALL_PARSERS)
+    assert set(TOOL_PARSERS) == set(TOOL_CALL_PARSERS)
     assert build_config({"serve": {"tool_call_parser": "llama3_json"}}).serve.tool_call_parser == "llama3_json"
     with pytest.raises(ConfigError, match="serve.tool_call_parser: expected one of hermes/llama3_json"):
         build_config({"serve": {"tool_call_parser": "mistral"}})
