@@ -70,6 +70,9 @@ class ModelRunner:
         self.is_first_stage = is_first_stage
         self.block_size = config.cache.block_size
         self.requests: dict[str, CachedRequestState] = {}
+        # Live requests that asked for prompt logprobs: while empty, a step
+        # pays nothing for them.
+        self._prompt_logprobs_reqs: set[str] = set()
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, config.max_model_len,
                                       self.block_size)
         self.attn_backend = get_attention_backend(config.model.attention_backend, device,
@@ -182,6 +185,7 @@ class ModelRunner:
         batch = self.input_batch
         for rid in sorted(so.finished_req_ids):
             self.requests.pop(rid, None)
+            self._prompt_logprobs_reqs.discard(rid)
             batch.remove_request(rid)
         cached = so.scheduled_cached_reqs
         resumed = set(cached.resumed_req_ids)
@@ -226,6 +230,8 @@ class ModelRunner:
                                 nr.num_computed_tokens, list(nr.output_token_ids), nr.eos_token_id,
                                 nr.lora_request)
         self.requests[nr.req_id] = st
+        if sp.prompt_logprobs is not None:
+            self._prompt_logprobs_reqs.add(nr.req_id)
         return st
 
     @staticmethod
@@ -292,9 +298,11 @@ class ModelRunner:
         batch = self.input_batch
         rows = np.arange(len(req_ids))
         samples = batch.num_computed_tokens[rows] + num_sched >= batch.num_tokens[rows]
-        plp = compute_prompt_logprobs(self.model.compute_logits, out,
-                                      [self.requests[r] for r in req_ids],
-                                      batch.num_computed_tokens[rows], num_sched, p.query_start_loc)
+        plp = None
+        if self._prompt_logprobs_reqs:
+            plp = compute_prompt_logprobs(self.model.compute_logits, out,
+                                          [self.requests[r] for r in req_ids],
+                                          batch.num_computed_tokens[rows], num_sched, p.query_start_loc)
         self._pending = _PendingSample(logits, req_ids, samples, spec, plp)
         return None
 
