@@ -59,11 +59,11 @@ _METRIC = re.compile(r'^conveyor:prefix_cache_(queries|hits)_total\{([^}]*)\}\s+
 
 @dataclass(frozen=True)
 class Workload:
-    convs: int = 16
+    convs: int = 24
     turns: int = 6
     system_words: int = 50
     user_words: int = 13
-    answer_words: int = 6
+    answer_words: int = 12
     max_tokens: int = 32
     think_s: float = 0.2
     stagger_s: float = 0.25
@@ -197,7 +197,9 @@ def conveyor(a: argparse.Namespace, policy: str, port: int) -> Server:
                             max_model_len=a.max_model_len, conveyor_env=[],
                             conveyor_set=[f"parallel.data_parallel_size={a.engines}",
                                           f"serve.router={policy}",
-                                          f"cache.num_gpu_blocks={a.num_blocks}", *a.conveyor_set])
+                                          f"cache.block_size={a.block_size}",
+                                          f"cache.num_gpu_blocks={a.kv_tokens // a.block_size}",
+                                          *a.conveyor_set])
     s = conveyor_server(ns, port)
     s.name = f"conveyor {policy}"
     return s
@@ -207,8 +209,8 @@ def ray_llm(a: argparse.Namespace, port: int) -> Server:
     script = os.path.join(REPO, "bench", "ray_serve_llm_app.py")
     argv = [os.path.join(a.ray_llm_venv, "bin", "python"), script, a.model, "--port", str(port),
             "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.max_model_len),
-            "--replicas", str(a.engines), "--prefix-router", "--num-blocks", str(a.num_blocks),
-            "--block-size", "16", "--num-cpus", str(2 * a.engines + 2),
+            "--replicas", str(a.engines), "--prefix-router", "--num-blocks", str(a.kv_tokens // a.block_size),
+            "--block-size", str(a.block_size), "--num-cpus", str(2 * a.engines + 2),
             "--temp-dir", "/tmp/ray_routing_peer"]
     return Server("Ray Serve LLM prefix", argv, {**PEER_ENV, **_peer_thread_env()},
                   url=f"http://127.0.0.1:{port}", ready_pattern="Ray Serve LLM at http://")
@@ -226,7 +228,7 @@ def _peer_thread_env() -> dict[str, str]:
 def measure(s: Server, a: argparse.Namespace, w: Workload) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
-        url = start(s, a.out_dir, a.start_timeout_s)
+        url = start(s, a.out_dir, a.start_timeout_s if s.ready_pattern is None else a.peer_start_timeout_s)
         print(f"{s.name}: ready at {url} in {time.monotonic() - t0:.0f}s", flush=True)
         _run(warm_up(url, w))
         before = engine_counters(url)
@@ -290,7 +292,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--conveyor-set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--ray-llm-venv", default="/tmp/rayllmpeer")
     p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks of 16 tokens per engine")
+    p.add_argument("--kv-tokens", type=int, default=12288, help="KV cache per engine, in tokens")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="KV block size of every server (vLLM's CPU attention takes multiples of 32)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--convs", type=int, default=Workload.convs)
@@ -298,6 +302,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8400, help="first server port (+1 per server)")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
+    p.add_argument("--peer-start-timeout-s", type=float, default=200.0)
     p.add_argument("--out-dir", default=OUT)
     return p.parse_args(argv)
 
@@ -325,20 +330,26 @@ def main(argv: list[str] | None = None) -> int:
     w = Workload(convs=a.convs, turns=a.turns, seed=a.seed)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     rows = []
+    failed = []
     for s in make_servers(a):
-        rows.append(measure(s, a, w))
+        try:
+            rows.append(measure(s, a, w))
+        except Exception as e:  # noqa: BLE001 - one server that cannot run leaves the others' rows
+            print(f"{s.name}: could not run: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+            failed.append({"server": s.name, "error": f"{type(e).__name__}: {e}"[:4000]})
+            continue
         r = rows[-1]
         print(f"{s.name}: {r['requests'] - r['failed']}/{r['requests']} ok, hit {r['hit_rate']:.3f}, "
               f"TTFT p90 {r['ttft_p90_ms']:.0f} ms, {r['output_tok_s']:.1f} out tok/s "
               f"{r['errors'] or ''}", flush=True)
     print_table(rows)
     meta = {"date_utc": stamp, "argv": sys.argv, "platform": platform.platform(), "cpus": os.cpu_count(),
-            "workload": asdict(w), "engines": a.engines, "num_blocks": a.num_blocks}
+            "workload": asdict(w), "engines": a.engines, "kv_tokens": a.kv_tokens, "block_size": a.block_size}
     path = os.path.join(a.out_dir, f"{stamp}-summary.json")
     with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
+        json.dump({"meta": meta, "rows": rows, "could_not_run": failed}, f, indent=2)
     print(f"wrote {path}")
-    return 0 if all(r["failed"] == 0 for r in rows) else 1
+    return 0 if not failed and all(r["failed"] == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":
