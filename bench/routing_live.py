@@ -65,7 +65,8 @@ class Workload:
     user_words: int = 13
     answer_words: int = 12
     max_tokens: int = 32
-    think_s: float = 0.2
+    think_s: float = 0.2  # think time after each answer: uniform in [think_s, think_max_s]
+    think_max_s: float = 0.2
     stagger_s: float = 0.25
     seed: int = 0
 
@@ -137,13 +138,14 @@ def _body(messages: list[dict[str, str]], w: Workload) -> dict[str, Any]:
 async def conversation(client: Any, system: str, turns: list[tuple[str, str]], w: Workload,
                        delay: float) -> list[Turn]:
     await asyncio.sleep(delay)
+    think = random.Random(f"{w.seed}-{delay}")  # the same think times on every server
     msgs = [{"role": "system", "content": system}]
     out = []
     for user, answer in turns:
         msgs.append({"role": "user", "content": user})
         out.append(await chat(client, _body(msgs, w)))
         msgs.append({"role": "assistant", "content": answer})
-        await asyncio.sleep(w.think_s)
+        await asyncio.sleep(think.uniform(w.think_s, max(w.think_s, w.think_max_s)))
     return out
 
 
@@ -299,6 +301,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--convs", type=int, default=Workload.convs)
     p.add_argument("--turns", type=int, default=Workload.turns)
+    p.add_argument("--think-s", type=float, nargs=2, default=(Workload.think_s, Workload.think_max_s),
+                   metavar=("MIN", "MAX"), help="think time after each answer, uniform in [MIN, MAX]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=8400, help="first server port (+1 per server)")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
@@ -327,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.structured_output import build_model
 
         build_model(a.model)
-    w = Workload(convs=a.convs, turns=a.turns, seed=a.seed)
+    w = Workload(convs=a.convs, turns=a.turns, think_s=a.think_s[0], think_max_s=a.think_s[1], seed=a.seed)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     rows = []
     failed = []
