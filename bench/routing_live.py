@@ -25,7 +25,12 @@ enable_prompt_tokens_details); hit rate = cached / prompt tokens; TTFT
 p50/p90 (first streamed content token); output tok/s over the whole workload.
 
   .venv/bin/python bench/routing_live.py                       # kv_aware, power_of_two, ray-llm
-  .venv/bin/python bench/routing_live.py --servers kv_aware,power_of_two
+  .venv/bin/python bench/routing_live.py --servers kv_aware,power_of_two --think-s 0.5 3
+  .venv/bin/python bench/routing_live.py --servers ray-llm --think-s 0.5 3 --port 8410
+
+Defaults: 24 conversations x 6 turns, a ~300-token system prompt, ~64-token user and
+assistant messages, 32 tokens out, 2 engines of 12,288 KV tokens in blocks of 32 each
+(BENCHMARKS.md, "Routing live").
 """
 from __future__ import annotations
 
