@@ -52,6 +52,20 @@ def test_segmented_lora_matches_reference(seed: int, num_tokens: int, slots: int
     assert (tri - ref).abs().max() / scale < 1e-5, f"seed {seed}"
 
 
+def test_uneven_groups_take_the_sorted_path_and_match_the_reference() -> None:
+    """Prefill-like steps (one adapter with most tokens) skip the padding."""
+    from kernels.lora_triton import lora_reference
+
+    x, y, a_t, b_t, token_slots = _case(3, 120, 3, 24, 6, 20)
+    token_slots[:90] = 1
+    mp = LoRAMapping.build(token_slots, 3, torch.device("cpu"))
+    assert not mp.padded
+    ref = lora_reference(x, y, a_t, b_t, token_slots.tolist())
+    got = y.clone()
+    add_lora(x, got, a_t, b_t, mp)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
 def test_mapping_without_adapters_is_none() -> None:
     assert LoRAMapping.build(np.full(7, -1), 4, torch.device("cpu")) is None
 

@@ -5,7 +5,8 @@ Each wrapper holds max_loras slots of stacked weights, sub-projections of a
 fused linear side by side:
     a_t [S, in_per_rank, n_sub * R]    (A^T of each sub-projection, rank-padded)
     b_t [S, n_sub * R, out_per_rank]   (B^T * scale, block diagonal over sub-projections)
-so one shrink and one expand serve q, k and v (or gate and up) together.
+so one shrink serves q, k and v (or gate and up) together; the CPU expand then
+runs block by block (`subs`), the Triton one over the whole block-diagonal b_t.
 Zero-padded ranks and absent sub-projections contribute exactly zero.
 
 TP: a column-parallel layer keeps A whole and this rank's rows of B (its
@@ -26,7 +27,7 @@ from parallel.layers import (
     RowParallelLinear,
     linear,
 )
-from workers.lora.mapping import add_lora, get_lora_mapping
+from workers.lora.mapping import SubBlock, add_lora, get_lora_mapping
 
 
 class _LoRALinearBase(nn.Module):
@@ -39,6 +40,9 @@ class _LoRALinearBase(nn.Module):
         self.out_offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         w = base.weight
         n_sub = len(out_sizes)
+        self.subs: list[SubBlock] | None = None if n_sub == 1 else [
+            (slice(i * max_rank, (i + 1) * max_rank), slice(off, off + size))
+            for i, (off, size) in enumerate(zip(self.out_offsets, out_sizes))]
         # One extra slot, always zero: base-model tokens read it (workers/lora/mapping.py).
         self.register_buffer("a_t", torch.zeros(num_slots + 1, in_size, n_sub * max_rank,
                                                 dtype=w.dtype, device=w.device), persistent=False)
@@ -60,7 +64,7 @@ class _LoRALinearBase(nn.Module):
     def _delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mp = get_lora_mapping()
         if mp is not None:
-            add_lora(x, y, self.a_t, self.b_t, mp)
+            add_lora(x, y, self.a_t, self.b_t, mp, self.subs)
         return y
 
 
