@@ -109,7 +109,9 @@ def _vllm(side: str, args: argparse.Namespace, job: str) -> dict:
            "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONPATH": ""}
     out = subprocess.run([args.vllm_python, os.path.join(REPO, "bench", "lora_vllm.py"), side, job],
-                         check=True, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+                         capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    if out.returncode != 0:
+        raise RuntimeError(f"vLLM {side} side failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -170,7 +172,14 @@ def main() -> int:
         for rep in range(args.repeats):
             for side in sides:
                 if side.startswith("vllm_"):
-                    r = _vllm(side[5:], args, job)
+                    try:
+                        r = _vllm(side[5:], args, job)
+                    except RuntimeError as e:
+                        print(e, flush=True)
+                        for s in ("vllm_base", "vllm_lora"):
+                            runs.pop(s, None)
+                        sides = ["base", "lora"]
+                        break
                 else:
                     r = _subprocess(side, args)
                 runs[side].append(r)
