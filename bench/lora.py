@@ -112,7 +112,8 @@ def _vllm(side: str, args: argparse.Namespace, job: str) -> dict:
                          capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     if out.returncode != 0:
         raise RuntimeError(f"vLLM {side} side failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # vLLM may log to stdout after our line.
+    return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith('{"side"')][-1])
 
 
 def _write_job(args: argparse.Namespace, paths: list[str]) -> str:

@@ -56,8 +56,8 @@ def test_uneven_groups_take_the_sorted_path_and_match_the_reference() -> None:
     """Prefill-like steps (one adapter with most tokens) skip the padding."""
     from kernels.lora_triton import lora_reference
 
-    x, y, a_t, b_t, token_slots = _case(3, 120, 3, 24, 6, 20)
-    token_slots[:90] = 1
+    x, y, a_t, b_t, token_slots = _case(3, 200, 3, 24, 6, 20)
+    token_slots[:190] = 1
     mp = LoRAMapping.build(token_slots, 3, torch.device("cpu"))
     assert not mp.padded
     ref = lora_reference(x, y, a_t, b_t, token_slots.tolist())
