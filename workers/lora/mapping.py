@@ -15,6 +15,11 @@ order inside a group). Layouts of the same grouping:
   group would multiply the work): the grouped rows, one torch.mm pair per
   used slot on contiguous slices (`segments`), back to token order through
   `seg_gather` (base tokens read an extra zero row n);
+- runs (CPU, long same-adapter runs in token order, e.g. prefill chunks):
+  no copies at all: per run one mm on x's own rows and one in-place addmm_
+  per sub-projection into y's rows (the expand's [rows, N] product, its
+  gather and its add were the bulk of a prefill step's LoRA time: memory
+  traffic on a product with inner dimension R);
 - segments (Triton): sorted positions [seg_start[g], seg_start[g+1]) use slot
   seg_slot[g].
 """
@@ -43,6 +48,7 @@ class LoRAMapping:
     padded: bool  # CPU: the bmm over padded groups (else the sorted mm per segment)
     segments: list[tuple[int, int, int]]  # (start, end, slot) of each used slot's sorted rows
     seg_gather: torch.Tensor  # int64 [T]: each token's sorted row, n for base tokens
+    runs: list[tuple[int, int, int]] | None  # CPU: (start, end, slot) in token order, when long
 
     @classmethod
     def build(cls, token_slots: np.ndarray, num_slots: int, device: torch.device) -> LoRAMapping | None:
@@ -74,14 +80,25 @@ class LoRAMapping:
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
+        runs = _runs(token_slots)
         return cls(num_slots, token_slots, dev(order.astype(np.int64)), m, groups, dev(src), dev(gather),
                    dev(seg_start), dev(used.astype(np.int32)), dev(np.arange(order.size, dtype=np.int64)),
-                   bool(padded), segments, dev(seg_gather))
+                   bool(padded), segments, dev(seg_gather),
+                   runs if token_slots.size >= RUN_MIN_LEN * max(len(runs), 1) else None)
 
 
+RUN_MIN_LEN = 16  # mean tokens per adapter run for the runs path (decode's runs are 1 token)
 PAD_WASTE = 3.0  # padded rows allowed per token of the step (1.7x still measured faster padded) ...
 PAD_SLACK = 8  # ... plus this many per group (decode's small, even groups always pad)
 _MAPPING: LoRAMapping | None = None
+
+
+def _runs(token_slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """Maximal runs of one adapter slot in token order (base-model runs left out)."""
+    edges = np.flatnonzero(np.diff(token_slots)) + 1
+    starts = np.concatenate(([0], edges))
+    ends = np.concatenate((edges, [token_slots.size]))
+    return [(int(a), int(b), int(token_slots[a])) for a, b in zip(starts, ends) if token_slots[a] >= 0]
 
 
 def get_lora_mapping() -> LoRAMapping | None:
@@ -112,6 +129,12 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Ten
     if x.is_cuda:
         assert b_t is not None, "the Triton path expands through the block-diagonal b_t"
         _add_lora_triton(x, y, a_t, b_t, mp)
+        return
+    if mp.runs is not None:
+        for start, end, slot in mp.runs:
+            shrunk = torch.mm(x[start:end], a_t[slot])
+            for r, o, b in subs or [(slice(None), slice(None), b_t)]:
+                y[start:end, o].addmm_(shrunk[:, r], b[slot])
         return
     if not mp.padded:
         _add_lora_sorted(x, y, a_t, b_t, mp, subs)
