@@ -24,7 +24,10 @@ so the rotary rounds exactly as its torch form on every table.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension``
 (gcc + ninja; about 30 s once, then cached under ``TORCH_EXTENSIONS_DIR`` or
-``~/.cache/torch_extensions``); ``available()`` says whether that worked.
+``~/.cache/torch_extensions``, in a directory named by the hash of the sources,
+headers, flags and torch version: two checkouts with different kernels never
+rebuild over each other, and a process loading one never waits on the other's
+build lock); ``available()`` says whether that worked.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # portable table only, any other CPU gcc builds for).
 _SOURCES = [os.path.join(_CSRC, f) for f in
             ("paged_attention_cpu.cpp", "kernels_portable.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp")]
-# Headers the sources include: hashed into a define (see _headers_tag).
+# Headers the sources include: hashed into the build directory's name.
 _HEADERS = ("cpu_kernels.h", "generic_kernels.inc")
 ISAS = ("auto", "avx512", "avx2", "portable")
 _EXT_NAME = "conveyor_paged_attention_cpu"
@@ -89,9 +92,10 @@ def load_extension() -> ModuleType:
             _put_ninja_on_path()
             from torch.utils.cpp_extension import load
 
+            cflags = ["-O3", "-fopenmp", "-ffp-contract=off"]
             _ext = load(name=_EXT_NAME, sources=_SOURCES, extra_include_paths=[_CSRC],
-                        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", _headers_tag()],
-                        extra_ldflags=["-fopenmp"], verbose=False)
+                        extra_cflags=cflags, extra_ldflags=["-fopenmp"],
+                        build_directory=_build_directory(cflags), verbose=False)
         except Exception as e:  # compiler missing, headers missing, ...
             _error = f"the CPU attention kernel did not build: {type(e).__name__}: {e}"
             raise RuntimeError(_error) from e
@@ -99,16 +103,20 @@ def load_extension() -> ModuleType:
         return _ext
 
 
-def _headers_tag() -> str:
-    """A define naming the headers' content hash: torch rebuilds the extension
-    when sources or flags change, and the headers are neither."""
+def _build_directory(cflags: list[str]) -> str:
+    """Where this exact kernel is built: the root torch would use, then one
+    directory per content hash of sources, headers, flags and torch version."""
     import hashlib
 
-    h = hashlib.sha1()
-    for name in _HEADERS:
-        with open(os.path.join(_CSRC, name), "rb") as f:
+    h = hashlib.sha1(" ".join(cflags + [torch.__version__]).encode())
+    for path in _SOURCES + [os.path.join(_CSRC, name) for name in _HEADERS]:
+        with open(path, "rb") as f:
             h.update(f.read())
-    return f"-DCONVEYOR_CPU_HEADERS={h.hexdigest()[:12]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions")
+    path = os.path.join(root, f"{_EXT_NAME}-{h.hexdigest()[:16]}")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def isa() -> str:

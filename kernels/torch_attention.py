@@ -261,7 +261,8 @@ def paged_attention_ref(
     seq_lens: torch.Tensor | np.ndarray,
     scale: float,
 ) -> torch.Tensor:
-    """Plain-loop fp32 reference (tests only). Returns fp32 ``[T, Hq, D]``.
+    """Plain-loop reference (tests only), computed in fp64 so it is the exact
+    answer to within fp32's last bit. Returns fp32 ``[T, Hq, D]``.
 
     Rows not owned by a request stay zero.
     """
@@ -275,8 +276,8 @@ def paged_attention_ref(
         keys, vals = [], []
         for p in range(seq_len):
             blk = int(block_table[r, p // block_size])
-            keys.append(kv_cache[blk, 0, p % block_size].float().cpu())
-            vals.append(kv_cache[blk, 1, p % block_size].float().cpu())
+            keys.append(kv_cache[blk, 0, p % block_size].double().cpu())
+            vals.append(kv_cache[blk, 1, p % block_size].double().cpu())
         if not keys:
             continue
         k = torch.stack(keys).repeat_interleave(group, dim=1)  # [L, Hq, D]
@@ -285,10 +286,10 @@ def paged_attention_ref(
         for i in range(q_len):
             t = qsl[r] + i
             pos = seq_len - q_len + i  # attends to keys 0..pos
-            q = query[t].float().cpu()  # [Hq, D]
+            q = query[t].double().cpu()  # [Hq, D]
             scores = (k[: pos + 1] * q).sum(-1) * scale  # [pos+1, Hq]
             probs = torch.softmax(scores, dim=0)
-            out[t] = (probs[:, :, None] * v[: pos + 1]).sum(0)
+            out[t] = (probs[:, :, None] * v[: pos + 1]).sum(0).float()
     return out
 
 

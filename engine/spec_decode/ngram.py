@@ -3,7 +3,7 @@
 The core proposes because the drafts must be in the SchedulerOutput anyway
 (every TP rank verifies the same drafts) and the core already holds every
 request's tokens: no extra worker -> core message, no extra step of latency.
-See ARCHITECTURE.md ("Speculative decoding") for the measured cost.
+See docs/spec_decode.md for the measured cost.
 """
 from __future__ import annotations
 

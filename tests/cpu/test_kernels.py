@@ -521,3 +521,22 @@ def test_quantize_linears_routes_every_linear_through_int8() -> None:
     assert build_config(quantization="int8", max_model_len=64).model.quantization == "int8"
     with pytest.raises(ConfigError, match="quantization"):
         build_config(quantization="int4", max_model_len=64)
+
+
+def test_kernel_build_directory_is_keyed_by_content(tmp_path, monkeypatch) -> None:
+    """Two checkouts whose kernel sources differ build in different directories
+    (neither rebuilds over the other nor waits on its build lock); the same
+    sources and flags always map to the same one."""
+    import shutil
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    flags = ["-O3"]
+    here = cpu_attention._build_directory(flags)
+    assert here == cpu_attention._build_directory(flags) and os.path.isdir(here)
+    assert os.path.dirname(here) == str(tmp_path / "ext")
+    assert cpu_attention._build_directory(["-O2"]) != here
+    copy = tmp_path / "csrc"
+    shutil.copytree(cpu_attention._CSRC, copy)
+    (copy / "kernels_portable.cpp").write_text((copy / "kernels_portable.cpp").read_text() + "\n// edit\n")
+    monkeypatch.setattr(cpu_attention, "_SOURCES", [str(copy / os.path.basename(p)) for p in cpu_attention._SOURCES])
+    assert cpu_attention._build_directory(flags) != here
