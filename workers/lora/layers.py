@@ -4,8 +4,13 @@ model keeps its plain layers and pays nothing.
 Each wrapper holds max_loras slots of stacked weights, sub-projections of a
 fused linear side by side:
     a_t [S, in_per_rank, n_sub * R]    (A^T of each sub-projection, rank-padded)
-    b_t [S, n_sub * R, out_per_rank]   (B^T * scale, block diagonal over sub-projections)
-so one shrink and one expand serve q, k and v (or gate and up) together.
+so one shrink serves q, k and v (or gate and up) together. B^T * scale:
+- CUDA: b_t [S, n_sub * R, out_per_rank], block diagonal over sub-projections,
+  so one Triton expand serves all of them;
+- CPU, fused layers: one compact [S, R, out_i] per sub-projection (`subs`),
+  expanded block by block: at decode the expand streams its weights for a
+  few rows per slot, and the block-diagonal zeros were half (gate/up) to two
+  thirds (q/k/v) of those bytes.
 Zero-padded ranks and absent sub-projections contribute exactly zero.
 
 TP: a column-parallel layer keeps A whole and this rank's rows of B (its
@@ -26,7 +31,7 @@ from parallel.layers import (
     RowParallelLinear,
     linear,
 )
-from workers.lora.mapping import add_lora, get_lora_mapping
+from workers.lora.mapping import SubBlock, add_lora, get_lora_mapping
 
 
 class _LoRALinearBase(nn.Module):
@@ -39,15 +44,23 @@ class _LoRALinearBase(nn.Module):
         self.out_offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
         w = base.weight
         n_sub = len(out_sizes)
-        # One extra slot, always zero: base-model tokens read it (workers/lora/mapping.py).
-        self.register_buffer("a_t", torch.zeros(num_slots + 1, in_size, n_sub * max_rank,
-                                                dtype=w.dtype, device=w.device), persistent=False)
-        self.register_buffer("b_t", torch.zeros(num_slots + 1, n_sub * max_rank, sum(out_sizes),
-                                                dtype=w.dtype, device=w.device), persistent=False)
+        split = n_sub > 1 and w.device.type == "cpu"
+
+        def zeros(*shape: int) -> torch.Tensor:
+            # One extra slot, always zero: base-model tokens read it (workers/lora/mapping.py).
+            return torch.zeros(num_slots + 1, *shape, dtype=w.dtype, device=w.device)
+
+        self.register_buffer("a_t", zeros(in_size, n_sub * max_rank), persistent=False)
+        self.b_t: torch.Tensor | None = None if split else zeros(n_sub * max_rank, sum(out_sizes))
+        self.subs: list[SubBlock] | None = None
+        if split:
+            self.subs = [(slice(i * max_rank, (i + 1) * max_rank), slice(off, off + size), zeros(max_rank, size))
+                         for i, (off, size) in enumerate(zip(self.out_offsets, out_sizes))]
 
     def clear_slot(self, slot: int) -> None:
         self.a_t[slot].zero_()
-        self.b_t[slot].zero_()
+        for b in [self.b_t] if self.subs is None else [sb[2] for sb in self.subs]:
+            b[slot].zero_()
 
     def set_sub(self, slot: int, sub: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """a: [r, in_per_rank] (lora_A, this rank's part), b: [out_per_rank, r]
@@ -55,12 +68,15 @@ class _LoRALinearBase(nn.Module):
         r, lo = a.shape[0], sub * self.max_rank
         off, size = self.out_offsets[sub], self.out_sizes[sub]
         self.a_t[slot, :, lo:lo + r].copy_(a.t())
-        self.b_t[slot, lo:lo + r, off:off + size].copy_(b.t())
+        if self.subs is not None:
+            self.subs[sub][2][slot, :r].copy_(b.t())
+        else:
+            self.b_t[slot, lo:lo + r, off:off + size].copy_(b.t())
 
     def _delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mp = get_lora_mapping()
         if mp is not None:
-            add_lora(x, y, self.a_t, self.b_t, mp)
+            add_lora(x, y, self.a_t, self.b_t, mp, self.subs)
         return y
 
 

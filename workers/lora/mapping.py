@@ -2,14 +2,24 @@
 LoRA-wrapped linears (workers/lora/layers.py) only index and multiply.
 
 Tokens with an adapter are grouped by slot (a stable sort: tokens keep their
-order inside a group). Two layouts of the same grouping:
-- padded (CPU): slot s's i-th token is row s * m + i of a [G * m, K] copy of
-  the step's rows (one index_select; padding rows repeat token 0), so every
-  slot is one batch entry of a torch.bmm. When the step has base-model
-  tokens, group G - 1 = S is the wrappers' extra all-zero slot and every
-  base token reads its row S * m back: the result returns to token order
-  with one gather and one dense add (index_copy_/index_add_ into a zeroed
-  buffer measured several times slower than the whole bmm pair);
+order inside a group). Layouts of the same grouping:
+- padded (CPU, groups of similar size, e.g. decode): slot s's i-th token is
+  row s * m + i of a [G * m, K] copy of the step's rows (one index_select;
+  padding rows repeat token 0), so every slot is one batch entry of a
+  torch.bmm. When the step has base-model tokens, group G - 1 = S is the
+  wrappers' extra all-zero slot and every base token reads its row S * m
+  back: the result returns to token order with one gather and one dense add
+  (index_copy_/index_add_ into a zeroed buffer measured several times slower
+  than the whole bmm pair);
+- sorted (CPU, uneven groups, e.g. prefill, where padding to the largest
+  group would multiply the work): the grouped rows, one torch.mm pair per
+  used slot on contiguous slices (`segments`), back to token order through
+  `seg_gather` (base tokens read an extra zero row n);
+- runs (CPU, long same-adapter runs in token order, e.g. prefill chunks):
+  no copies at all: per run one mm on x's own rows and one in-place addmm_
+  per sub-projection into y's rows (the expand's [rows, N] product, its
+  gather and its add were the bulk of a prefill step's LoRA time: memory
+  traffic on a product with inner dimension R);
 - segments (Triton): sorted positions [seg_start[g], seg_start[g+1]) use slot
   seg_slot[g].
 """
@@ -35,6 +45,10 @@ class LoRAMapping:
     seg_start: torch.Tensor  # int32 [G + 1]
     seg_slot: torch.Tensor  # int32 [G]
     positions: torch.Tensor  # int64 [n]: 0..n-1 (the Triton expand's input rows)
+    padded: bool  # CPU: the bmm over padded groups (else the sorted mm per segment)
+    segments: list[tuple[int, int, int]]  # (start, end, slot) of each used slot's sorted rows
+    seg_gather: torch.Tensor  # int64 [T]: each token's sorted row, n for base tokens
+    runs: list[tuple[int, int, int]] | None  # CPU: (start, end, slot) in token order, when long
 
     @classmethod
     def build(cls, token_slots: np.ndarray, num_slots: int, device: torch.device) -> LoRAMapping | None:
@@ -56,15 +70,35 @@ class LoRAMapping:
         gather[order] = pad
         used = np.flatnonzero(counts)
         seg_start = np.concatenate((starts[used], [order.size])).astype(np.int32)
+        segments = [(int(seg_start[i]), int(seg_start[i + 1]), int(s)) for i, s in enumerate(used)]
+        seg_gather = np.full(token_slots.size, order.size, dtype=np.int64)
+        seg_gather[order] = np.arange(order.size)
+        # Padding costs (groups * m - n) wasted rows; a python-level mm pair per
+        # slot costs more than a few wasted rows each, so pad unless it wastes a lot.
+        padded = groups * m <= PAD_WASTE * token_slots.size + PAD_SLACK * groups
 
         def dev(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
+        runs = _runs(token_slots)
         return cls(num_slots, token_slots, dev(order.astype(np.int64)), m, groups, dev(src), dev(gather),
-                   dev(seg_start), dev(used.astype(np.int32)), dev(np.arange(order.size, dtype=np.int64)))
+                   dev(seg_start), dev(used.astype(np.int32)), dev(np.arange(order.size, dtype=np.int64)),
+                   bool(padded), segments, dev(seg_gather),
+                   runs if token_slots.size >= RUN_MIN_LEN * max(len(runs), 1) else None)
 
 
+RUN_MIN_LEN = 16  # mean tokens per adapter run for the runs path (decode's runs are 1 token)
+PAD_WASTE = 3.0  # padded rows allowed per token of the step (1.7x still measured faster padded) ...
+PAD_SLACK = 8  # ... plus this many per group (decode's small, even groups always pad)
 _MAPPING: LoRAMapping | None = None
+
+
+def _runs(token_slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """Maximal runs of one adapter slot in token order (base-model runs left out)."""
+    edges = np.flatnonzero(np.diff(token_slots)) + 1
+    starts = np.concatenate(([0], edges))
+    ends = np.concatenate((edges, [token_slots.size]))
+    return [(int(a), int(b), int(token_slots[a])) for a, b in zip(starts, ends) if token_slots[a] >= 0]
 
 
 def get_lora_mapping() -> LoRAMapping | None:
@@ -81,17 +115,51 @@ def set_lora_mapping(mapping: LoRAMapping | None) -> Iterator[None]:
         _MAPPING = prev
 
 
-def add_lora(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
-             mp: LoRAMapping) -> None:
+# A fused layer's sub-projection on CPU: (its columns of the shrunk rows, its
+# output columns, its own B^T * scale [S + 1, R_i, N_i]).
+SubBlock = tuple[slice, slice, torch.Tensor]
+
+
+def add_lora(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor | None,
+             mp: LoRAMapping, subs: list[SubBlock] | None = None) -> None:
     """y[t] += x[t] @ a_t[s] @ b_t[s] for every token t with slot s, in place.
-    a_t: [S + 1, K, R], b_t: [S + 1, R, N] (scale folded into b_t; slot S all zero)."""
+    a_t: [S + 1, K, R], b_t: [S + 1, R, N] (scale folded into b_t; slot S all zero).
+    With `subs` (CPU) b_t is unused: sub-projection i adds
+    (x @ a_t[s])[:, rank_i] @ B_i[s] to y[:, out_i]."""
     if x.is_cuda:
+        assert b_t is not None, "the Triton path expands through the block-diagonal b_t"
         _add_lora_triton(x, y, a_t, b_t, mp)
+        return
+    if mp.runs is not None:
+        for start, end, slot in mp.runs:
+            shrunk = torch.mm(x[start:end], a_t[slot])
+            for r, o, b in subs or [(slice(None), slice(None), b_t)]:
+                y[start:end, o].addmm_(shrunk[:, r], b[slot])
+        return
+    if not mp.padded:
+        _add_lora_sorted(x, y, a_t, b_t, mp, subs)
         return
     g, m = mp.groups, mp.m
     xp = x.index_select(0, mp.src_index).view(g, m, x.shape[-1])
-    out = torch.bmm(torch.bmm(xp, a_t[:g]), b_t[:g])
-    y.add_(out.view(g * m, -1).index_select(0, mp.gather_index))
+    shrunk = torch.bmm(xp, a_t[:g])
+    for r, o, b in subs or [(slice(None), slice(None), b_t)]:
+        out = torch.bmm(shrunk[:, :, r], b[:g])
+        y[:, o].add_(out.view(g * m, -1).index_select(0, mp.gather_index))
+
+
+def _add_lora_sorted(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
+                     mp: LoRAMapping, subs: list[SubBlock] | None) -> None:
+    n = mp.rows.numel()
+    xs = x.index_select(0, mp.rows)
+    shrunk = y.new_empty(n, a_t.shape[-1])
+    for start, end, slot in mp.segments:
+        torch.mm(xs[start:end], a_t[slot], out=shrunk[start:end])
+    for r, o, b in subs or [(slice(None), slice(None), b_t)]:
+        out = y.new_empty(n + 1, b.shape[-1])
+        out[n].zero_()  # base-model tokens read this row
+        for start, end, slot in mp.segments:
+            torch.mm(shrunk[start:end, r], b[slot], out=out[start:end])
+        y[:, o].add_(out.index_select(0, mp.seg_gather))
 
 
 def _add_lora_triton(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
