@@ -202,7 +202,9 @@ class DataParallelClient:
         self.states[i] = DEAD if dead else LOST
         if was_up:
             self.router.engine_down(i)
-        self._idle.pop(i, None)
+        idle = self._idle.pop(i, None)
+        if idle is not None:  # a drain waiting on it: a lost engine holds nothing
+            idle.set()
         if UP not in self.states:
             return False
         log.warning("%s; moving its %d requests to the other engines", why,
@@ -258,6 +260,8 @@ class DataParallelClient:
         with self._lock:
             if not 0 <= engine < len(self.clients):
                 raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
+            if self.states[engine] == DRAINED and engine not in self._idle:
+                return 0  # drained before and empty since
             if self.states[engine] != UP:
                 raise ValueError(f"engine {engine} is {self.states[engine]}, not up")
             if sum(s == UP for s in self.states) < 2:
