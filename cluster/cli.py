@@ -3,7 +3,7 @@
     conveyor serve CONFIG [--port 8001 ...]           OpenAI API on Ray Serve (blocks)
     conveyor generate CONFIG --prompt "Hello" [...]   offline generation, prints the text
     conveyor batch --config CONFIG --input in.jsonl --output out.jsonl
-    conveyor bench {scheduler,offline,offline-compare,serve,attention,spec,serve-compare} [ARGS...]
+    conveyor bench {scheduler,offline,offline-compare,serve,attention,spec,serve-compare,migration} [ARGS...]
     conveyor config validate CONFIG [CONFIG...]
     conveyor drain --url URL --engine I [--undrain]  move a data-parallel engine's requests off it
 
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {"scheduler": "bench/scheduler.py", "offline": "bench/offline_throughput.py",
            "serve": "bench/serve_load.py", "attention": "bench/attention.py",
            "spec": "bench/spec_decode.py", "serve-compare": "bench/serve_compare.py",
-           "offline-compare": "bench/compare_vllm.py"}
+           "offline-compare": "bench/compare_vllm.py", "migration": "bench/migration.py"}
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 

@@ -261,3 +261,22 @@ def test_actor_loss_moves_at_once_and_the_rebuilt_engine_comes_back() -> None:
     assert len(b.added) == 2 and len(a.added) == 1
     back()
     assert sorted(r.request_id for r in a.added[-2:]) == ["r0", "r1"]
+
+
+def test_drain_cli_and_admin_body_checks(capsys) -> None:
+    import socket
+
+    from pydantic import ValidationError
+
+    from cluster.admin_routes import DrainRequest
+    from cluster.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["drain", "--url", f"http://127.0.0.1:{port}", "--engine", "1", "--timeout", "1"]) == 1
+    assert "/admin/drain" in capsys.readouterr().err
+    for bad in ({"engine": -1}, {"engine": "0"}, {"engine": 0, "timeout_s": float("nan")},
+                {"engine": 0, "timeout_s": 0}, {"engine": 0, "extra": 1}):
+        with pytest.raises(ValidationError):
+            DrainRequest.model_validate(bad)
