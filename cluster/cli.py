@@ -3,8 +3,9 @@
     conveyor serve CONFIG [--port 8001 ...]           OpenAI API on Ray Serve (blocks)
     conveyor generate CONFIG --prompt "Hello" [...]   offline generation, prints the text
     conveyor batch --config CONFIG --input in.jsonl --output out.jsonl
-    conveyor bench {scheduler,offline,offline-compare,serve,attention,spec,serve-compare} [ARGS...]
+    conveyor bench {scheduler,offline,offline-compare,serve,attention,spec,serve-compare,migration} [ARGS...]
     conveyor config validate CONFIG [CONFIG...]
+    conveyor drain --url URL --engine I [--undrain]  move a data-parallel engine's requests off it
 
 Every option that changes the engine names the config key it overrides in
 --help; `--set KEY.PATH=VALUE` overrides any other key. Overrides are
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {"scheduler": "bench/scheduler.py", "offline": "bench/offline_throughput.py",
            "serve": "bench/serve_load.py", "attention": "bench/attention.py",
            "spec": "bench/spec_decode.py", "serve-compare": "bench/serve_compare.py",
-           "offline-compare": "bench/compare_vllm.py"}
+           "offline-compare": "bench/compare_vllm.py", "migration": "bench/migration.py"}
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 
@@ -284,6 +285,44 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+# ---- drain -----------------------------------------------------------------------------
+
+def _add_drain(sub: Any) -> None:
+    p = sub.add_parser("drain", help="move every request off one data-parallel engine of a server",
+                       formatter_class=_FORMATTER,
+                       description="POST /admin/drain: the engine takes no new request, its in-flight "
+                                   "requests continue on the other engines (no stream breaks), and "
+                                   "this returns once it holds none. --undrain lets it take requests "
+                                   "again. The API key is read from the variable --api-key-env names.")
+    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--engine", type=int, required=True, help="the engine's index (0-based)")
+    p.add_argument("--undrain", action="store_true", help="let a drained engine take requests again")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the engine to empty")
+    p.add_argument("--api-key-env", default="CONVEYOR_API_KEY", help="environment variable holding the key")
+    p.set_defaults(func=cmd_drain)
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    body = {"engine": args.engine} if args.undrain else {"engine": args.engine, "timeout_s": args.timeout}
+    url = args.url.rstrip("/") + ("/admin/undrain" if args.undrain else "/admin/drain")
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get(args.api_key_env)
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout + 30) as r:
+            print(r.read().decode())
+        return 0
+    except urllib.error.HTTPError as e:
+        return _error(f"{url}: HTTP {e.code}: {e.read().decode(errors='replace')}", 1)
+    except (urllib.error.URLError, TimeoutError, OSError) as e:
+        return _error(f"{url}: {e}", 1)
+
+
 # ---- main ------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -296,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch(sub)
     _add_bench(sub)
     _add_config(sub)
+    _add_drain(sub)
     return p
 
 

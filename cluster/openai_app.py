@@ -16,6 +16,7 @@ from starlette.routing import WebSocketRoute
 
 from cluster import lora_routes
 from cluster import openai_protocol as P
+from cluster.admin_routes import add_admin_routes
 from cluster.middleware import AuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from cluster.openai_server import OpenAIServer, engine_unavailable, error_response, internal_error
 from cluster.responses_api import add_responses_routes
@@ -75,6 +76,7 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
     lora_routes.add_routes(app, lambda: server.llm.frontend.loras, guarded, _ERROR_RESPONSES)
     add_utility_routes(app, server, guarded, _ERROR_RESPONSES)
     add_responses_routes(app, server, guarded, _ERROR_RESPONSES)
+    add_admin_routes(app, server, guarded, _ERROR_RESPONSES)
 
     @app.get("/health")
     async def health() -> Response:

@@ -6,12 +6,17 @@ pending call that fails when it dies, and a health check every
 PING_INTERVAL_S bounded by parallel.step_timeout_s for a wedged one). When the
 actor is lost it starts a new one from the same CoreActorSpec (same placement
 group, fresh plane keys) and resubmits every unfinished request with the
-tokens already delivered (cluster/resume_ledger.py), within
+tokens already delivered (engine/resume_ledger.py), within
 parallel.max_restarts per parallel.restart_window_s. Past that budget, or
 without a new actor within parallel.recovery_timeout_s, the engine is dead:
 one engine_error message ends every stream with "error" and health fails.
 An engine that reports itself dead (its core's own fail-fast path) is not
 restarted: it already spent its worker-restart budget.
+
+Under data parallel (engine/dp_engine.py, hand_over_losses) the requests do
+not wait for the rebuild: the moment the actor is lost, on_lost moves them to
+the other engines, and the rebuild goes on in the background (on_back: it
+takes requests again). The data-parallel client then owns the only ledger.
 
 Registered as the core client of executor "ray" (engine/core_client.py) when
 imported; pyproject.toml's conveyor.core_clients entry point names this
@@ -22,15 +27,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from cluster.core_link import CoreActorSpec, CoreLink
 from cluster.engine_actor import CoreActorPlacement, CoreInput
-from cluster.resume_ledger import ResumeLedger
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from engine.core_client import OutputHandler, register_core_client
 from engine.errors import EngineDeadError
 from engine.recovery import RestartBudget
+from engine.resume_ledger import ResumeLedger
 from executors.ray_executor import ensure_ray
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,15 @@ class RayCoreClient:
         self._lock = threading.Lock()
         self._closing = False
         self._reader: threading.Thread | None = None
+        self._on_lost: Callable[[str], None] | None = None
+        self._on_back: Callable[[], None] | None = None
+
+    def hand_over_losses(self, on_lost: Callable[[str], None], on_back: Callable[[], None]) -> None:
+        """Data parallel: call on_lost(cause) when the actor is lost (before
+        any rebuild) and on_back() once a new one runs; keep no ledger (the
+        caller's holds the delivered tokens and migrates the requests)."""
+        self._on_lost, self._on_back = on_lost, on_back
+        self._ledger = ResumeLedger(keep=False)
 
     # ---- what the tests and tools look at (the current actor's) --------------------
 
@@ -188,9 +203,13 @@ class RayCoreClient:
                 last_ping = time.monotonic()
             if cause is None or self._closing:
                 continue
+            if lost and self._on_lost is not None:
+                self._on_lost(cause)  # its requests go on elsewhere now
             if not (lost and self._replace(link, cause)):
                 self._fail(cause, on_outputs)
                 return
+            if self._on_back is not None:
+                self._on_back()
             last_ping = time.monotonic()
 
     def _check(self, link: CoreLink, ping: bool) -> tuple[str | None, bool]:

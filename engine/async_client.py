@@ -164,6 +164,22 @@ class AsyncLLM:
         """Live worker process ids in rank order."""
         return self.client.worker_pids()
 
+    async def drain(self, engine: int, timeout_s: float = 60.0) -> int:
+        """Data parallel: move every request off `engine` to the others and
+        route nothing more there; returns (how many moved) once it holds none.
+        Streams go on without a break (DataParallelClient.drain)."""
+        drain = getattr(self.client, "drain", None)
+        if drain is None:
+            raise ValueError("drain needs parallel.data_parallel_size > 1")
+        return await asyncio.get_running_loop().run_in_executor(None, drain, engine, timeout_s)
+
+    def undrain(self, engine: int) -> None:
+        """A drained engine takes requests again."""
+        undrain = getattr(self.client, "undrain", None)
+        if undrain is None:
+            raise ValueError("undrain needs parallel.data_parallel_size > 1")
+        undrain(engine)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.streams)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +28,18 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest
+from engine.errors import EngineDeadError
 from engine.frontend import resolved_max_tokens
+from engine.migration import MigrationLog
+from engine.resume_ledger import ResumeLedger
 from engine.router.policy import Router, RouterSettings, block_hashes_of
 
 log = logging.getLogger(__name__)
 
 OutputHandler = Callable[[EngineCoreOutputs], None]
+# Engine states: UP takes requests; DRAINED takes none until undrain; LOST
+# takes none while its client rebuilds it (then UP); DEAD is gone for good.
+UP, DRAINED, LOST, DEAD = "up", "drained", "lost", "dead"
 
 
 def engine_config(config: EngineConfig) -> EngineConfig:
@@ -69,9 +76,20 @@ class DataParallelClient:
         self.router = Router(RouterSettings(policy=config.serve.router, block_size=self.kv_info.block_size,
                                             seed=config.model.seed), len(self.clients))
         self._hash = config.cache.enable_prefix_caching and config.serve.router in ("kv_aware", "session")
+        # One lock over routing, the ledger, engine states and delivery: an
+        # output is checked against its request's owner, recorded and handed
+        # on in one piece, so a move never interleaves with a delivery.
         self._lock = threading.Lock()
-        self._live: dict[str, int] = {}  # request id -> engine
+        self._live: dict[str, int] = {}  # request id -> the engine that owns it now
+        # The one record of what each live request delivered (migrations resubmit from it).
+        self.ledger = ResumeLedger()
+        self.migrations = MigrationLog(len(self.clients))
+        self.states = [UP] * len(self.clients)
+        self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
         self._prefix = [[0, 0] for _ in self.clients]  # per engine: queried, hit tokens
+        for i, c in enumerate(self.clients):
+            if hasattr(c, "hand_over_losses"):  # a RayCoreClient: its requests move instead of waiting
+                c.hand_over_losses(self._on_lost(i), self._on_back(i))
 
     def start(self, on_outputs: OutputHandler) -> None:
         for i, c in enumerate(self.clients):
@@ -81,59 +99,227 @@ class DataParallelClient:
         def handle(outs: EngineCoreOutputs) -> None:
             snapshot = False
             with self._lock:
-                if outs.kv_events is not None and not self.router.on_events(i, outs.kv_events):
-                    snapshot = True
-                if outs.scheduler_stats is not None:
-                    pcs, acc = outs.scheduler_stats.prefix_cache_stats, self._prefix[i]
-                    acc[0] += pcs.queries
-                    acc[1] += pcs.hits
-                for o in outs.outputs:
-                    if o.finished and self._live.pop(o.request_id, None) is not None:
-                        self.router.finish(o.request_id)
-                        log.debug("request %s on engine %d: actual cached tokens %d",
-                                  o.request_id, i, o.num_cached_tokens)
+                if self.states[i] == DEAD:
+                    return  # all it had moved; a late message must not be delivered
+                if outs.engine_error is not None:
+                    if self._lose(i, f"engine {i}: {outs.engine_error}", dead=True):
+                        return  # its requests went on elsewhere: no stream sees the error
+                    outs.engine_error = f"engine {i}: {outs.engine_error}"
+                    on_outputs(outs)
+                    return
+                snapshot = self._feed_router(i, outs)
+                self._deliver(i, outs, on_outputs)
             if snapshot:
                 log.warning("engine %d: a gap in its prefix-cache events; asking for a snapshot", i)
                 self.clients[i].request_kv_snapshot()
-            if outs.engine_error is not None:
-                outs.engine_error = f"engine {i}: {outs.engine_error}"
-            on_outputs(outs)
         return handle
 
+    def _feed_router(self, i: int, outs: EngineCoreOutputs) -> bool:
+        """Index events and prefix stats of engine i; True: ask it for a snapshot."""
+        if outs.scheduler_stats is not None:
+            st, acc = outs.scheduler_stats, self._prefix[i]
+            acc[0] += st.prefix_cache_stats.queries
+            acc[1] += st.prefix_cache_stats.hits
+            idle = self._idle.get(i)
+            if idle is not None and st.num_running_reqs + st.num_waiting_reqs == 0:
+                idle.set()
+        # An engine out of the router's view keeps no index entries.
+        return (outs.kv_events is not None and self.states[i] == UP
+                and not self.router.on_events(i, outs.kv_events))
+
+    def _deliver(self, i: int, outs: EngineCoreOutputs, on_outputs: OutputHandler) -> None:
+        """Only the outputs of requests engine i still owns go on (a moved
+        request's late outputs from its old engine are dropped); the ledger
+        records them before the frontend sees them."""
+        live = self._live
+        if outs.outputs:
+            outs.outputs = [o for o in outs.outputs if live.get(o.request_id) == i]
+            now = time.monotonic()
+            self.migrations.observe(i, outs.outputs, now)
+            self.ledger.absorb(outs, now)
+            for o in outs.outputs:
+                if o.finished:
+                    del live[o.request_id]
+                    self.router.finish(o.request_id)
+                    log.debug("request %s on engine %d: actual cached tokens %d",
+                              o.request_id, i, o.num_cached_tokens)
+        on_outputs(outs)
+
     def add_request(self, request: EngineCoreRequest, session: str | None = None) -> None:
-        toks, lr = request.prompt_token_ids, request.lora_request
+        with self._lock:
+            self.ledger.add(request, time.monotonic())
+            try:
+                self._place(request, session)
+            except BaseException:
+                self.ledger.drop([request.request_id])
+                raise
+
+    def _place(self, request: EngineCoreRequest, session: str | None = None) -> int:
+        """Route the request (prompt + the tokens it already has) and send it;
+        an engine found dead on the way is lost and the next one is tried.
+        Sending under the lock: a drain or loss that moves it can never be
+        overtaken by this add (it would run twice)."""
+        toks, lr = request.prompt_token_ids + request.output_token_ids, request.lora_request
         hashes = block_hashes_of(toks, self.kv_info.block_size, request.cache_salt,
                                  lr and lr.lora_int_id) if self._hash else []
-        max_tokens = resolved_max_tokens(request.sampling_params, len(toks), self.config.max_model_len)
-        with self._lock:
-            d = self.router.route(request.request_id, hashes, len(toks), max_tokens, session,
+        max_tokens = resolved_max_tokens(request.sampling_params, len(request.prompt_token_ids),
+                                         self.config.max_model_len) - len(request.output_token_ids)
+        while True:
+            if UP not in self.states:
+                raise EngineDeadError("no engine is up to take the request")
+            d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,
                                   lr and lr.lora_name)
             self._live[request.request_id] = d.engine
-        self.clients[d.engine].add_request(request)
+            try:
+                self.clients[d.engine].add_request(request)
+                return d.engine
+            except EngineDeadError as e:
+                self._live.pop(request.request_id, None)
+                self.router.finish(request.request_id)
+                self._lose(d.engine, f"engine {d.engine}: {e}", dead=True)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
         with self._lock:
+            self.ledger.drop(request_ids)
             for rid in request_ids:
                 e = self._live.pop(rid, None)
                 if e is not None:
                     by_engine.setdefault(e, []).append(rid)
                     self.router.finish(rid)
-        for e, ids in by_engine.items():
-            self.clients[e].abort_requests(ids)
+                    self.migrations.end(rid)
+            for e, ids in by_engine.items():
+                if self.states[e] != DEAD:
+                    self.clients[e].abort_requests(ids)
+
+    # ---- migration -------------------------------------------------------------
+
+    def _lose(self, i: int, why: str, dead: bool) -> bool:
+        """Engine i is lost (dead, or its actor is being rebuilt): it leaves
+        the router's view and its requests move to the others now. False when
+        no other engine is up (then the error ends the streams as before)."""
+        if self.states[i] == DEAD:
+            return True
+        was_up = self.states[i] == UP
+        self.states[i] = DEAD if dead else LOST
+        if was_up:
+            self.router.engine_down(i)
+        idle = self._idle.pop(i, None)
+        if idle is not None:  # a drain waiting on it: a lost engine holds nothing
+            idle.set()
+        if UP not in self.states:
+            return False
+        log.warning("%s; moving its %d requests to the other engines", why,
+                    sum(1 for e in self._live.values() if e == i))
+        self._move_off(i, "lost")
+        return True
+
+    def _move_off(self, i: int, cause: str) -> int:
+        """Resubmit every request engine i owns to the engines the router
+        picks, with the tokens already delivered (never as prompt). A drained
+        engine is told to drop them; a lost one has nothing left to drop."""
+        ids = [rid for rid, e in self._live.items() if e == i]
+        if not ids:
+            return 0
+        for rid in ids:
+            self.router.finish(rid)
+        if cause == "drain":
+            self.clients[i].abort_requests(ids)
+        for r in self.ledger.resubmissions(ids):
+            last = self.ledger.last_delivery(r.request_id) or time.monotonic()
+            dst = self._place(r)
+            self.migrations.record(r.request_id, i, dst, cause,
+                                   len(r.prompt_token_ids) + len(r.output_token_ids), last)
+        return len(ids)
+
+    def _on_lost(self, i: int) -> Callable[[str], None]:
+        def lost(cause: str) -> None:  # the engine's actor is gone; its client rebuilds it
+            with self._lock:
+                if not self._lose(i, f"engine {i}: {cause}", dead=False):
+                    log.error("engine %d lost with no other engine up; its requests wait for "
+                              "its rebuild", i)
+        return lost
+
+    def _on_back(self, i: int) -> Callable[[], None]:
+        def back() -> None:  # rebuilt: it takes requests again
+            with self._lock:
+                if self.states[i] != LOST:
+                    return
+                self.states[i] = UP
+                self.router.engine_up(i)
+                # Requests that waited (lost while no engine was up), its own
+                # included (the new actor holds none), go on now.
+                for j, st in enumerate(self.states):
+                    if j == i or st == LOST:
+                        self._move_off(j, "lost")
+        return back
+
+    def drain(self, engine: int, timeout_s: float = 60.0) -> int:
+        """Route nothing more to `engine`, hand its requests to the others at
+        once (aborted there, resubmitted with their delivered tokens) and
+        return, with how many moved, once the engine holds none. It stays
+        idle until undrain(engine)."""
+        with self._lock:
+            if not 0 <= engine < len(self.clients):
+                raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
+            if self.states[engine] == DRAINED and engine not in self._idle:
+                return 0  # drained before and empty since
+            if self.states[engine] != UP:
+                raise ValueError(f"engine {engine} is {self.states[engine]}, not up")
+            if sum(s == UP for s in self.states) < 2:
+                raise ValueError(f"engine {engine} is the only one up: no engine to take its requests")
+            self.states[engine] = DRAINED
+            self.router.engine_down(engine)
+            idle = self._idle[engine] = threading.Event()
+            moved = self._move_off(engine, "drain")
+            if not moved:
+                idle.set()
+        log.info("draining engine %d: %d requests handed over", engine, moved)
+        if not idle.wait(timeout_s):
+            raise TimeoutError(f"engine {engine} still holds requests after {timeout_s:g}s")
+        with self._lock:
+            self._idle.pop(engine, None)
+        return moved
+
+    def undrain(self, engine: int) -> None:
+        """A drained engine takes requests again (its cache re-indexed from a snapshot)."""
+        with self._lock:
+            if not 0 <= engine < len(self.clients) or self.states[engine] != DRAINED:
+                raise ValueError(f"engine {engine} is not drained")
+            self.states[engine] = UP
+            self.router.engine_up(engine)
+        if self._hash:
+            self.clients[engine].request_kv_snapshot()
 
     def check_health(self) -> str:
-        """"ok" when every engine is; "recovering" when one is; raises when one is dead."""
-        states = [c.check_health() for c in self.clients]
+        """"ok" when every engine still in service is; "recovering" when one
+        is (or is being rebuilt); raises when none is up. A dead engine whose
+        requests moved elsewhere does not fail the others' health."""
+        states: list[str] = []
+        for i, c in enumerate(self.clients):
+            if self.states[i] == DEAD:
+                continue
+            if self.states[i] == LOST:
+                states.append("recovering")
+                continue
+            try:
+                states.append(c.check_health())
+            except EngineDeadError:
+                if not any(s == UP for j, s in enumerate(self.states) if j != i):
+                    raise
+        if not states:
+            raise EngineDeadError("every engine is dead")
         return "recovering" if "recovering" in states else "ok"
 
     def worker_pids(self) -> list[int]:
-        return [pid for c in self.clients for pid in c.worker_pids()]
+        return [pid for i, c in enumerate(self.clients) if self.states[i] != DEAD for pid in c.worker_pids()]
 
     def metric_rows(self) -> list[tuple[str, str, dict[str, str], float]]:
         """Per-engine series, each with an `engine` label: (name, kind, labels,
         value) for prefix-cache queries and hits in tokens, the router's
-        decisions by policy and reason, and its index size in blocks."""
+        decisions by policy and reason, its index size in blocks, migrations
+        off each engine by cause, and tokens each engine prefilled again for
+        requests migrated to it (engine/migration.py)."""
         rows: list[tuple[str, str, dict[str, str], float]] = []
         with self._lock:
             for e, (q, h) in enumerate(self._prefix):
@@ -143,6 +329,7 @@ class DataParallelClient:
             for (policy, reason, e), n in sorted(self.router.decisions.items()):
                 rows.append(("router_decisions", "counter",
                              {"engine": str(e), "policy": policy, "reason": reason}, n))
+            rows += self.migrations.rows()
         return rows
 
     def metrics(self) -> dict[str, float]:

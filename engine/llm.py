@@ -147,6 +147,15 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
 
+    def drain(self, engine: int, timeout_s: float = 60.0) -> int:
+        """Data parallel, from another thread while generate() runs: move every
+        request off `engine` to the others (DataParallelClient.drain); returns
+        how many moved, once the engine holds none."""
+        client = getattr(self.engine, "client", None)
+        if not hasattr(client, "drain"):
+            raise ValueError("drain needs data_parallel_size > 1")
+        return client.drain(engine, timeout_s)
+
     def shutdown(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:

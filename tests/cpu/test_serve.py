@@ -855,8 +855,56 @@ def test_data_parallel_app_matches_one_engine_over_http(server, client, ckpt, re
         engines = {k.split('engine="')[1].split('"')[0] for k in m if k.startswith("conveyor:router_decisions")}
         assert engines == {"0", "1"}, m
         assert any('reason="cache_hit"' in k for k in m if k.startswith("conveyor:router_decisions"))
+        _drain_over_http(f"{server}/dp", post)
     finally:
         serve.delete("dp")
+
+
+def _drain_over_http(url: str, post) -> None:
+    """POST /admin/drain with streams in flight on both engines: every stream
+    ends [DONE] with its undisturbed text and finish reason (greedy and
+    seeded), and the drain is counted; undrain takes the engine back."""
+    bodies = [{"prompt": p, "max_tokens": 40, "ignore_eos": True, "temperature": t, "seed": 5}
+              for p in PROMPTS for t in (0.0, 0.9)]
+    want = [post(b)["choices"][0]["text"] for b in bodies]
+
+    async def one(c: httpx.AsyncClient, body: dict, started: asyncio.Event) -> tuple[str, str | None, bool]:
+        text, finish, done = "", None, False
+        async with c.stream("POST", "/v1/completions", json={"model": "tiny", "stream": True, **body}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    ev = json.loads(line[6:])
+                    assert "error" not in ev, ev
+                    text += ev["choices"][0]["text"]
+                    finish = ev["choices"][0]["finish_reason"] or finish
+                    started.set()
+        return text, finish, done
+
+    async def run() -> tuple[list, httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as c:
+            started = [asyncio.Event() for _ in bodies]
+            tasks = [asyncio.create_task(one(c, b, s)) for b, s in zip(bodies, started)]
+            await asyncio.gather(*(s.wait() for s in started))
+            r = await c.post("/admin/drain", json={"engine": 0})
+            return await asyncio.gather(*tasks), r
+
+    got, r = asyncio.run(run())
+    assert r.status_code == 200 and r.json()["status"] == "drained", r.text
+    assert got == [(t, "length", True) for t in want]
+    m = _metrics(url)
+    drains = [v for k, v in m.items() if k.startswith("conveyor:migrations_total{")
+              and 'engine="0"' in k and 'cause="drain"' in k]
+    assert drains == [r.json()["moved_requests"]] and drains[0] > 0
+    assert httpx.post(f"{url}/admin/drain", json={"engine": 0}).status_code == 401  # behind the key
+    from cluster.cli import main
+
+    # `conveyor drain --undrain` takes it back; a second undrain is a 400 naming engine.
+    assert main(["drain", "--url", url, "--engine", "0", "--undrain", "--api-key-env", KEY_ENV]) == 0
+    r = httpx.post(f"{url}/admin/undrain", headers=AUTH, json={"engine": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "engine", r.text
 
 
 def _thread_cpus(pid: int) -> list[set[int]]:

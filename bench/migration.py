@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Live migration (issue 26): drain one of 2 engines with --streams streams in
+flight and measure what the streams see.
+
+Offline AsyncLLM, data_parallel_size=2 (in-process engines, each with its own
+worker process), the offline bench's 30M Llama shape (vocab 512). Half the
+streams greedy, half seeded at temperature 0.8, random-token prompts, every
+stream --max-tokens long (ignore_eos).
+
+1. Undisturbed run: each stream's tokens (the reference) and TPOT (median gap
+   between its deliveries).
+2. Drain run: once every stream has delivered --warm tokens, drain engine 0.
+   Reports the handover time (drain() call until it returns: every moved
+   request aborted on engine 0, resubmitted, and engine 0 empty), the streams
+   moved, the tokens engine 1 prefilled again (conveyor:migration_reprefill_tokens),
+   each moved stream's largest gap between tokens against its own TPOT, and
+   one engine's start time (what a rebuild costs at least) for comparison.
+   Passes when every stream's tokens equal the reference.
+
+  .venv/bin/python bench/migration.py                 # 64 streams
+  .venv/bin/python bench/migration.py --streams 16 --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 512) for _ in range(rng.randint(64, 192))] for _ in range(n)]
+
+
+def _params(n: int, max_tokens: int) -> list:
+    from engine import SamplingParams
+
+    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0) if i % 2 == 0 else
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, seed=100 + i)
+            for i in range(n)]
+
+
+async def _stream(llm, i: int, prompt, sp, times: list[float], toks: list[int],
+                  warm: asyncio.Event | None, warm_n: int) -> None:
+    async for ro in llm.generate(prompt, sp, request_id=f"s{i}"):
+        now = time.monotonic()
+        for d in ro.outputs:
+            toks += d.token_ids
+            if d.token_ids:
+                times.append(now)
+        if warm is not None and len(toks) >= warm_n:
+            warm.set()
+            warm = None
+
+
+async def _run(llm, prompts, params, warm_n: int, drain: bool) -> dict:
+    n = len(prompts)
+    times: list[list[float]] = [[] for _ in range(n)]
+    toks: list[list[int]] = [[] for _ in range(n)]
+    warms = [asyncio.Event() for _ in range(n)]
+    tasks = [asyncio.create_task(_stream(llm, i, p, sp, times[i], toks[i], warms[i], warm_n))
+             for i, (p, sp) in enumerate(zip(prompts, params))]
+    out: dict = {}
+    if drain:
+        await asyncio.gather(*(w.wait() for w in warms))
+        owners = dict(llm.client._live)  # request id -> engine, just before the drain
+        t0 = time.monotonic()
+        out["moved"] = await llm.drain(0, timeout_s=300)
+        out["handover_s"] = time.monotonic() - t0
+        out["drain_at"] = t0
+        # Engine request ids are "<stream id>-<child>-<suffix>".
+        out["moved_idx"] = sorted({int(rid.split("-")[0][1:]) for rid, e in owners.items() if e == 0})
+    await asyncio.gather(*tasks)
+    out["times"], out["toks"] = times, toks
+    return out
+
+
+def _gaps(ts: list[float]) -> list[float]:
+    return [b - a for a, b in zip(ts, ts[1:])]
+
+
+async def main_async(a: argparse.Namespace) -> dict:
+    from bench.structured_output import build_model
+    from engine.async_client import AsyncLLM
+    from engine.config import build_config
+
+    path = build_model(os.path.join(a.model_dir, "llama30m_v512"))
+    cfg = build_config(model=path, max_model_len=1024, data_parallel_size=2, max_num_seqs=a.streams,
+                       num_gpu_blocks=a.streams * 24)
+    t0 = time.monotonic()
+    llm = AsyncLLM(cfg)
+    start_s = (time.monotonic() - t0) / 2
+    prompts, params = _prompts(a.streams, a.seed), _params(a.streams, a.max_tokens)
+    try:
+        ref = await _run(llm, prompts, params, a.warm, drain=False)
+        got = await _run(llm, prompts, params, a.warm, drain=True)
+        m = llm.client.metrics()
+    finally:
+        await llm.shutdown()
+    tpot = [statistics.median(_gaps(t)) for t in ref["times"]]
+    moved_idx = got["moved_idx"]
+    ratios = sorted(max(_gaps(got["times"][i])) / tpot[i] for i in moved_idx)
+    max_gap = max(max(_gaps(got["times"][i])) for i in moved_idx)
+    return {
+        "streams": a.streams, "max_tokens": a.max_tokens, "moved_streams": got["moved"],
+        "identical": got["toks"] == ref["toks"],
+        "handover_s": round(got["handover_s"], 3), "engine_start_s": round(start_s, 2),
+        "reprefill_tokens": m['conveyor:migration_reprefill_tokens_total{engine="1"}'],
+        "tpot_ms_median": round(statistics.median(tpot) * 1e3, 1),
+        "largest_gap_ms": round(max_gap * 1e3, 1),
+        "largest_gap_over_tpot": {"p50": round(ratios[len(ratios) // 2], 1), "max": round(ratios[-1], 1)}
+        if ratios else None,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--warm", type=int, default=8, help="tokens every stream has before the drain")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "conveyor-bench-models"))
+    a = p.parse_args()
+    res = asyncio.run(main_async(a))
+    print(json.dumps(res, indent=2))
+    if not res["identical"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

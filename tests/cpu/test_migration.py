@@ -1,0 +1,282 @@
+"""Live migration between data-parallel engines (engine/dp_engine.py): drain an
+engine, and lose one (its only worker SIGKILLed, restart budget 0), with
+greedy, seeded-with-penalties, JSON-schema and n=2-with-stop-strings requests
+in flight on two in-process engines. Every request ends with its normal
+finish reason and the tokens, text and logprobs of an undisturbed run."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+
+import jsonschema
+import pytest
+from llm_utils import make_checkpoint
+
+from engine import SamplingParams, StructuredOutputsParams
+
+TAGS = {"type": "object", "properties": {"tags": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+    "type": "string", "minLength": 6, "maxLength": 10}}}, "required": ["tags"], "additionalProperties": False}
+PROMPTS = ["The cat sits on the mat and", "Give me data about", "Once upon a time there",
+           "A list of colors:", "The dog runs to the ball"]
+
+
+def _params(stop: list[str]) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True, logprobs=2),
+            # Penalties and min_tokens count the output tokens the new engine was given.
+            SamplingParams(max_tokens=40, temperature=0.8, seed=9, min_tokens=30, frequency_penalty=0.7,
+                           presence_penalty=0.4, repetition_penalty=1.2),
+            SamplingParams(max_tokens=120, temperature=0.8, seed=5,
+                           structured_outputs=StructuredOutputsParams(json=TAGS)),
+            SamplingParams(n=2, max_tokens=40, temperature=0.8, seed=3, ignore_eos=True, stop=stop,
+                           logprobs=1)]
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    from engine.config import build_config
+
+    ckpt = make_checkpoint("llama", str(tmp_path_factory.mktemp("mig") / "llama"))
+    return build_config(model=ckpt, max_model_len=512, data_parallel_size=2, router="round_robin",
+                        **{"parallel.max_restarts": 0})
+
+
+async def _run(llm, params: list[SamplingParams], disrupt=None) -> list[dict]:
+    """Every request's choices (tokens, text, logprobs, finish); `disrupt`
+    runs once every stream has delivered its first tokens."""
+    gens = [llm.generate(p, sp) for p, sp in zip(PROMPTS, params)]
+    firsts = [await g.__anext__() for g in gens]
+    if disrupt is not None:
+        await disrupt()
+    results = []
+    for first, g in zip(firsts, gens):
+        acc: dict[int, dict] = {}
+        for ro in [first] + [ro async for ro in g]:
+            for d in ro.outputs:
+                c = acc.setdefault(d.index, {"ids": [], "text": "", "lps": [], "finish": None})
+                c["ids"] += d.token_ids
+                c["text"] += d.text
+                c["lps"] += d.logprobs or []
+                c["finish"] = (d.finish_reason, d.stop_reason)
+        results.append(acc)
+    return results
+
+
+def _diff(got: list[dict], ref: list[dict]) -> str | None:
+    """None when every request matches the reference: token ids, text and
+    finish exactly; logprobs to 1e-4 (the new engine computes the migrated
+    context in a prefill, not token by token, so the last bits may differ)."""
+    for i, (g, r) in enumerate(zip(got, ref)):
+        if g.keys() != r.keys():
+            return f"request {i}: choices {sorted(g)} != {sorted(r)}"
+        for k in r:
+            for key in ("ids", "text", "finish"):
+                if g[k][key] != r[k][key]:
+                    return f"request {i} choice {k} {key}: {g[k][key]!r} != {r[k][key]!r}"
+            for pos, (a, b) in enumerate(zip(g[k]["lps"], r[k]["lps"])):
+                if a.keys() != b.keys() or any(abs(a[t] - b[t]) > 1e-4 for t in a):
+                    return f"request {i} choice {k} logprobs at {pos}: {a} != {b}"
+    return None if len(got) == len(ref) else "request count"
+
+
+async def _kv_idle(llm, engines: list[int]) -> list[float]:
+    """Each engine's KV usage once it has no request (an abort for a stop
+    string may still be on its way when the stream ends)."""
+    cores = [llm.client.clients[e].core for e in engines]
+    for _ in range(500):
+        if not any(c.scheduler.has_requests() for c in cores):
+            break
+        await asyncio.sleep(0.01)
+    return [c.scheduler.make_stats().kv_cache_usage for c in cores]
+
+
+def test_drain_and_engine_loss_move_requests_token_exact(config, caplog):
+    from engine.async_client import AsyncLLM
+
+    caplog.set_level(logging.INFO, logger="engine.migration")
+
+    async def scenario() -> None:  # one event loop: AsyncLLM binds to the first it runs on
+        llm = AsyncLLM(config)
+        try:
+            await _scenario(llm, caplog)
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(scenario())
+
+
+async def _scenario(llm, caplog) -> None:
+    dp = llm.client
+    # A stop string child 1 of the n=2 request meets mid-way: from a run without one.
+    probe = (await _run(llm, _params([])))[4][1]["text"]
+    stop = probe[len(probe) // 2:len(probe) // 2 + 3]
+    assert stop.strip(), probe
+    ref = await _run(llm, _params([stop]))
+    assert ref[4][1]["finish"] == ("stop", stop), ref[4][1]
+    assert [ref[i][0]["finish"][0] for i in (0, 1, 3)] == ["length", "length", "stop"]
+    jsonschema.validate(json.loads(ref[3][0]["text"]), TAGS)
+
+    moved: list[int] = []
+
+    async def drain() -> None:
+        moved.append(await llm.drain(0))
+
+    assert _diff(await _run(llm, _params([stop]), drain), ref) is None
+    assert moved[0] > 0 and dp.states == ["drained", "up"]
+    assert await _kv_idle(llm, [0, 1]) == [0.0, 0.0]
+    llm.undrain(0)
+
+    async def kill() -> None:
+        os.kill(dp.clients[0].worker_pids()[0], signal.SIGKILL)
+
+    assert _diff(await _run(llm, _params([stop]), kill), ref) is None
+    assert dp.states == ["dead", "up"] and llm.check_health() == "ok"
+    assert await _kv_idle(llm, [1]) == [0.0]
+    assert not dp.ledger._entries and not dp._live and dp.router.inflight.sum() == 0
+    m = dp.metrics()
+    assert m['conveyor:migrations_total{engine="0",cause="drain"}'] == moved[0]
+    assert m['conveyor:migrations_total{engine="0",cause="lost"}'] > 0
+    assert m['conveyor:migration_reprefill_tokens_total{engine="1"}'] > 0
+    logged = [r.getMessage() for r in caplog.records if "migrated from engine 0 to engine 1" in r.getMessage()]
+    assert len(logged) >= moved[0] and "largest gap between tokens" in logged[0]
+
+
+# ---- the client's bookkeeping, without engines ---------------------------------------
+
+class _Fake:
+    """A CoreClient without an engine: records adds and aborts; `emit` delivers."""
+
+    def __init__(self) -> None:
+        from engine.contracts import KVCacheInfo
+
+        self.kv_info = KVCacheInfo(num_blocks=64, block_size=16)
+        self.added: list = []
+        self.aborted: list[str] = []
+        self.emit = None
+        self.hooks = None
+
+    def start(self, on_outputs) -> None:
+        self.emit = on_outputs
+
+    def add_request(self, request) -> None:
+        self.added.append(request)
+
+    def abort_requests(self, ids) -> None:
+        self.aborted += ids
+
+    def request_kv_snapshot(self) -> None:
+        pass
+
+    def check_health(self) -> str:
+        return "ok"
+
+
+def _fake_dp(n: int = 2, ray_like: bool = False):
+    from engine.config import build_config
+    from engine.dp_engine import DataParallelClient
+
+    engines = [_Fake() for _ in range(n)]
+    if ray_like:
+        for e in engines:
+            e.hand_over_losses = lambda lost, back, e=e: setattr(e, "hooks", (lost, back))
+    dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin"), engines)
+    got: list = []
+    dp.start(got.append)
+    return dp, engines, got
+
+
+def _req(rid: str):
+    from engine.contracts import EngineCoreRequest
+
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(5, 25)),
+                             sampling_params=SamplingParams(max_tokens=8), arrival_time=0.0,
+                             priority=0, eos_token_id=None)
+
+
+def _out(rid: str, toks: list[int], finished: bool = False):
+    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    return EngineCoreOutputs(outputs=[EngineCoreOutput(rid, toks, FinishReason.LENGTH if finished else None)])
+
+
+def test_loss_moves_delivered_tokens_as_output_tokens_and_drops_late_outputs() -> None:
+    from engine.contracts import EngineCoreOutputs, SchedulerStats
+
+    dp, (a, b), got = _fake_dp()
+    dp.add_request(_req("r0"))
+    dp.add_request(_req("r1"))
+    owner = a if a.added and a.added[0].request_id == "r0" else b
+    other = b if owner is a else a
+    owner.emit(_out("r0", [7, 8]))
+    owner.emit(EngineCoreOutputs(engine_error="boom"))  # lost: r0 moves, no error reaches the frontend
+    assert all(o.engine_error is None for o in got)
+    moved = other.added[-1]
+    assert (moved.request_id, moved.prompt_token_ids, moved.output_token_ids) == ("r0", list(range(5, 25)), [7, 8])
+    owner.emit(_out("r0", [9]))  # a late output of the lost engine: dropped
+    other.emit(_out("r0", [9], finished=True))
+    toks = [t for o in got for x in o.outputs if x.request_id == "r0" for t in x.new_token_ids]
+    assert toks == [7, 8, 9]
+    src = 0 if owner is a else 1
+    assert dp.check_health() == "ok"
+    assert dp.metrics()[f'conveyor:migrations_total{{engine="{src}",cause="lost"}}'] == 1
+    # Drain the survivor: nothing is up to take its requests.
+    with pytest.raises(ValueError, match="only one up"):
+        dp.drain(1 if owner is a else 0)
+    # Drained with requests: they are aborted there, resubmitted, and drain returns on the idle stats.
+    dp2, (c, d), _ = _fake_dp()
+    for i in range(4):
+        dp2.add_request(_req(f"q{i}"))
+    import threading
+    t = threading.Timer(0.05, lambda: c.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats())))
+    t.start()
+    assert dp2.drain(0, timeout_s=10) == 2
+    on_c = [r.request_id for r in c.added]
+    assert len(on_c) == 2 and sorted(c.aborted) == on_c
+    assert sorted(r.request_id for r in d.added) == ["q0", "q1", "q2", "q3"]
+    dp2.add_request(_req("q4"))
+    assert d.added[-1].request_id == "q4"
+    dp2.undrain(0)
+    dp2.add_request(_req("q5"))
+    dp2.add_request(_req("q6"))
+    assert len(c.added) == 3  # it takes requests again
+
+
+def test_actor_loss_moves_at_once_and_the_rebuilt_engine_comes_back() -> None:
+    dp, (a, b), got = _fake_dp(ray_like=True)
+    dp.add_request(_req("r0"))
+    dp.add_request(_req("r1"))
+    lost, back = a.hooks
+    lost("actor died")
+    assert dp.states == ["lost", "up"] and dp.check_health() == "recovering"
+    assert sorted(r.request_id for r in b.added) == ["r0", "r1"]
+    back()
+    assert dp.states == ["up", "up"]
+    # Every engine lost at once: the requests wait for a rebuild and go back to it.
+    lost2, _ = b.hooks
+    lost("again")
+    lost2("too")
+    assert len(b.added) == 2 and len(a.added) == 1
+    back()
+    assert sorted(r.request_id for r in a.added[-2:]) == ["r0", "r1"]
+
+
+def test_drain_cli_and_admin_body_checks(capsys) -> None:
+    import socket
+
+    from pydantic import ValidationError
+
+    from cluster.admin_routes import DrainRequest
+    from cluster.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["drain", "--url", f"http://127.0.0.1:{port}", "--engine", "1", "--timeout", "1"]) == 1
+    assert "/admin/drain" in capsys.readouterr().err
+    for bad in ({"engine": -1}, {"engine": "0"}, {"engine": 0, "timeout_s": float("nan")},
+                {"engine": 0, "timeout_s": 0}, {"engine": 0, "extra": 1}):
+        with pytest.raises(ValidationError):
+            DrainRequest.model_validate(bad)
