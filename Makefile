@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 
-.PHONY: venv test run bench-scheduler clean
+.PHONY: venv lint test run bench-scheduler clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -14,7 +14,12 @@ venv: $(VPY)
 	$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[test]"
 
-test: venv
+# The gate: lint everything, type-check the engine side (config in pyproject.toml).
+lint: venv
+	$(VPY) -m ruff check .
+	$(VPY) -m mypy engine executors workers parallel kernels
+
+test: lint
 	$(VPY) -m pytest tests/cpu tests/compat -q
 
 # `make run`: fresh clone -> local Ray, the demo model served at 127.0.0.1, one request answered.

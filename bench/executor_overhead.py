@@ -71,7 +71,7 @@ from executors.base import Executor
 from executors.messages import WorkerCommand, WorkerReply
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "out", "executor_overhead.json")
-NOOP = "executors.noop_worker:NoopWorker"
+NOOP = "executors.noop_worker:TimedNoopWorker"  # NoopWorker plus the step_timeline RPC
 PROMPT_LEN = 32
 GC_EVERY = 500
 perf_ns = time.perf_counter_ns
@@ -338,7 +338,7 @@ def main() -> None:
                 fn(i)
         if not args.no_core:
             for c in (core, inproc):
-                assert c.scheduler.get_num_unfinished_requests() == args.requests
+                assert len(c.scheduler.requests) == args.requests
         per_round = max(1, args.steps // args.rounds)
         if not args.no_core:
             per_round = min(per_round, steps_core_max // args.rounds)

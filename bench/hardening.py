@@ -154,7 +154,7 @@ def main() -> int:
         from llm_utils import make_checkpoint
 
         make_checkpoint("llama", args.model)
-    from workers.worker import free_port
+    from parallel.ports import free_port
 
     port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--model", args.model, "--serve", str(port)],

@@ -226,7 +226,7 @@ class Run:
     def drain(self) -> None:
         while self.core.has_work():
             self.step()
-        assert self.core.scheduler.get_num_unfinished_requests() == 0
+        assert not self.core.scheduler.has_unfinished_requests()
 
     def run_rounds(self, rounds: int, timed: bool) -> None:
         import torch

@@ -250,8 +250,8 @@ def run_trace(drv: ConveyorDriver, trace: dict, traces, prof=None) -> dict:
             c3 = cpu_now()
             p_off()
             # -- bookkeeping (untimed) --
-            npre = len(so.preempted_req_ids) if so.preempted_req_ids else 0
-            preemptions += npre
+            npre = sched.num_preemptions - preemptions  # this step's (cumulative counter)
+            preemptions = sched.num_preemptions
             st = outs.scheduler_stats
             if st is not None and st.prefix_cache_stats is not None:
                 pcs = st.prefix_cache_stats  # per-step delta

@@ -25,6 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from parallel.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
 
@@ -41,12 +43,6 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def ask(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -82,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     host = config.serve.host
     port = args.port or config.serve.port
     if not _port_free(host, port):
-        new = _free_port(host)
+        new = free_port(host)
         print(f"port {port} is in use; serving on {new} instead", flush=True)
         port = new
 

@@ -314,11 +314,11 @@ class AsyncLLM:
             except EngineDeadError:
                 pass  # the engine's own error message fails the streams
         for rid, deltas in changed.items():
-            stream = self.streams.get(rid)
-            if stream is None:
+            target = self.streams.get(rid)
+            if target is None:
                 continue
-            stream.put(deltas, max(c.num_cached_tokens for c in stream.children))
-            if stream.finished:
+            target.put(deltas, max(c.num_cached_tokens for c in target.children))
+            if target.finished:
                 del self.streams[rid]
 
     @staticmethod

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 def async_scheduling_mode(cfg: EngineConfig) -> str:
     """scheduler.async_scheduling as one of "auto", "on", "off"."""
     v = cfg.scheduler.async_scheduling
-    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+    return ("on" if v else "off") if isinstance(v, bool) else v
 
 
 def use_async_scheduling(config: EngineConfig, executor: Executor) -> bool:

@@ -112,8 +112,6 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
-    preempted_req_ids: set[str]
-    step_id: int = 0
     # Some request that samples this step is structured: sample_tokens gets a
     # GrammarOutput, and the ranks that sample wait for it.
     has_structured_output: bool = False
@@ -169,7 +167,6 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
     logprobs: LogprobsLists | None = None
-    num_nans_in_logits: dict[str, int] | None = None
     # Requests with prompt_logprobs whose prefill chunk ran this step: the
     # positions that chunk predicts (a chunk of the prompt at a time).
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
@@ -219,7 +216,6 @@ class SchedulerStats(msgspec.Struct, gc=False):
     kv_cache_usage: float = 0.0
     prefix_cache_stats: PrefixCacheStats = msgspec.field(default_factory=PrefixCacheStats)
     num_preemptions: int = 0  # cumulative
-    num_prompt_tokens: int = 0  # scheduled this step
     num_generation_tokens: int = 0  # sampled this step
     # Structured outputs: requests admitted (cumulative), grammar compile times
     # since the last stats (ms), bitmask time and rows this step.
@@ -250,17 +246,6 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     engine_error: str | None = None
     # Data parallel: this engine's prefix-cache events and load for the router.
     kv_events: KVEvents | None = None
-
-
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decoder(cls: type) -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(cls)
 
 
 class KVCacheInfo(msgspec.Struct, frozen=True, gc=False):

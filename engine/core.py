@@ -12,6 +12,7 @@ import queue
 import time
 from collections import deque
 from concurrent.futures import Future
+from typing import cast
 
 from engine.async_scheduling import must_wait, use_async_scheduling
 from engine.config import ConfigError, EngineConfig
@@ -247,9 +248,10 @@ class EngineCore:
             # oversubscribes them, so the bitmask (None when nothing is
             # structured) comes first.
             grammar_output = self.scheduler.get_grammar_bitmask(so)
-            out = self.executor.execute_model(so)
-            if out is None:
-                out = self.executor.sample_tokens(grammar_output)
+            # Blocking calls return the value itself, not a future.
+            forward = cast("ModelRunnerOutput | None", self.executor.execute_model(so))
+            out = forward if forward is not None else cast(
+                ModelRunnerOutput, self.executor.sample_tokens(grammar_output))
         self._process_aborts()
         return self.scheduler.update_from_output(so, out), so.total_num_scheduled_tokens > 0
 
@@ -259,7 +261,7 @@ class EngineCore:
         self.executor.execute_model(so, non_block=True)
         grammar_output = self.scheduler.get_grammar_bitmask(so)
         # The forward's own errors surface through the sample future.
-        return self.executor.sample_tokens(grammar_output, non_block=True).result()
+        return _pending(self.executor.sample_tokens(grammar_output, non_block=True)).result()
 
     def _step_with_batch_queue(self) -> tuple[EngineCoreOutputs | None, bool]:
         bq = self.batch_queue
@@ -273,9 +275,9 @@ class EngineCore:
             if executed:
                 self.executor.execute_model(so, non_block=True)
                 grammar_output = self.scheduler.get_grammar_bitmask(so)
-                fut = self.executor.sample_tokens(grammar_output, non_block=True)
+                fut = _pending(self.executor.sample_tokens(grammar_output, non_block=True))
             else:
-                fut = self.executor.execute_model(so, non_block=True)
+                fut = _pending(self.executor.execute_model(so, non_block=True))
             bq.appendleft((fut, so))
             if executed and len(bq) < self.batch_queue_size and not bq[-1][0].done():
                 return None, True  # room for another batch: do not block yet
@@ -311,17 +313,23 @@ class EngineCore:
         """Send one step to the workers without waiting; the future holds its output."""
         ex = self.executor
         if so.total_num_scheduled_tokens == 0:
-            return ex.execute_model(so, non_block=True)  # finished ids still reach the workers
+            return _pending(ex.execute_model(so, non_block=True))  # finished ids still reach the workers
         if ex.overlaps_host_work:  # the mask is built while the forward runs
             ex.execute_model(so, non_block=True)
-            return ex.sample_tokens(self.scheduler.get_grammar_bitmask(so), non_block=True)
+            return _pending(ex.sample_tokens(self.scheduler.get_grammar_bitmask(so), non_block=True))
         grammar_output = self.scheduler.get_grammar_bitmask(so)  # CPU: before the forward
         ex.execute_model(so, non_block=True)
-        return ex.sample_tokens(grammar_output, non_block=True)
+        return _pending(ex.sample_tokens(grammar_output, non_block=True))
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+
+def _pending(fut: object) -> Future[ModelRunnerOutput]:
+    """What execute_model / sample_tokens return with non_block=True: a future of
+    the step's output (an empty step's is EMPTY_MODEL_RUNNER_OUTPUT, never None)."""
+    return cast("Future[ModelRunnerOutput]", fut)
 
 
 def make_structured_output_manager(config: EngineConfig, vocab_size: int) -> StructuredOutputManager:

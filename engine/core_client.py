@@ -19,7 +19,7 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 from engine.config import ConfigError, EngineConfig
 from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason, KVCacheInfo
@@ -73,14 +73,14 @@ class EngineBusyLoop:
 
     def _handle(self, kind: str, payload: object) -> None:
         if kind == "add":
-            req: EngineCoreRequest = payload  # type: ignore[assignment]
+            req = cast(EngineCoreRequest, payload)  # the kind names the payload's type
             try:
                 self.core.add_request(req)
             except ValueError as e:  # validated upstream; report, do not die
                 self.on_outputs(EngineCoreOutputs([EngineCoreOutput(
                     req.request_id, [], FinishReason.ERROR, error=str(e))]))
         elif kind == "abort":
-            self.core.abort_requests(payload)  # type: ignore[arg-type]
+            self.core.abort_requests(payload)
             if not self.core.has_work():
                 # Idle after the abort: no step will publish fresh stats, so
                 # send them now (KV usage back to 0, nothing running).

@@ -80,8 +80,8 @@ class LLM:
         batch = [self._make_requests(p, sp, pr, lr)
                  for p, sp, pr, lr in zip(prompts, params, prios, loras)]
         states: dict[str, RequestState] = {}
-        for reqs in batch:
-            for ecr, st in reqs[1]:
+        for _, pairs in batch:
+            for ecr, st in pairs:
                 self.engine.add_request(ecr)
                 states[ecr.request_id] = st
         self._run(states, use_tqdm)
@@ -139,9 +139,9 @@ class LLM:
         conveyor:spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens,
         ..._num_accepted_tokens_per_pos{position="i"})."""
         out = self._spec_counters.as_dict()
-        client = getattr(self.engine, "client", None)
-        if hasattr(client, "metrics"):  # data parallel: per-engine and router series
-            out.update(client.metrics())
+        metrics = getattr(getattr(self.engine, "client", None), "metrics", None)
+        if metrics is not None:  # data parallel: per-engine and router series
+            out.update(metrics())
         return out
 
     def get_tokenizer(self) -> Tokenizer | None:
@@ -171,13 +171,13 @@ class LLM:
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-        return [prompts]  # one prompt of token ids
-    for p in prompts:
+    items: list[Any] = list(prompts)
+    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
+        return [items]  # one prompt of token ids
+    for p in items:
         if not isinstance(p, (str, list)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
-    return prompts
+    return items
 
 
 def _as_params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from engine.contracts import EngineCoreOutput, FinishReason, PromptLogprobs
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingFields
 from engine.tokenizer import Tokenizer
 
 
@@ -47,7 +47,7 @@ class RequestState:
     """One engine request (one of the n children of a user request)."""
     request_id: str
     index: int
-    sampling_params: SamplingParams
+    sampling_params: SamplingFields
     detokenizer: IncrementalDetokenizer | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -59,7 +59,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
-    def make(cls, request_id: str, index: int, sp: SamplingParams, prompt_token_ids: list[int],
+    def make(cls, request_id: str, index: int, sp: SamplingFields, prompt_token_ids: list[int],
              tokenizer: Tokenizer | None) -> RequestState:
         detok = None
         if tokenizer is not None:

@@ -24,7 +24,6 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     # whose KV is (or is being) written.
     all_token_ids: list[int] = msgspec.field(default_factory=list)
     output_token_ids: list[int] = msgspec.field(default_factory=list)
-    num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     # Chained hashes of the full blocks of all_token_ids, extended as tokens arrive.
     block_hashes: list[bytes] = msgspec.field(default_factory=list)
@@ -59,7 +58,7 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
                    eos_token_id=req.eos_token_id, arrival_time=req.arrival_time,
                    priority=req.priority, cache_salt=req.cache_salt, max_tokens=max_tokens,
                    all_token_ids=prompt + outputs, output_token_ids=outputs,
-                   num_prompt_tokens=len(prompt), lora_request=req.lora_request,
+                   lora_request=req.lora_request,
                    prompt_logprobs=plp)
 
     @property
@@ -69,10 +68,6 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def add_prompt_logprobs(self, chunk: PromptLogprobs | None) -> None:
         """Append a prefill chunk's positions; positions already held (a chunk

@@ -21,6 +21,7 @@ from engine.contracts import (
     EngineCoreOutputs,
     FinishReason,
     GrammarOutput,
+    LogprobsLists,
     ModelRunnerOutput,
     NewRequestData,
     RecoveryStats,
@@ -80,8 +81,6 @@ class Scheduler:
         self.num_preemptions = 0
         # Set by EngineCore after a worker-group rebuild; every stats message carries it.
         self.recovery_stats: RecoveryStats | None = None
-        self.prefix_cache_totals = SchedulerStats().prefix_cache_stats
-        self._step_id = 0
         self.structured_output_manager = structured_output_manager
         # Requests that ended outside a step (their grammar failed to compile):
         # reported with the next step's outputs.
@@ -135,9 +134,6 @@ class Scheduler:
         return bool(self.running) or bool(self.waiting)
 
     has_requests = has_unfinished_requests
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -214,7 +210,7 @@ class Scheduler:
             scheduled.append(request)
             new_block_ids[rid] = [b.block_id for b in new_blocks] if new_blocks else None
             num_scheduled[rid] = num_new
-            if request.spec_token_ids:
+            if request.spec_token_ids and self.spec is not None:
                 drafts = self.spec.scheduled_drafts(request, num_new)
                 if drafts:
                     plan.spec_tokens[rid] = drafts
@@ -310,10 +306,13 @@ class Scheduler:
                 request.num_cached_tokens = num_computed
 
     def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
-        new_reqs = [NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
-                                   plan.new_block_ids[r.request_id], r.num_computed_tokens,
-                                   r.eos_token_id, list(r.output_token_ids), r.lora_request)
-                    for r in plan.new]
+        new_reqs = []
+        for r in plan.new:
+            block_ids = plan.new_block_ids[r.request_id]
+            assert block_ids is not None  # a new request is sent its whole block list
+            new_reqs.append(NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params, block_ids,
+                                           r.num_computed_tokens, r.eos_token_id, list(r.output_token_ids),
+                                           r.lora_request))
         cached = CachedRequestData()
         send_tokens = self.send_new_token_ids
         for r in (*plan.running, *plan.resumed):
@@ -327,13 +326,11 @@ class Scheduler:
         for r in plan.resumed:
             cached.resumed_req_ids.append(r.request_id)
             cached.resumed_token_ids[r.request_id] = list(r.all_token_ids)
-        self._step_id += 1
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=plan.num_scheduled,
             total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in plan.preempted}, step_id=self._step_id,
             has_structured_output=self._any_structured_sample(plan),
             scheduled_spec_decode_tokens=plan.spec_tokens)
 
@@ -364,6 +361,7 @@ class Scheduler:
             grammars.append(r.structured_output.grammar)
             drafts.append(spec_tokens.get(rid, []))
         mgr = self.structured_output_manager
+        assert mgr is not None  # structured requests are admitted only with a manager
         if not any(drafts):
             return GrammarOutput(ids, mgr.bitmask(grammars).tobytes(), mgr.num_words)
         return GrammarOutput(ids, mgr.bitmask(grammars, drafts).tobytes(), mgr.num_words,
@@ -389,10 +387,10 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished():
                 continue  # aborted while its step was in flight
-            i = index.get(rid)
-            new_tokens = sampled[i] if i is not None else None
+            i = index.get(rid, -1)
+            new_tokens = sampled[i] if i >= 0 else None
             drafts = so.scheduled_spec_decode_tokens.get(rid)
-            if drafts:
+            if drafts and self.spec is not None:
                 self.spec.verify(request, drafts, len(new_tokens or ()))
             if mro.prompt_logprobs is not None:
                 request.add_prompt_logprobs(mro.prompt_logprobs.get(rid))
@@ -406,7 +404,7 @@ class Scheduler:
             num_generated += len(new_tokens)
             out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(request.num_cached_tokens, 0))
             if mro.logprobs is not None and request.sampling_params.logprobs is not None:
-                out.new_logprobs = self._logprobs_for(mro, i, request, len(new_tokens))
+                out.new_logprobs = self._logprobs_for(mro.logprobs, i, request, len(new_tokens))
             if request.prompt_logprobs is not None:  # the prompt is done: send them once
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if done:
@@ -439,9 +437,8 @@ class Scheduler:
         return new_tokens, False
 
     @staticmethod
-    def _logprobs_for(mro: ModelRunnerOutput, i: int, request: Request,
+    def _logprobs_for(lp: LogprobsLists, i: int, request: Request,
                       n: int) -> list[dict[int, float]]:
-        lp = mro.logprobs
         k = request.sampling_params.logprobs or 0
         rows = [i] * n if lp.row_start is None else range(lp.row_start[i], lp.row_start[i] + n)
         out = []
@@ -464,10 +461,6 @@ class Scheduler:
 
     def make_stats(self, so: SchedulerOutput | None = None, num_generated: int = 0) -> SchedulerStats:
         pcs = self.kv_cache_manager.make_prefix_cache_stats()
-        tot = self.prefix_cache_totals
-        tot.requests += pcs.requests
-        tot.queries += pcs.queries
-        tot.hits += pcs.hits
         return SchedulerStats(
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,

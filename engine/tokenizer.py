@@ -272,10 +272,9 @@ def _resolve_bos_eos(backend: _BackendTokenizer, special: dict[str, str], gen_cf
     tok_eos = tok_id("eos_token")
     gen_eos = _id_list(gen_cfg.get("eos_token_id"))
     fallback = tok_eos if tok_eos is not None else next(iter(_id_list(model_cfg.get("eos_token_id"))), None)
+    eos: int | None = fallback
     if gen_eos:
-        eos = tok_eos if tok_eos in gen_eos else gen_eos[0]
-    else:
-        eos = fallback
+        eos = tok_eos if tok_eos is not None and tok_eos in gen_eos else gen_eos[0]
     eos_ids = set(gen_eos) | ({fallback} if fallback is not None else set())
 
     bos = tok_id("bos_token")

@@ -23,6 +23,7 @@ from executors.base import EngineDeadError, Executor
 from executors.channel import DataPlane, PlaneKeys
 from executors.messages import EXECUTOR_SENDER, TO_EXECUTOR, TO_WORKERS, WorkerCommand, WorkerReply
 from executors.worker_proc import WorkerSpec
+from parallel.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,6 @@ class DistributedExecutor(Executor):
         return dict(enumerate(self.worker_process_ids()))
 
     def _init_method(self) -> str:
-        from workers.worker import free_port
         return f"tcp://127.0.0.1:{free_port()}"
 
     def _specs(self, init_method: str | None = None, local_ranks: list[int] | None = None,

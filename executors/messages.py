@@ -24,7 +24,7 @@ class WorkerReply(msgspec.Struct, array_like=True, gc=False):
     value: int | None = None
     kv_info: KVCacheInfo | None = None
     error: str | None = None
-    floats: list[float] | None = None
+    floats: list[float] | None = None  # an RPC that returns numbers (e.g. step_timeline)
 
 
 # The two routes of an executor's data plane (bound into every frame's MAC).

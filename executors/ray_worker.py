@@ -3,12 +3,12 @@ spawned process (executors/worker_proc.py); Ray only places and supervises it.""
 from __future__ import annotations
 
 import os
-import socket
 
 import msgspec
 import ray
 
 from engine.config import EngineConfig
+from parallel.ports import free_port
 
 
 @ray.remote(max_concurrency=2)  # type: ignore[call-overload]  # ray's stubs omit actor options
@@ -21,9 +21,7 @@ class RayWorkerActor:
         return [str(i) for i in ray.get_gpu_ids()]
 
     def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")  # on this actor's node, reachable from the others
 
     def run(self, config_bytes: bytes, spec_bytes: bytes, env: dict[str, str] | None = None) -> None:
         # Before anything touches CUDA: CUDA_VISIBLE_DEVICES is read once.

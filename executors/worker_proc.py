@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import traceback
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from engine.config import EngineConfig
 from executors.channel import Channel, DataPlane, PlaneKeys
@@ -22,19 +21,10 @@ from executors.messages import TO_EXECUTOR, TO_WORKERS, WorkerCommand, WorkerRep
 
 log = logging.getLogger(__name__)
 
-RPC_METHODS = {"init_device", "load_model", "determine_num_blocks", "initialize_cache", "kv_info",
-               "param_bytes"}
-# Test hook: "RANK:STEP" makes that rank raise on that step command, to check
-# that one failing rank fails the step on the driver instead of hanging it.
-_FAULT_ENV = "CONVEYOR_INJECT_FAULT"
-
-
-def _fault_point(rank: int) -> int | None:
-    spec = os.environ.get(_FAULT_ENV, "")
-    if ":" not in spec:
-        return None
-    r, step = spec.split(":", 1)
-    return int(step) if int(r) == rank else None
+# The worker methods the driver may call by name (collective_rpc). A worker
+# class may offer more through its own RPC_METHODS (a frozenset).
+RPC_METHODS = frozenset({"init_device", "load_model", "determine_num_blocks", "initialize_cache",
+                         "kv_info", "param_bytes"})
 
 
 @dataclass(frozen=True)
@@ -46,8 +36,16 @@ class WorkerSpec:
     reply_address: str  # the executor's PULL
     keys: PlaneKeys  # the client half (PlaneKeys.for_clients)
     parent_pid: int | None = None  # exit when this process disappears
-    # "module:Class" of the worker; benchmarks swap in a no-op model.
+    # "module:Class" of the worker: the one seam through which benchmarks and
+    # tests swap in a no-op, wedging or failing worker (executors/noop_worker.py).
     worker_class: str = "workers.worker:Worker"
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    rank: int
+    output_rank: bool  # replies to steps
+    rpc_methods: frozenset[str]
 
 
 def is_output_rank(config: EngineConfig, rank: int) -> bool:
@@ -64,11 +62,8 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
     cmds = plane.pull(TO_WORKERS, WorkerCommand, connect=spec.command_address)
     replies = plane.push(plane.sealer(TO_EXECUTOR, rank_sender(spec.rank)), connect=spec.reply_address)
     worker = worker_cls(config, spec.rank, spec.local_rank, spec.init_method)
-    output_rank = is_output_rank(config, spec.rank)
-    fault_at = _fault_point(spec.rank)
-    steps = 0
-    # (step id, start, end) wall times of recent steps: shows PP overlap.
-    timeline: deque[tuple[int, float, float]] = deque(maxlen=4096)
+    how = _Dispatch(spec.rank, is_output_rank(config, spec.rank),
+                    getattr(worker, "RPC_METHODS", RPC_METHODS))
     try:
         while True:
             cmd = cmds.recv(timeout_ms=1000)
@@ -78,18 +73,9 @@ def run_worker_loop(config: EngineConfig, spec: WorkerSpec) -> None:
                 continue
             if cmd.kind == "shutdown":
                 return
+            reply: WorkerReply | None
             try:
-                if cmd.kind == "step":
-                    steps += 1
-                    if steps == fault_at:
-                        raise RuntimeError(f"injected fault at step {steps}")
-                if cmd.kind == "rpc" and cmd.method == "step_timeline":
-                    reply = WorkerReply(spec.rank, cmd.step_id, floats=[x for t in timeline for x in t])
-                else:
-                    t0 = time.time()
-                    reply = _handle(worker, cmd, spec.rank, output_rank, lambda: _await_grammar(cmds, spec))
-                    if cmd.kind == "step":
-                        timeline.append((cmd.step_id, t0, time.time()))
+                reply = _handle(worker, cmd, how, lambda: _await_grammar(cmds, spec))
             except Exception as e:  # noqa: BLE001 - reported to the driver
                 log.exception("rank %d failed", spec.rank)
                 reply = WorkerReply(spec.rank, cmd.step_id,
@@ -114,10 +100,12 @@ def _await_grammar(cmds: Channel, spec: WorkerSpec) -> WorkerCommand:
             raise RuntimeError("the driver died while a step waited for its grammar")
 
 
-def _handle(worker, cmd: WorkerCommand, rank: int, output_rank: bool,
+def _handle(worker: Any, cmd: WorkerCommand, how: _Dispatch,
             next_command: Callable[[], WorkerCommand]) -> WorkerReply | None:
+    rank = how.rank
     if cmd.kind == "step":
         so = cmd.scheduler_output
+        assert so is not None  # a step command always carries its SchedulerOutput
         out = worker.execute_model(so)
         grammar = None
         if so.has_structured_output:
@@ -127,11 +115,13 @@ def _handle(worker, cmd: WorkerCommand, rank: int, output_rank: bool,
             grammar = g.grammar_output
         if out is None:
             out = worker.sample_tokens(grammar)
-        return WorkerReply(rank, cmd.step_id, output=out) if output_rank else None
-    if cmd.kind == "rpc" and cmd.method in RPC_METHODS:
+        return WorkerReply(rank, cmd.step_id, output=out) if how.output_rank else None
+    if cmd.kind == "rpc" and cmd.method in how.rpc_methods:
         value = getattr(worker, cmd.method)(*cmd.args)
         if isinstance(value, int):
             return WorkerReply(rank, cmd.step_id, value=value)
+        if isinstance(value, list):
+            return WorkerReply(rank, cmd.step_id, floats=value)
         if value is not None and hasattr(value, "num_blocks"):
             return WorkerReply(rank, cmd.step_id, kv_info=value)
         return WorkerReply(rank, cmd.step_id)

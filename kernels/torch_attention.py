@@ -180,10 +180,14 @@ def _short_batched(
         _short_rows(query, kv_cache, block_table, starts[sl], reqs[sl], q_lens[sl], lens[sl], scale, out)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool,
+          attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA on ``[H, L, D]`` through a batch of one: on CPU only 4-d inputs take
-    the flash kernel (3-d ones fall back to the math path, 3-5x slower)."""
-    return F.scaled_dot_product_attention(q[None], k[None], v[None], **kw)[0]
+    the flash kernel (3-d ones fall back to the math path, 3-5x slower).
+    Causal when there is no mask."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=attn_mask,
+                                          is_causal=attn_mask is None, scale=scale,
+                                          enable_gqa=enable_gqa)[0]
 
 
 def _prefill_one(
@@ -210,11 +214,11 @@ def _prefill_one(
         kk, vv = k[:, :kv_end], v[:, :kv_end]
         gqa = num_q != num_kv
         if ctx + a == 0:
-            o = _sdpa(q, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
+            o = _sdpa(q, kk, vv, scale, gqa)
         else:
             pos = ctx + torch.arange(a, b, device=q.device)
             mask = torch.arange(kv_end, device=q.device)[None, :] <= pos[:, None]
-            o = _sdpa(q, kk, vv, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = _sdpa(q, kk, vv, scale, gqa, attn_mask=mask)
         out[start + a : start + b] = o.transpose(0, 1).to(out.dtype)
 
 

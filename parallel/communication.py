@@ -9,6 +9,7 @@ Peers are global ranks, as torch.distributed.send/recv expect.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import overload
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,11 @@ class IntermediateTensors:
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = dict(tensors)
+
+    @overload
+    def __getitem__(self, key: str) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, key: slice) -> IntermediateTensors: ...
 
     def __getitem__(self, key: str | slice) -> torch.Tensor | IntermediateTensors:
         # A slice cuts every tensor along the token dimension (e.g. to drop padding).

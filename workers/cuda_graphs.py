@@ -23,14 +23,18 @@ same calls on the same buffers (tests/cpu/test_cuda_graphs.py).
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from engine.config import EngineConfig
 from kernels.backends import AttentionMetadata
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 Forward = Callable[[AttentionMetadata, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -73,7 +77,7 @@ class CudaGraphCapturer:
     (captured largest first, so the smaller graphs reuse its memory)."""
 
     def __init__(self) -> None:
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         stream = torch.cuda.Stream()
@@ -101,13 +105,13 @@ class DecodeGraphRunner:
         self.forward, self.sizes, self.capturer = forward, sizes, capturer
         self.max_model_len = max_model_len
         m = sizes[-1]
-        i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(m, dtype=torch.int64, device=device)
         self.positions = torch.zeros(m, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((m,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(m, **i32)
-        self.query_start_loc = torch.arange(m + 1, **i32)  # one token per row, never rewritten
-        self.block_table = torch.zeros(m, max_blocks, **i32)
+        self.seq_lens = torch.ones(m, dtype=torch.int32, device=device)
+        # One token per row, never rewritten.
+        self.query_start_loc = torch.arange(m + 1, dtype=torch.int32, device=device)
+        self.block_table = torch.zeros(m, max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
 
     def _meta(self, size: int) -> AttentionMetadata:
@@ -126,8 +130,7 @@ class DecodeGraphRunner:
             meta = self._meta(size)
             ids, pos = self.input_ids[:size], self.positions[:size]
             # Bound now: capture() may replay the callable after this iteration.
-            self.graphs[size] = self.capturer.capture(
-                lambda meta=meta, ids=ids, pos=pos: self.forward(meta, ids, pos))
+            self.graphs[size] = self.capturer.capture(functools.partial(self.forward, meta, ids, pos))
 
     def _pad(self, lo: int, hi: int) -> None:
         if hi <= lo:

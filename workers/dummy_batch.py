@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.contracts import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingFields, SamplingParams
 
 DUMMY_PREFIX = "_conveyor_dummy_"
 
@@ -64,7 +64,7 @@ def profile_sampling_params(vocab_size: int) -> SamplingParams:
                           presence_penalty=0.1, frequency_penalty=0.1, repetition_penalty=1.1)
 
 
-def dummy_step(shape: DummyShape, block_size: int, sp: SamplingParams,
+def dummy_step(shape: DummyShape, block_size: int, sp: SamplingFields,
                first_block: int = 1) -> tuple[SchedulerOutput, SchedulerOutput]:
     """(the step, the step that removes its requests again). Request i owns
     consecutive blocks from first_block on; token ids are 0."""
@@ -76,6 +76,6 @@ def dummy_step(shape: DummyShape, block_size: int, sp: SamplingParams,
         new.append(NewRequestData(rid, [0] * shape.seq_len, sp, blocks,
                                   shape.seq_len - shape.query_len))
         sched[rid] = shape.query_len
-    step = SchedulerOutput(new, CachedRequestData(), sched, shape.num_tokens, set(), set())
-    cleanup = SchedulerOutput([], CachedRequestData(), {}, 0, set(sched), set())
+    step = SchedulerOutput(new, CachedRequestData(), sched, shape.num_tokens, set())
+    cleanup = SchedulerOutput([], CachedRequestData(), {}, 0, set(sched))
     return step, cleanup

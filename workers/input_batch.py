@@ -13,14 +13,14 @@ import numpy as np
 import torch
 
 from engine.lora import LoRARequest
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingFields
 
 
 @dataclass
 class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingFields
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
@@ -137,6 +137,7 @@ class InputBatch:
 
     def _move(self, src: int, dst: int) -> None:
         rid = self.req_ids[src]
+        assert rid is not None  # condense moves live rows only
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         self.num_tokens[dst] = n

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -21,6 +21,9 @@ from torch import nn
 from parallel.layers import WeightLike, default_weight_loader
 from workers.models import get_model_class
 from workers.models.utils import PPMissingLayer
+
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ def load_hf_config(model_dir: str) -> Any:
 
 def load_model(model_dir: str, hf_config: Any, dtype: torch.dtype,
                device: torch.device | str,
-               pp_layer_partition: list[int] | None = None) -> nn.Module:
+               pp_layer_partition: list[int] | None = None) -> LlamaForCausalLM:
     """Build this rank's part of the model on `device` and load its weights.
 
     Uses parallel.state for the TP/PP rank, so call init_distributed first

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ from engine.contracts import (
     PromptLogprobs,
     SchedulerOutput,
 )
+from engine.sampling_params import SamplingFields
 from kernels.backends import AttentionMetadata, get_attention_backend
 from parallel.communication import IntermediateTensors
 from workers.cuda_graphs import CudaGraphCapturer, DecodeGraphRunner, capture_sizes, graphs_refused
@@ -42,6 +43,9 @@ from workers.prompt_logprobs import compute_prompt_logprobs
 from workers.rejection_sampler import SpecLayout, sample_with_drafts
 from workers.sampler import Sampler, SamplingMetadata
 
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
+
 log = logging.getLogger(__name__)
 
 
@@ -60,7 +64,7 @@ class _PendingSample:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device,
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, device: torch.device,
                  vocab_size: int, is_last_stage: bool = True, is_first_stage: bool = True) -> None:
         self.config = config
         self.model = model
@@ -109,7 +113,7 @@ class ModelRunner:
         requests are removed again. Needs a KV cache of enough blocks."""
         if self.input_batch.num_reqs or self.requests:
             raise RuntimeError("dummy_run() needs an idle runner")
-        sp = profile_sampling_params(self.vocab_size)
+        sp: SamplingFields = profile_sampling_params(self.vocab_size)
         if with_prompt_logprobs:  # the profile's peak includes their logits passes
             sp = sp.clone(prompt_logprobs=sp.logprobs)
         step, cleanup = dummy_step(shape, self.block_size, sp)
@@ -247,7 +251,7 @@ class ModelRunner:
 
     def _prepare(self, so: SchedulerOutput) -> tuple[PreparedInputs, np.ndarray, list[str]]:
         batch = self.input_batch
-        req_ids = batch.req_ids[:batch.num_reqs]
+        req_ids = cast(list[str], batch.req_ids[:batch.num_reqs])  # rows < num_reqs are live
         num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int32)
         return prepare_inputs(batch, num_sched, self.block_size), num_sched, req_ids
 
@@ -279,15 +283,17 @@ class ModelRunner:
             lora_mapping = self.lora.step_mapping(
                 [self.requests[r].lora_request for r in req_ids], p.req_indices)
         # Captured graphs hold no LoRA deltas: a LoRA engine always runs eagerly.
+        # Graphs are refused under PP, so only a last stage replays one.
         out = self._graph_step(p, so) if self.graphs is not None and self.lora is None else None
         if out is None:
             meta = self._attn_metadata(p)
             input_ids = torch.from_numpy(p.input_ids).to(self.device)
             positions = torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
             with set_forward_context(meta, self.attn_backend), set_lora_mapping(lora_mapping):
-                out = self.model(input_ids, positions, intermediate_tensors)
-        if not self.is_last_stage:
-            return out
+                hidden = self.model(input_ids, positions, intermediate_tensors)
+            if not self.is_last_stage:
+                return hidden  # the IntermediateTensors to send
+            out = hidden
         spec = None
         logits_indices = p.logits_indices
         if so.scheduled_spec_decode_tokens:
@@ -314,6 +320,7 @@ class ModelRunner:
             return None
         max_blocks = int(-(-int(p.seq_lens.max()) // self.block_size))
         bt = np.ascontiguousarray(self.input_batch.block_table.table[:n, :max_blocks])
+        assert self.graphs is not None  # the caller checked
         return self.graphs.run(p.input_ids, p.positions.astype(np.int64), p.slot_mapping,
                                p.seq_lens, bt)
 
@@ -365,7 +372,7 @@ class ModelRunner:
                                  sampled, logprobs, prompt_logprobs=pending.prompt_logprobs)
 
 
-def make_lora_manager(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> Any:
+def make_lora_manager(config: EngineConfig, model: LlamaForCausalLM, device: torch.device) -> Any:
     """A LoRAManager (wrapping the model's projections) when lora.enable, else None."""
     if not config.lora.enable:
         return None

@@ -26,13 +26,14 @@ logprobs) skips the per-row expansion: one argmax over the step's logits.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.contracts import LogprobsLists
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingFields
 from workers.sampler import (
     _GREEDY_EPS,
     _TINY,
@@ -48,7 +49,7 @@ from workers.sampler import (
 @dataclass
 class _DraftRow:
     """A SamplingRow as it would be after the first `j` drafts were sampled."""
-    sampling_params: SamplingParams
+    sampling_params: SamplingFields
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None
@@ -79,7 +80,7 @@ class SpecLayout:
         return start + within
 
 
-def expand_rows(states: list[SamplingRow], layout: SpecLayout) -> list[_DraftRow]:
+def expand_rows(states: Sequence[SamplingRow], layout: SpecLayout) -> list[_DraftRow]:
     rows = []
     for st, d in zip(states, layout.drafts):
         for j in range(len(d) + 1):
@@ -103,11 +104,11 @@ def _draws(rows: list[_DraftRow], has_draft: list[bool], vocab: int, device: tor
         q = torch.empty(num_rows, vocab, device=device).exponential_()
     for r, row in enumerate(rows):
         if seeded[r]:
-            gen = row.generator
-            assert gen is not None
+            gen, seed = row.generator, row.sampling_params.seed
+            assert gen is not None and seed is not None  # seeded rows have both
             # As in the plain sampler: the draws of an output position depend
             # only on (seed, position), never on what was drawn before.
-            gen.manual_seed(position_seed(row.sampling_params.seed, len(row.output_token_ids)))
+            gen.manual_seed(position_seed(seed, len(row.output_token_ids)))
             if has_draft[r]:
                 u[r] = torch.rand((), generator=gen, device=device)
             q[r].exponential_(generator=gen)
@@ -143,7 +144,7 @@ def _verify_rows(x: torch.Tensor, meta: SamplingMetadata, rows: list[_DraftRow],
             torch.where(meta.greedy_mask, token, r_token))
 
 
-def _argmax_only(states: list[SamplingRow]) -> bool:
+def _argmax_only(states: Sequence[SamplingRow]) -> bool:
     """Every row's processing is a bare argmax: greedy, no penalties, no
     logit_bias / allowed_token_ids, min_tokens already met (so at every draft
     position too), no logprobs."""
@@ -171,7 +172,7 @@ def _verify_argmax(logits: torch.Tensor, layout: SpecLayout) -> list[list[int]]:
     return emitted
 
 
-def sample_with_drafts(logits: torch.Tensor, states: list[SamplingRow], layout: SpecLayout,
+def sample_with_drafts(logits: torch.Tensor, states: Sequence[SamplingRow], layout: SpecLayout,
                        vocab_size: int, device: torch.device
                        ) -> tuple[list[list[int]], LogprobsLists | None]:
     """Tokens emitted per request (accepted drafts, then one more) and, when

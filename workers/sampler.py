@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 
 from engine.contracts import LogprobsLists
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingFields
 
 # Temperatures below this are greedy (SamplingParams.greedy uses the same).
 _GREEDY_EPS = 1e-5
@@ -39,7 +39,7 @@ _TINY = torch.finfo(torch.float32).tiny
 
 class SamplingRow(Protocol):
     """What the model runner hands in for each batch row."""
-    sampling_params: SamplingParams
+    sampling_params: SamplingFields
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated so far
     generator: torch.Generator | None  # set iff sampling_params.seed is not None
@@ -111,7 +111,8 @@ class SamplingMetadata:
             top_p=_optional_f32([p.top_p for p in params], greedy, 1.0, device),
             min_p=_optional_f32([p.min_p for p in params], greedy, 0.0, device),
             generators={i: (r.generator, position_seed(r.sampling_params.seed, len(r.output_token_ids)))
-                        for i, r in enumerate(rows) if r.generator is not None and not greedy[i]},
+                        for i, r in enumerate(rows)
+                        if r.generator is not None and r.sampling_params.seed is not None and not greedy[i]},
             max_num_logprobs=max(logprobs) if logprobs else None,
             penalties=_build_penalties(rows, vocab_size, device),
             min_tokens_index=_build_min_tokens(rows, vocab_size, device),
@@ -134,7 +135,7 @@ def _optional_f32(values: list[float], greedy: list[bool], off: float,
     return _f32(values, device)
 
 
-def _build_top_k(params: list[SamplingParams], greedy: list[bool], vocab_size: int,
+def _build_top_k(params: list[SamplingFields], greedy: list[bool], vocab_size: int,
                  device: torch.device) -> tuple[torch.Tensor | None, int]:
     # k >= V keeps everything, i.e. it is off.
     ks = [0 if g or p.top_k >= vocab_size else p.top_k for p, g in zip(params, greedy)]
@@ -207,7 +208,7 @@ def _build_min_tokens(rows: Sequence[SamplingRow], vocab_size: int,
             torch.tensor(tok_ids, dtype=torch.int64, device=device))
 
 
-def _build_disallowed(params: list[SamplingParams], vocab_size: int,
+def _build_disallowed(params: list[SamplingFields], vocab_size: int,
                       device: torch.device) -> torch.Tensor | None:
     if all(p.allowed_token_ids is None for p in params):
         return None
@@ -220,7 +221,7 @@ def _build_disallowed(params: list[SamplingParams], vocab_size: int,
     return mask.to(device)
 
 
-def _build_logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.device
+def _build_logit_bias(params: list[SamplingFields], vocab_size: int, device: torch.device
                       ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
     row_ids: list[int] = []
     tok_ids: list[int] = []
@@ -263,7 +264,7 @@ class Sampler:
         """logits: [B, V] any float dtype; computed in fp32."""
         x, raw_logprobs = process_logits(logits, meta)
         sampled = self._sample(x, meta)
-        if raw_logprobs is None:
+        if raw_logprobs is None or meta.max_num_logprobs is None:  # both or neither
             return SamplerOutput(sampled, None, None, None)
         ids, lps, ranks = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled, ids, lps, ranks)

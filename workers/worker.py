@@ -3,7 +3,6 @@ pipeline-parallel bridge around ModelRunner.execute_model."""
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from typing import Any
 
@@ -13,16 +12,11 @@ from engine.config import EngineConfig
 from engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
 from parallel import state as ps
 from parallel.communication import IntermediateTensors, recv_tensor_dict, send_tensor_dict
+from parallel.ports import free_port
 from workers.model_loader import load_hf_config, load_model
 from workers.model_runner import ModelRunner
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:

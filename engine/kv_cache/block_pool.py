@@ -56,38 +56,45 @@ class FreeKVCacheBlockQueue:
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} blocks, {self.num_free_blocks} free")
-        out = []
+        out: list[KVCacheBlock] = []
         b = self._head.next_free
         for _ in range(n):
+            assert b is not None  # n <= num_free_blocks: n blocks precede the tail
             out.append(b)
             nxt = b.next_free
             b.prev_free = b.next_free = None
             b = nxt
+        assert b is not None  # the tail sentinel at worst
         self._head.next_free, b.prev_free = b, self._head
         self.num_free_blocks -= n
         return out
 
     def remove(self, b: KVCacheBlock) -> None:
-        b.prev_free.next_free = b.next_free
-        b.next_free.prev_free = b.prev_free
+        prev, nxt = b.prev_free, b.next_free
+        assert prev is not None and nxt is not None  # b is free: the sentinels bound it
+        prev.next_free = nxt
+        nxt.prev_free = prev
         b.prev_free = b.next_free = None
         self.num_free_blocks -= 1
 
     def append(self, b: KVCacheBlock) -> None:
         last = self._tail.prev_free
+        assert last is not None  # the head sentinel at worst
         last.next_free, b.prev_free = b, last
         b.next_free, self._tail.prev_free = self._tail, b
         self.num_free_blocks += 1
 
     def appendleft(self, b: KVCacheBlock) -> None:
         first = self._head.next_free
+        assert first is not None  # the tail sentinel at worst
         self._head.next_free, b.prev_free = b, self._head
         b.next_free, first.prev_free = first, b
         self.num_free_blocks += 1
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
-        out, b = [], self._head.next_free
-        while b is not self._tail:
+        out: list[KVCacheBlock] = []
+        b = self._head.next_free
+        while b is not None and b is not self._tail:
             out.append(b)
             b = b.next_free
         return out
@@ -140,21 +147,21 @@ class BlockPool:
         if self.enable_caching:
             for b in blocks:
                 if b.block_hash is not None:
-                    self._evict(b)
+                    self._evict(b, b.block_hash)
                 b.ref_cnt = 1
         else:
             for b in blocks:
                 b.ref_cnt = 1
         return blocks
 
-    def _evict(self, b: KVCacheBlock) -> None:
-        entry = self.cached_block_hash_to_block.get(b.block_hash)
+    def _evict(self, b: KVCacheBlock, block_hash: bytes) -> None:
+        entry = self.cached_block_hash_to_block.get(block_hash)
         if entry is not None:
             entry.pop(b.block_id, None)
             if not entry:
-                del self.cached_block_hash_to_block[b.block_hash]
+                del self.cached_block_hash_to_block[block_hash]
                 if self.events is not None:
-                    self.events.removed(b.block_hash)
+                    self.events.removed(block_hash)
         b.block_hash = None
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

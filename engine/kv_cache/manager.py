@@ -60,8 +60,7 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
         """Reserve slots for num_new_tokens more tokens; None if they do not fit.
 
         A request that is not yet running (waiting or resumed) is admitted only
@@ -73,7 +72,7 @@ class KVCacheManager:
                 and request.status == RequestStatus.RUNNING):
             # Fast path (decode): most steps need no new block at all.
             end = request.num_computed_tokens + num_new_tokens
-            if end + num_lookahead_tokens <= len(req_blocks) * self.block_size:
+            if end <= len(req_blocks) * self.block_size:
                 if self.enable_caching:
                     self.cache_blocks(request, min(end, len(request.all_token_ids)))
                 return []
@@ -81,8 +80,7 @@ class KVCacheManager:
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(num_computed + num_new_tokens + num_lookahead_tokens,
-                                   self.max_model_len)
+        num_tokens_need_slot = min(num_computed + num_new_tokens, self.max_model_len)
         num_held = len(req_blocks) + len(new_computed_blocks)
         num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - num_held, 0)
         # Idle prefix-hit blocks sit in the free queue: touching them consumes it.

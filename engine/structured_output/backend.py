@@ -9,7 +9,7 @@ tokenizer does not know are always 0.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -27,14 +27,18 @@ class Grammar(Protocol):
         """How many leading tokens the grammar accepts from here (state unchanged)."""
 
 
-class StructuredOutputBackend(Protocol):
-    def compile(self, params: StructuredOutputsParams) -> Grammar:
+# A backend fills masks only for the grammars it compiled (its own matcher type).
+G = TypeVar("G", bound=Grammar)
+
+
+class StructuredOutputBackend(Protocol[G]):
+    def compile(self, params: StructuredOutputsParams) -> G:
         """Build a matcher; raises ValueError for an invalid or unsupported spec."""
 
     def validate(self, params: StructuredOutputsParams) -> None:
         """Raise ValueError (naming the problem) if compile() would fail."""
 
-    def fill_bitmasks(self, grammars: list[Grammar], bitmask: np.ndarray,
+    def fill_bitmasks(self, grammars: list[G], bitmask: np.ndarray,
                       drafts: list[list[int]] | None = None) -> None:
         """Fill bitmask[i] for grammars[i] (C-contiguous int32 [n, words]).
         With drafts (each a prefix the grammar accepts), grammars[i] owns
@@ -42,7 +46,8 @@ class StructuredOutputBackend(Protocol):
         the matchers end where they started."""
 
 
-BackendFactory = Callable[[str, int, "int | None"], StructuredOutputBackend]
+# (tokenizer_dir, vocab_size, eos_token_id, allow_additional_properties)
+BackendFactory = Callable[[str, int, "int | None", bool], "StructuredOutputBackend[Any]"]
 _BACKENDS: dict[str, BackendFactory] = {}
 
 

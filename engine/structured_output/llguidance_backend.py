@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import llguidance as llg
 import numpy as np
@@ -15,7 +16,10 @@ from engine.structured_output.backend import register_backend
 from engine.structured_output.params import StructuredOutputsParams
 from engine.structured_output.schema import close_objects
 
-_JSON_OPTIONS = {"whitespace_flexible": False}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 # Bounds on one grammar's lexer work, in llguidance's fuel units (~50k/ms to
 # build the regex ASTs, ~14k/ms in a mask step). The defaults (1M, 200k) let a
 # regex like a{100000} spend 50-700 ms of every engine step building lexer
@@ -25,6 +29,11 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 # grammar past it is refused naming the limit.
 LEXER_LIMITS = {"initial_lexer_fuel": 50_000, "step_lexer_fuel": 20_000}
 _ANY_JSON_OBJECT = {"type": "object"}
+
+
+def _limits() -> llg.LLParserLimits:
+    return llg.LLParserLimits(initial_lexer_fuel=LEXER_LIMITS["initial_lexer_fuel"],
+                              step_lexer_fuel=LEXER_LIMITS["step_lexer_fuel"])
 
 
 class LLGuidanceGrammar:
@@ -102,8 +111,8 @@ class LLGuidanceBackend:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, stride, rows)
 
     def grammar_text(self, params: StructuredOutputsParams) -> str:
-        kind = params.kind
-        if kind == "json":
+        # The fields in StructuredOutputsParams.kind's order: the first one set wins.
+        if params.json is not None:
             schema = params.json
             if isinstance(schema, str):
                 try:
@@ -115,26 +124,26 @@ class LLGuidanceBackend:
             if not self.allow_additional_properties:
                 schema = close_objects(schema)
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-        if kind == "json_object":
-            return llg.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_JSON_OPTIONS)
-        if kind == "regex":
+        if params.regex is not None:
             return llg.LLMatcher.grammar_from_regex(params.regex)
-        if kind == "choice":
+        if params.choice is not None:
             alts = " | ".join(json.dumps(c) for c in params.choice)
             return llg.LLMatcher.grammar_from_lark(f"start: {alts}")
-        return llg.LLMatcher.grammar_from_lark(params.grammar)
+        if params.grammar is not None:
+            return llg.LLMatcher.grammar_from_lark(params.grammar)
+        return llg.LLMatcher.grammar_from_json_schema(_ANY_JSON_OBJECT, defaults=_JSON_OPTIONS)
 
     def validate(self, params: StructuredOutputsParams) -> None:
         text = self.grammar_text(params)
         is_error, msgs = llg.LLMatcher.validate_grammar_with_warnings(
-            text, self.tokenizer, limits=llg.LLParserLimits(**LEXER_LIMITS))
+            text, self.tokenizer, limits=_limits())
         if is_error:
             raise ValueError(f"invalid structured_outputs.{params.kind}: {msgs[0].strip()}")
         self.compile(params, text)
 
     def compile(self, params: StructuredOutputsParams, text: str | None = None) -> LLGuidanceGrammar:
         m = llg.LLMatcher(self.tokenizer, text or self.grammar_text(params), log_level=0,
-                          limits=llg.LLParserLimits(**LEXER_LIMITS))
+                          limits=_limits())
         self._warm(m)
         if m.is_error():
             why = (m.get_error() or "").strip().splitlines()[0][:300]

@@ -6,19 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from parallel.ports import free_port  # noqa: F401  (the tests' free_port: one definition)
+
 BIN = os.path.dirname(sys.executable)
 RAY = os.path.join(BIN, "ray")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def token_env(token: str, extra: dict[str, str] | None = None) -> dict[str, str]:

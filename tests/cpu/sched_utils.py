@@ -52,6 +52,12 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 16, priority: in
     return Request.from_engine_core_request(ecr, max_model_len)
 
 
+def append_token(req: Request, token_id: int) -> None:
+    """What the scheduler does with a sampled token, for tests that drive a Request alone."""
+    req.output_token_ids.append(token_id)
+    req.all_token_ids.append(token_id)
+
+
 def create_requests(num_requests: int, num_tokens: int = 10, max_tokens: int = 16,
                     start: int = 0, **kw: Any) -> list[Request]:
     return [make_request(str(i), [i + 1] * num_tokens, max_tokens, **kw)

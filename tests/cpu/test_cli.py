@@ -10,7 +10,6 @@ import glob
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from llm_utils import make_checkpoint
 
 from cluster.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
+from parallel.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["The cat runs", "日本語の本"]
@@ -28,12 +28,6 @@ PROMPTS = ["The cat runs", "日本語の本"]
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _flat(text: str) -> str:
@@ -50,7 +44,7 @@ def tiny(tmp_path_factory):
         json.dump({"model": {"path": ckpt, "max_model_len": 512},
                    "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
                    "cache": {"num_gpu_blocks": 256},
-                   "serve": {"host": "127.0.0.1", "port": _free_port(), "served_model_name": "tiny"}}, f)
+                   "serve": {"host": "127.0.0.1", "port": free_port(), "served_model_name": "tiny"}}, f)
     return ckpt, cfg
 
 
@@ -154,7 +148,7 @@ def test_serve_prints_the_url_and_stops_on_sigint(tiny):
     (serve.direct_ingress null): the proxy URL and the replica's own URL (no proxy
     hop) both answer."""
     _, cfg = tiny
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", cfg, "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
@@ -185,7 +179,7 @@ def test_demo_builds_the_model_serves_and_answers(tmp_path):
     with open(os.path.join(ROOT, "configs", "tiny-cpu.yaml")) as f:
         text = f.read()
     cfg.write_text(text.replace("path: demo_model", f"path: {tmp_path / 'demo_model'}"))
-    port = _free_port()
+    port = free_port()
     r = subprocess.run([sys.executable, "-m", "cluster.demo", "--config", str(cfg), "--port", str(port),
                         "--max-tokens", "6"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]

@@ -11,7 +11,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from recovery_utils import expect_fail_fast
 from engine import LLM, SamplingParams
 from engine.async_client import AsyncLLM
 from engine.config import build_config
+from parallel.ports import free_port
 
 PROMPTS = random_prompts(10, 5, 40, seed=53)
 MAX_TOKENS = 32
@@ -288,9 +288,7 @@ def serve_refs(ckpt):
 def serve_config(ray_local, ckpt, tmp_path_factory):
     from ray import serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     path = str(tmp_path_factory.mktemp("cfg") / "engine.json")
     with open(path, "w") as f:
         json.dump({"model": {"path": ckpt, "max_model_len": 512},

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from sched_utils import FakeExecutor, make_request
+from sched_utils import FakeExecutor, append_token, make_request
 
 from engine.config import ConfigError, build_config
 from engine.contracts import (
@@ -133,9 +133,9 @@ def test_length_cap_holds_under_min_tokens():
     """Whatever slips past validation, a request never outgrows max_model_len."""
     req = make_request("r", [1] * 60, max_tokens=None, min_tokens=5000, max_model_len=64)
     for _ in range(3):
-        req.append_output_token(7)
+        append_token(req, 7)
         assert not check_stop(req, 64)
-    req.append_output_token(7)
+    append_token(req, 7)
     assert check_stop(req, 64) and req.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import pytest
-from sched_utils import make_request
+from sched_utils import append_token, make_request
 
 from engine.contracts import RequestStatus
 from engine.kv_cache import BlockHasher, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
@@ -109,10 +109,10 @@ def test_whole_prompt_admission_gate():
     assert len(mgr.allocate_slots(r2, 16)) == 1
 
 
-def test_lookahead_and_usage_and_reset():
+def test_usage_and_reset():
     mgr, hasher = _mgr()
-    r = _req("0", list(range(1, 17)), hasher)
-    blocks = mgr.allocate_slots(r, 16, num_lookahead_tokens=1)
+    r = _req("0", list(range(1, 18)), hasher)
+    blocks = mgr.allocate_slots(r, 17)
     assert len(blocks) == 2
     assert abs(mgr.usage - 0.2) < 1e-9
     assert not mgr.reset_prefix_cache()  # blocks in use
@@ -129,7 +129,7 @@ def test_incremental_hashing_matches_full():
     h.extend(r)
     assert len(r.block_hashes) == 1
     for t in range(20, 40):
-        r.append_output_token(t)
+        append_token(r, t)
         h.extend(r)
     full = make_request("1", list(range(40)))
     h.extend(full)

@@ -78,7 +78,6 @@ def test_parity_shared_prefix_cached(family, ckpts):
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert outs[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens >= 32 for o in outs[1:])
-    assert sched.prefix_cache_totals.hits > 0
 
 
 def test_seeded_sampling_batch_invariant(ckpts):

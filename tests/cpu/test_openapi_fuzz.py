@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 from llm_utils import make_checkpoint
+
+from parallel.ports import free_port
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings
@@ -26,12 +27,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # CONVEYOR_FUZZ_EXAMPLES=250 (random instead of derandomized examples).
 EXAMPLES_PER_MODE = int(os.environ.get("CONVEYOR_FUZZ_EXAMPLES", "25"))
 DERANDOMIZE = "CONVEYOR_FUZZ_EXAMPLES" not in os.environ
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,7 @@ def served(tmp_path_factory):
                         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},
                         "serve": {"served_model_name": "tiny"}})
     llm = AsyncLLM(cfg)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_api(OpenAIServer(llm, cfg), api_key=KEY),
                                            host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

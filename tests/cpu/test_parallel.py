@@ -14,6 +14,7 @@ from llm_utils import (
     random_prompts,
     wait_pids_gone,
 )
+from probe_workers import use_worker_class
 from tiny_models import make_tiny_model
 
 from engine import LLM, SamplingParams
@@ -119,7 +120,7 @@ def test_uneven_splits_fail_at_startup(ckpts):
 
 
 def test_failing_rank_fails_the_step(ckpts, prompts, monkeypatch):
-    monkeypatch.setenv("CONVEYOR_INJECT_FAULT", "1:3")
+    use_worker_class(monkeypatch, "probe_workers:FaultyWorker")  # rank 1 raises on step 3
     # No restarts: this is the fail-fast path (test_recovery.py covers recovery).
     llm = LLM(model=ckpts["llama"], executor="mp", tensor_parallel_size=2,
               **{"parallel.max_restarts": 0})

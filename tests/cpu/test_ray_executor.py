@@ -10,6 +10,7 @@ import signal
 import pytest
 import ray
 from llm_utils import close_or_why, engine_top5, make_checkpoint, random_prompts, wait_pids_gone
+from probe_workers import use_worker_class
 from recovery_utils import drain_all, expect_fail_fast
 
 from engine import LLM, SamplingParams
@@ -135,9 +136,10 @@ def test_worker_death_past_restart_budget_fails_requests_and_engine(ray_local, c
         llm.shutdown()
 
 
-def test_pp_batch_queue_overlaps(ckpt, prompts):
+def test_pp_batch_queue_overlaps(ckpt, prompts, monkeypatch):
     """Two batches in flight at once: stage 0 runs step k+1 while stage 1 still
     runs step k; outputs equal the PP=1 run."""
+    use_worker_class(monkeypatch, "probe_workers:TimedWorker")  # adds the step_timeline RPC
     llm = LLM(model=ckpt, executor="mp", pipeline_parallel_size=2, max_num_batched_tokens=64,
               max_num_seqs=8)
     try:

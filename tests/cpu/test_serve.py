@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 
 import httpx
@@ -18,16 +17,12 @@ import pytest
 import torch
 from llm_utils import make_checkpoint
 
+from parallel.ports import free_port
+
 KEY_ENV, KEY = "CONVEYOR_TEST_SERVE_KEY", "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend builds", "日本語の本"]
 MAX_TOKENS = 24
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _write_config(path: str, ckpt: str, port: int, **serve: object) -> str:
@@ -73,7 +68,7 @@ def server(ckpt, refs, tmp_path_factory):  # refs first: no in-process engine be
     from cluster.serve_app import run_serve
 
     os.environ[KEY_ENV] = KEY  # before ray.init: replicas inherit the environment
-    cfg = _write_config(str(tmp_path_factory.mktemp("cfg") / "engine.yaml"), ckpt, _free_port(),
+    cfg = _write_config(str(tmp_path_factory.mktemp("cfg") / "engine.yaml"), ckpt, free_port(),
                         responses_store_dir=str(tmp_path_factory.mktemp("responses")))
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     try:

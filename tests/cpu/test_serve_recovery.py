@@ -11,22 +11,16 @@ import asyncio
 import json
 import os
 import signal
-import socket
 
 import httpx
 import pytest
 from llm_utils import make_checkpoint
 
 from bench.chaos import worker_pids as chaos_worker_pids
+from parallel.ports import free_port
 
 NUM_STREAMS, MAX_TOKENS = 24, 48
 PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend builds", "日本語の本"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,7 @@ def server(tmp_path_factory):
            "parallel": {"executor": "ray", "tensor_parallel_size": 2},
            "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
            "cache": {"num_gpu_blocks": 512},
-           "serve": {"host": "127.0.0.1", "port": _free_port(), "served_model_name": "tiny",
+           "serve": {"host": "127.0.0.1", "port": free_port(), "served_model_name": "tiny",
                      "metrics_public": True}}
     path = str(tmp / "engine.yaml")
     with open(path, "w") as f:

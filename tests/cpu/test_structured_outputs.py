@@ -172,7 +172,7 @@ def test_chunked_prefill_prefix_cache_and_preemption(ckpt):
         outs = llm.generate(prompts, params, use_tqdm=False)
         sched = llm.engine.scheduler
         assert sched.num_preemptions > 0
-        assert sched.prefix_cache_totals.hits > 0
+        assert any(o.num_cached_tokens > 0 for o in outs)
     finally:
         llm.shutdown()
     _check_suite(outs, params)

@@ -58,12 +58,12 @@ def compute_inv_freq(rotary_dim: int, base: float,
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq = 1.0 / (base ** exponents)
     rope_type = "default" if scaling is None else scaling["rope_type"]
-    if rope_type == "default":
+    if scaling is None or rope_type == "default":
         return inv_freq
     if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])  # type: ignore[index]
+        return inv_freq / float(scaling["factor"])
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)  # type: ignore[arg-type]
+        return _llama3_inv_freq(inv_freq, scaling)
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
@@ -74,6 +74,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # a buffer (moves with the module)
+
     def __init__(self, head_size: int, rotary_dim: int, max_position: int, base: float,
                  scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
@@ -96,7 +98,7 @@ class RotaryEmbedding(nn.Module):
             ext.rotary_neox(positions, query, key, self.cos_sin_cache, self.head_size)
             return query, key
         cos, sin = self._cos_sin(positions, query.dtype)
-        return self._apply(query, cos, sin), self._apply(key, cos, sin)
+        return self._rotate_heads(query, cos, sin), self._rotate_heads(key, cos, sin)
 
     def _native_ok(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
         return (query.device.type == "cpu" and query.dtype == key.dtype == torch.float32
@@ -113,7 +115,8 @@ class RotaryEmbedding(nn.Module):
         self.__dict__["_last"] = (positions, dtype, cos, sin)
         return cos, sin
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Not `_apply`: that name is nn.Module's hook for .to()/.float(), which it would break.
+    def _rotate_heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.view(shape[0], -1, self.head_size)
         rd = self.rotary_dim

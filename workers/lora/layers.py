@@ -35,7 +35,10 @@ from workers.lora.mapping import SubBlock, add_lora, get_lora_mapping
 
 
 class _LoRALinearBase(nn.Module):
-    def __init__(self, base: nn.Module, in_size: int, out_sizes: list[int], num_slots: int,
+    a_t: torch.Tensor  # buffers, see the module docstring
+    b_t: torch.Tensor
+
+    def __init__(self, base: ColumnParallelLinear | RowParallelLinear, in_size: int, out_sizes: list[int], num_slots: int,
                  max_rank: int) -> None:
         super().__init__()
         self.base = base
@@ -81,6 +84,8 @@ class _LoRALinearBase(nn.Module):
 
 
 class ColumnParallelLinearWithLoRA(_LoRALinearBase):
+    base: ColumnParallelLinear
+
     def __init__(self, base: ColumnParallelLinear, num_slots: int, max_rank: int) -> None:
         if isinstance(base, QKVParallelLinear):
             q, kv = base.num_heads * base.head_size, base.num_kv_heads * base.head_size
@@ -106,6 +111,8 @@ class ColumnParallelLinearWithLoRA(_LoRALinearBase):
 
 
 class RowParallelLinearWithLoRA(_LoRALinearBase):
+    base: RowParallelLinear
+
     def __init__(self, base: RowParallelLinear, num_slots: int, max_rank: int) -> None:
         super().__init__(base, base.input_size_per_partition, [base.output_size], num_slots, max_rank)
 

@@ -10,11 +10,11 @@ always fit (evicting only adapters the step does not use).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from engine.config import LoRAConfig
 from engine.lora import TARGET_MODULES, LoRARequest, ModelDims, check_adapter
@@ -22,11 +22,14 @@ from workers.lora.layers import ColumnParallelLinearWithLoRA, LoRALinear, RowPar
 from workers.lora.mapping import LoRAMapping
 from workers.models.utils import PPMissingLayer
 
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
+
 # (layer, HF module) -> (lora_A [r, in], lora_B [out, r] * scale), full tensors on the host
 AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
-def wrap_model(model: nn.Module, num_slots: int, max_rank: int) -> dict[tuple[int, str], LoRALinear]:
+def wrap_model(model: LlamaForCausalLM, num_slots: int, max_rank: int) -> dict[tuple[int, str], LoRALinear]:
     """Replace this stage's four projections per decoder layer with LoRA
     wrappers; returns them keyed by (layer index, our module name)."""
     out: dict[tuple[int, str], LoRALinear] = {}
@@ -44,7 +47,7 @@ def wrap_model(model: nn.Module, num_slots: int, max_rank: int) -> dict[tuple[in
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, dims: ModelDims,
+    def __init__(self, model: LlamaForCausalLM, config: LoRAConfig, dims: ModelDims,
                  device: torch.device) -> None:
         self.config = config
         self.dims = dims
@@ -116,8 +119,8 @@ class LoRAManager:
         return {k: (v["A"], v["B"] * spec.scale) for k, v in pairs.items()}
 
     def _fill_slot(self, slot: int, weights: AdapterWeights) -> None:
-        for wrapped in self.layers.values():
-            wrapped.clear_slot(slot)
+        for each in self.layers.values():
+            each.clear_slot(slot)
         for (layer, module), (a, b) in weights.items():
             _, ours, sub = TARGET_MODULES[module]
             wrapped = self.layers.get((layer, ours))

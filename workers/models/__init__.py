@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from workers.models.llama import LlamaForCausalLM
 
 # architecture name -> (module under workers.models, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -19,7 +20,8 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
+def get_model_class(hf_config: Any) -> type[LlamaForCausalLM]:
+    """Every model class derives from LlamaForCausalLM (the shared skeleton)."""
     archs = getattr(hf_config, "architectures", None) or []
     if not archs or archs[0] not in _MODELS:
         raise ValueError(f"unsupported model architecture {archs[:1] or None}; "

@@ -147,6 +147,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
         if not self.is_last:
+            assert residual is not None  # every stage holds at least one layer
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         hidden, _ = self.norm(hidden, residual)
         return hidden
@@ -170,13 +171,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = LlamaModel(hf_config, dtype, self.attention_cls, pp_layer_partition)
-        self.lm_head: nn.Module = PPMissingLayer()
+        self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
         if self.model.is_last:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
             if self.tie_word_embeddings and self.model.is_first:
                 # One Parameter for both; with PP the last stage keeps its own
                 # copy, which the loader fills from model.embed_tokens.weight.
-                self.lm_head.weight = self.model.embed_tokens.weight
+                emb = self.model.embed_tokens
+                assert isinstance(emb, VocabParallelEmbedding)  # the first stage embeds
+                self.lm_head.weight = emb.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None
@@ -189,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> fp32 [N, vocab_size] (last PP stage, every TP rank)."""
         if not self.model.is_last:
             raise RuntimeError("compute_logits called on a non-last PP stage")
+        assert isinstance(self.lm_head, ParallelLMHead)  # the last stage has one
         return self.lm_head.get_logits(hidden_states).float()
 
 
