@@ -161,14 +161,14 @@ class DataParallelClient:
         overtaken by this add (it would run twice)."""
         toks, lr = request.prompt_token_ids + request.output_token_ids, request.lora_request
         hashes = block_hashes_of(toks, self.kv_info.block_size, request.cache_salt,
-                                 lr and lr.lora_int_id) if self._hash else []
+                                 lr.lora_int_id if lr is not None else None) if self._hash else []
         max_tokens = resolved_max_tokens(request.sampling_params, len(request.prompt_token_ids),
                                          self.config.max_model_len) - len(request.output_token_ids)
         while True:
             if UP not in self.states:
                 raise EngineDeadError("no engine is up to take the request")
             d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,
-                                  lr and lr.lora_name)
+                                  lr.lora_name if lr is not None else None)
             self._live[request.request_id] = d.engine
             try:
                 self.clients[d.engine].add_request(request)

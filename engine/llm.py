@@ -152,7 +152,7 @@ class LLM:
         request off `engine` to the others (DataParallelClient.drain); returns
         how many moved, once the engine holds none."""
         client = getattr(self.engine, "client", None)
-        if not hasattr(client, "drain"):
+        if client is None or not hasattr(client, "drain"):
             raise ValueError("drain needs data_parallel_size > 1")
         return client.drain(engine, timeout_s)
 

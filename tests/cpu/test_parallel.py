@@ -75,7 +75,9 @@ def test_tp_pp_parity(family, ckpts, prompts):
     tp1 = _run(path, prompts, 1, 1)
     assert [o.token_ids for o in tp1] == ref
     _assert_prompt_logprobs(path, prompts, tp1, "tp=1")
-    for tp, pp in LAYOUTS:
+    # Every layout for llama; qwen2 (bias, tied embeddings) in TP x PP, which
+    # splits its weights both ways at once.
+    for tp, pp in LAYOUTS if family == "llama" else [(2, 2)]:
         got = _run(path, prompts, tp, pp)
         _assert_close_to_hf(path, prompts, got, ref, f"tp={tp} pp={pp}")
         _assert_prompt_logprobs(path, prompts, got, f"tp={tp} pp={pp}")

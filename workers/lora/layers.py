@@ -31,12 +31,12 @@ from parallel.layers import (
     RowParallelLinear,
     linear,
 )
-from workers.lora.mapping import SubBlock, add_lora, get_lora_mapping
+from workers.lora.mapping import SubBlock, add_lora, get_lora_mapping, lora_blocks
 
 
 class _LoRALinearBase(nn.Module):
     a_t: torch.Tensor  # buffers, see the module docstring
-    b_t: torch.Tensor
+    b_t: torch.Tensor | None
 
     def __init__(self, base: ColumnParallelLinear | RowParallelLinear, in_size: int, out_sizes: list[int], num_slots: int,
                  max_rank: int) -> None:
@@ -54,7 +54,7 @@ class _LoRALinearBase(nn.Module):
             return torch.zeros(num_slots + 1, *shape, dtype=w.dtype, device=w.device)
 
         self.register_buffer("a_t", zeros(in_size, n_sub * max_rank), persistent=False)
-        self.b_t: torch.Tensor | None = None if split else zeros(n_sub * max_rank, sum(out_sizes))
+        self.b_t = None if split else zeros(n_sub * max_rank, sum(out_sizes))
         self.subs: list[SubBlock] | None = None
         if split:
             self.subs = [(slice(i * max_rank, (i + 1) * max_rank), slice(off, off + size), zeros(max_rank, size))
@@ -62,7 +62,7 @@ class _LoRALinearBase(nn.Module):
 
     def clear_slot(self, slot: int) -> None:
         self.a_t[slot].zero_()
-        for b in [self.b_t] if self.subs is None else [sb[2] for sb in self.subs]:
+        for _, _, b in lora_blocks(self.b_t, self.subs):
             b[slot].zero_()
 
     def set_sub(self, slot: int, sub: int, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -74,7 +74,7 @@ class _LoRALinearBase(nn.Module):
         if self.subs is not None:
             self.subs[sub][2][slot, :r].copy_(b.t())
         else:
-            self.b_t[slot, lo:lo + r, off:off + size].copy_(b.t())
+            lora_blocks(self.b_t, None)[0][2][slot, lo:lo + r, off:off + size].copy_(b.t())
 
     def _delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mp = get_lora_mapping()

@@ -133,7 +133,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Ten
     if mp.runs is not None:
         for start, end, slot in mp.runs:
             shrunk = torch.mm(x[start:end], a_t[slot])
-            for r, o, b in subs or [(slice(None), slice(None), b_t)]:
+            for r, o, b in lora_blocks(b_t, subs):
                 y[start:end, o].addmm_(shrunk[:, r], b[slot])
         return
     if not mp.padded:
@@ -142,19 +142,28 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Ten
     g, m = mp.groups, mp.m
     xp = x.index_select(0, mp.src_index).view(g, m, x.shape[-1])
     shrunk = torch.bmm(xp, a_t[:g])
-    for r, o, b in subs or [(slice(None), slice(None), b_t)]:
+    for r, o, b in lora_blocks(b_t, subs):
         out = torch.bmm(shrunk[:, :, r], b[:g])
         y[:, o].add_(out.view(g * m, -1).index_select(0, mp.gather_index))
 
 
-def _add_lora_sorted(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
+def lora_blocks(b_t: torch.Tensor | None, subs: list[SubBlock] | None) -> list[SubBlock]:
+    """(rank columns, output columns, B) per expand: the layer holds either
+    per-sub-projection Bs (CPU) or one block-diagonal b_t."""
+    if subs is not None:
+        return subs
+    assert b_t is not None, "a LoRA layer holds subs or b_t"
+    return [(slice(None), slice(None), b_t)]
+
+
+def _add_lora_sorted(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor | None,
                      mp: LoRAMapping, subs: list[SubBlock] | None) -> None:
     n = mp.rows.numel()
     xs = x.index_select(0, mp.rows)
     shrunk = y.new_empty(n, a_t.shape[-1])
     for start, end, slot in mp.segments:
         torch.mm(xs[start:end], a_t[slot], out=shrunk[start:end])
-    for r, o, b in subs or [(slice(None), slice(None), b_t)]:
+    for r, o, b in lora_blocks(b_t, subs):
         out = y.new_empty(n + 1, b.shape[-1])
         out[n].zero_()  # base-model tokens read this row
         for start, end, slot in mp.segments:
