@@ -60,10 +60,13 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, log_stats: bool = True) -> None:
         self.config = config
         self.executor = executor
-        self.kv_info: KVCacheInfo = executor.initialize()
         try:
+            self.kv_info: KVCacheInfo = executor.initialize()
             check_kv_pool_fits(config, self.kv_info)
-        except ConfigError:
+        except BaseException:
+            # A half-started executor holds processes, sockets or (uniproc) this
+            # process's torch.distributed world: without this, the next engine
+            # built in this process fails with "init_distributed was already called".
             executor.shutdown()
             raise
         self.structured_output_manager = make_structured_output_manager(config, self.kv_info.vocab_size)

@@ -337,3 +337,27 @@ def test_logit_bias_and_allowed_token_ids_effect(ckpts, prompts):
         assert not llm.engine.has_work()
     finally:
         llm.shutdown()
+
+
+def test_a_failed_start_leaves_the_process_ready_for_the_next_engine(ckpts, tmp_path):
+    """An engine whose weights fail to load shuts its executor down: the next
+    LLM in the same process starts (uniproc joins this process's
+    torch.distributed world, which a leaked failure kept)."""
+    import os
+    import shutil
+
+    from parallel import state
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpts["llama"], broken)
+    for f in os.listdir(broken):
+        if f.endswith(".safetensors"):
+            os.unlink(broken / f)
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors files"):
+        LLM(model=str(broken))
+    assert not state.is_initialized()
+    llm = LLM(model=ckpts["llama"])
+    try:
+        assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
