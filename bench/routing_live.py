@@ -19,7 +19,13 @@ token totals, can differ slightly, so prefill is compared both absolute and as
 a fraction of the server's own prompt tokens). `--answers fixed` sends
 synthetic assistant text fixed by the seed instead, identical for every
 server (the same prompts everywhere, but ~answer_words of every turn's new
-tokens uncached under any policy). A conversation sends its next turn when
+tokens uncached under any policy). In echo mode the answers are sampled from
+the tokenizer's space-led alphabetic word tokens (`allowed_token_ids`, which
+both servers take; `--answer-vocab any` lifts it): the random-weight model
+otherwise emits partial UTF-8 byte tokens that detokenize to U+FFFD and
+re-tokenize to other ids, so the answer it generated would never match its
+own text sent back (a trained model's text round-trips); word tokens
+round-trip exactly. A conversation sends its next turn when
 the previous answer has streamed in, plus a think time; conversations start
 staggered and overlap. Streaming, greedy, `max_tokens` A with `ignore_eos`.
 
@@ -83,6 +89,7 @@ class Workload:
     stagger_s: float = 0.25
     seed: int = 0
     answers: str = "echo"  # "echo": send back the server's own answer; "fixed": the seed's text
+    allowed_token_ids: tuple[int, ...] = ()  # echo mode's answer vocabulary; () = any token
 
 
 def _words(rng: random.Random, lexicon: list[str], n: int) -> str:
@@ -148,8 +155,26 @@ def _take_event(res: Turn, obj: dict[str, Any], now: float) -> None:
 
 
 def _body(messages: list[dict[str, str]], w: Workload) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "messages": messages, "max_tokens": w.max_tokens, "ignore_eos": True,
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": w.max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if w.allowed_token_ids:
+        body["allowed_token_ids"] = list(w.allowed_token_ids)
+    return body
+
+
+def word_token_ids(model: str) -> tuple[int, ...]:
+    """Token ids that decode to a space and ASCII letters: any sequence of them
+    detokenizes to text that tokenizes back to the same ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    special = set(tok.all_special_ids)
+    words = []
+    for i in range(len(tok)):
+        s = tok.decode([i])
+        if i not in special and len(s) > 1 and s[0] == " " and s[1:].isascii() and s[1:].isalpha():
+            words.append(i)
+    return tuple(words)
 
 
 async def conversation(client: Any, system: str, turns: list[tuple[str, str]], w: Workload,
@@ -333,6 +358,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--answers", choices=("echo", "fixed"), default=Workload.answers,
                    help="assistant messages sent back: the server's own answer (echo) or the seed's fixed text")
+    p.add_argument("--answer-vocab", choices=("words", "any"), default="words",
+                   help="echo mode: sample answers from word tokens only (round-trip exactly) or any token")
     p.add_argument("--port", type=int, default=8400, help="first server port (+1 per server)")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--peer-start-timeout-s", type=float, default=200.0)
@@ -361,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
 
         build_model(a.model)
     w = Workload(convs=a.convs, turns=a.turns, think_s=a.think_s[0], think_max_s=a.think_s[1], seed=a.seed,
-                 answers=a.answers)
+                 answers=a.answers, allowed_token_ids=word_token_ids(a.model)
+                 if a.answers == "echo" and a.answer_vocab == "words" else ())
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     rows = []
     failed = []
@@ -378,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['errors'] or ''}", flush=True)
     print_table(rows)
     meta = {"date_utc": stamp, "argv": sys.argv, "platform": platform.platform(), "cpus": os.cpu_count(),
-            "workload": asdict(w), "engines": a.engines, "kv_tokens": a.kv_tokens, "block_size": a.block_size}
+            "workload": {**asdict(w), "allowed_token_ids": len(w.allowed_token_ids)}, "engines": a.engines, "kv_tokens": a.kv_tokens, "block_size": a.block_size}
     path = os.path.join(a.out_dir, f"{stamp}-summary.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows, "could_not_run": failed}, f, indent=2)
