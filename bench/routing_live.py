@@ -42,8 +42,8 @@ in echo mode, how many answers equal the first server's.
   .venv/bin/python bench/routing_live.py --servers ray-llm --think-s 0.5 3 --port 8410
   .venv/bin/python bench/routing_live.py --answers fixed      # the fixed-answer workload
 
-Defaults: 24 conversations x 6 turns, a ~300-token system prompt, ~64-token user and
-assistant messages, 32 tokens out, 2 engines of 12,288 KV tokens in blocks of 32 each
+Defaults: echo mode with word-token answers, 24 conversations x 6 turns, a ~300-token
+system prompt, ~64-token user messages (and fixed answers in --answers fixed), 32 tokens out, 2 engines of 12,288 KV tokens in blocks of 32 each
 (BENCHMARKS.md, "Routing live").
 """
 from __future__ import annotations
