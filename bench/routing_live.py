@@ -11,9 +11,21 @@ stopped by its PID (bench/serve_compare.py's start/stop).
 
 Workload: C conversations share one system prompt; turn k sends the whole
 conversation so far (system, user 1, assistant 1, ..., user k) as chat
-messages, so each turn's prompt extends the previous one. The assistant
-messages are synthetic text fixed by the seed, identical for every server, so
-every server sees the same prompts. A conversation sends its next turn when
+messages, so each turn's prompt extends the previous one. By default
+(`--answers echo`) each assistant message is the text the server itself
+streamed back for that turn, as a real chat client sends it (greedy, so each
+server's answers are deterministic; servers' answers, hence their prompt
+token totals, can differ slightly, so prefill is compared both absolute and as
+a fraction of the server's own prompt tokens). `--answers fixed` sends
+synthetic assistant text fixed by the seed instead, identical for every
+server (the same prompts everywhere, but ~answer_words of every turn's new
+tokens uncached under any policy). In echo mode the answers are sampled from
+the tokenizer's space-led alphabetic word tokens (`allowed_token_ids`, which
+both servers take; `--answer-vocab any` lifts it): the random-weight model
+otherwise emits partial UTF-8 byte tokens that detokenize to U+FFFD and
+re-tokenize to other ids, so the answer it generated would never match its
+own text sent back (a trained model's text round-trips); word tokens
+round-trip exactly. A conversation sends its next turn when
 the previous answer has streamed in, plus a think time; conversations start
 staggered and overlap. Streaming, greedy, `max_tokens` A with `ignore_eos`.
 
@@ -22,14 +34,16 @@ counters, prefix_cache_queries - prefix_cache_hits summed over the engines'
 `engine`-labelled series on /metrics; everyone: sum of prompt_tokens -
 usage.prompt_tokens_details.cached_tokens, vLLM with
 enable_prompt_tokens_details); hit rate = cached / prompt tokens; TTFT
-p50/p90 (first streamed content token); output tok/s over the whole workload.
+p50/p90 (first streamed content token); output tok/s over the whole workload;
+in echo mode, how many answers equal the first server's.
 
   .venv/bin/python bench/routing_live.py                       # kv_aware, power_of_two, ray-llm
   .venv/bin/python bench/routing_live.py --servers kv_aware,power_of_two --think-s 0.5 3
   .venv/bin/python bench/routing_live.py --servers ray-llm --think-s 0.5 3 --port 8410
+  .venv/bin/python bench/routing_live.py --answers fixed      # the fixed-answer workload
 
-Defaults: 24 conversations x 6 turns, a ~300-token system prompt, ~64-token user and
-assistant messages, 32 tokens out, 2 engines of 12,288 KV tokens in blocks of 32 each
+Defaults: echo mode with word-token answers, 24 conversations x 6 turns, a ~300-token
+system prompt, ~64-token user messages (and fixed answers in --answers fixed), 32 tokens out, 2 engines of 12,288 KV tokens in blocks of 32 each
 (BENCHMARKS.md, "Routing live").
 """
 from __future__ import annotations
@@ -74,6 +88,8 @@ class Workload:
     think_max_s: float = 0.2
     stagger_s: float = 0.25
     seed: int = 0
+    answers: str = "echo"  # "echo": send back the server's own answer; "fixed": the seed's text
+    allowed_token_ids: tuple[int, ...] = ()  # echo mode's answer vocabulary; () = any token
 
 
 def _words(rng: random.Random, lexicon: list[str], n: int) -> str:
@@ -102,6 +118,7 @@ class Turn:
     cached_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    text: str = ""  # the streamed content, sent back as the assistant message in echo mode
 
 
 async def chat(client: Any, body: dict[str, Any]) -> Turn:
@@ -131,13 +148,33 @@ def _take_event(res: Turn, obj: dict[str, Any], now: float) -> None:
         res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
         res.cached_tokens = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     for ch in obj.get("choices") or []:
-        if res.ttft == 0.0 and (ch.get("delta") or {}).get("content"):
-            res.ttft = now
+        content = (ch.get("delta") or {}).get("content")
+        if content:
+            res.ttft = res.ttft or now
+            res.text += content
 
 
 def _body(messages: list[dict[str, str]], w: Workload) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "messages": messages, "max_tokens": w.max_tokens, "ignore_eos": True,
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": w.max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    if w.allowed_token_ids:
+        body["allowed_token_ids"] = list(w.allowed_token_ids)
+    return body
+
+
+def word_token_ids(model: str) -> tuple[int, ...]:
+    """Token ids that decode to a space and ASCII letters: any sequence of them
+    detokenizes to text that tokenizes back to the same ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    special = set(tok.all_special_ids)
+    words = []
+    for i in range(len(tok)):
+        s = tok.decode([i])
+        if i not in special and len(s) > 1 and s[0] == " " and s[1:].isascii() and s[1:].isalpha():
+            words.append(i)
+    return tuple(words)
 
 
 async def conversation(client: Any, system: str, turns: list[tuple[str, str]], w: Workload,
@@ -149,7 +186,10 @@ async def conversation(client: Any, system: str, turns: list[tuple[str, str]], w
     for user, answer in turns:
         msgs.append({"role": "user", "content": user})
         out.append(await chat(client, _body(msgs, w)))
-        msgs.append({"role": "assistant", "content": answer})
+        # echo: what the server generated (a real client's history); a failed
+        # turn falls back to the fixed text so the conversation can go on.
+        sent = out[-1].text if w.answers == "echo" and out[-1].ok else answer
+        msgs.append({"role": "assistant", "content": sent})
         await asyncio.sleep(think.uniform(w.think_s, max(w.think_s, w.think_max_s)))
     return out
 
@@ -256,10 +296,12 @@ def summarize(name: str, turns: list[Turn], wall: float, before: dict[str, tuple
         "server": name, "requests": len(turns), "failed": len(turns) - len(ok), "wall_s": wall,
         "prompt_tokens": prompt, "cached_tokens": cached, "prefill_computed_usage": prompt - cached,
         "hit_rate": cached / prompt if prompt else 0.0,
+        "prefill_fraction": (prompt - cached) / prompt if prompt else 0.0,
         "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90),
         "output_tokens": sum(t.output_tokens for t in ok),
         "output_tok_s": sum(t.output_tokens for t in ok) / wall,
-        "errors": sorted({t.error for t in turns if not t.ok})[:3]}
+        "errors": sorted({t.error for t in turns if not t.ok})[:3],
+        "answers": [t.text for t in turns]}
     if before is not None and after is not None:
         per = {e: (q - before.get(e, (0.0, 0.0))[0], h - before.get(e, (0.0, 0.0))[1])
                for e, (q, h) in after.items()}
@@ -270,22 +312,27 @@ def summarize(name: str, turns: list[Turn], wall: float, before: dict[str, tuple
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'server':<24}{'ok/fail':>9}{'prompt':>8}{'prefill':>9}{'(engines)':>10}{'hit':>7}"
-          f"{'(engines)':>10}{'TTFT p50':>10}{'p90 ms':>8}{'out tok/s':>11}")
+    print(f"\n{'server':<24}{'ok/fail':>9}{'prompt':>8}{'prefill':>9}{'(engines)':>10}{'/prompt':>8}"
+          f"{'hit':>7}{'(engines)':>10}{'TTFT p50':>10}{'p90 ms':>8}{'out tok/s':>11}{'same ans':>10}")
+    first = rows[0]["answers"] if rows else []
     for r in rows:
         pe = r.get("prefill_computed_engines")
         he = r.get("hit_rate_engines")
+        same = sum(a == b for a, b in zip(r["answers"], first))
         print(f"{r['server']:<24}{r['requests'] - r['failed']:>5}/{r['failed']:<3}{r['prompt_tokens']:>8}"
               f"{r['prefill_computed_usage']:>9}{'-' if pe is None else f'{pe:.0f}':>10}"
-              f"{r['hit_rate']:>7.3f}{'-' if he is None else f'{he:.3f}':>10}"
-              f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p90_ms']:>8.0f}{r['output_tok_s']:>11.1f}")
+              f"{r['prefill_fraction']:>8.3f}{r['hit_rate']:>7.3f}{'-' if he is None else f'{he:.3f}':>10}"
+              f"{r['ttft_p50_ms']:>10.0f}{r['ttft_p90_ms']:>8.0f}{r['output_tok_s']:>11.1f}"
+              f"{f'{same}/{len(first)}':>10}")
     by = {r["server"]: r for r in rows}
     kv, p2 = by.get("conveyor kv_aware"), by.get("conveyor power_of_two")
     if kv and p2 and kv["prefill_computed_usage"]:
         print(f"\npower_of_two / kv_aware prefill tokens computed: "
               f"{p2['prefill_computed_usage'] / kv['prefill_computed_usage']:.2f}x (usage), "
               + (f"{p2['prefill_computed_engines'] / kv['prefill_computed_engines']:.2f}x (engine counters)"
-                 if kv.get("prefill_computed_engines") else "engine counters unavailable"))
+                 if kv.get("prefill_computed_engines") else "engine counters unavailable")
+              + f"; as a fraction of each one's prompt tokens: "
+              f"{p2['prefill_fraction'] / kv['prefill_fraction']:.2f}x")
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -309,6 +356,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--think-s", type=float, nargs=2, default=(Workload.think_s, Workload.think_max_s),
                    metavar=("MIN", "MAX"), help="think time after each answer, uniform in [MIN, MAX]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--answers", choices=("echo", "fixed"), default=Workload.answers,
+                   help="assistant messages sent back: the server's own answer (echo) or the seed's fixed text")
+    p.add_argument("--answer-vocab", choices=("words", "any"), default="words",
+                   help="echo mode: sample answers from word tokens only (round-trip exactly) or any token")
     p.add_argument("--port", type=int, default=8400, help="first server port (+1 per server)")
     p.add_argument("--start-timeout-s", type=float, default=300.0)
     p.add_argument("--peer-start-timeout-s", type=float, default=200.0)
@@ -336,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         from bench.structured_output import build_model
 
         build_model(a.model)
-    w = Workload(convs=a.convs, turns=a.turns, think_s=a.think_s[0], think_max_s=a.think_s[1], seed=a.seed)
+    w = Workload(convs=a.convs, turns=a.turns, think_s=a.think_s[0], think_max_s=a.think_s[1], seed=a.seed,
+                 answers=a.answers, allowed_token_ids=word_token_ids(a.model)
+                 if a.answers == "echo" and a.answer_vocab == "words" else ())
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     rows = []
     failed = []
@@ -353,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['errors'] or ''}", flush=True)
     print_table(rows)
     meta = {"date_utc": stamp, "argv": sys.argv, "platform": platform.platform(), "cpus": os.cpu_count(),
-            "workload": asdict(w), "engines": a.engines, "kv_tokens": a.kv_tokens, "block_size": a.block_size}
+            "workload": {**asdict(w), "allowed_token_ids": len(w.allowed_token_ids)}, "engines": a.engines, "kv_tokens": a.kv_tokens, "block_size": a.block_size}
     path = os.path.join(a.out_dir, f"{stamp}-summary.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows, "could_not_run": failed}, f, indent=2)
