@@ -82,3 +82,25 @@ def wait_nodes(address: str, env: dict[str, str], n: int, procs: list[subprocess
             return
         time.sleep(1)  # `ray status` has no wait-for-n-nodes; poll it
     raise AssertionError(f"{n} Ray nodes did not come up")
+
+
+def engine_actor_pids() -> set[int]:
+    """Pids of the EngineCoreActor processes of this test process's Ray
+    instances: under pytest-xdist every worker has its own RAY_TMPDIR, which
+    the Ray processes it starts inherit, so another worker's actors are not
+    counted."""
+    mine = os.environ.get("RAY_TMPDIR", "").encode()
+    pids = set()
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if b"ray::EngineCoreActor" not in f.read():
+                    continue
+            if mine:
+                with open(f"/proc/{p}/environ", "rb") as f:
+                    if b"RAY_TMPDIR=" + mine + b"\0" not in f.read() + b"\0":
+                        continue
+            pids.add(int(p))
+        except (OSError, ValueError):
+            continue
+    return pids

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import ray
 from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
+from ray_nodes import engine_actor_pids
 from recovery_utils import expect_fail_fast
 
 from engine import LLM, SamplingParams
@@ -261,14 +262,7 @@ def _serve_body(i: int) -> dict:
 
 
 def _engine_actor_pids() -> set[int]:
-    pids = set()
-    for p in os.listdir("/proc"):
-        try:
-            if b"ray::EngineCoreActor" in _cmdline(int(p)):
-                pids.add(int(p))
-        except (OSError, ValueError):
-            continue
-    return pids
+    return engine_actor_pids()
 
 
 @pytest.fixture(scope="module")

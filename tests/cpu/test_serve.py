@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import torch
 from llm_utils import make_checkpoint
+from ray_nodes import engine_actor_pids
 
 from parallel.ports import free_port
 
@@ -937,15 +938,7 @@ def _cmdline_has(pid: str, needle: bytes) -> bool:
 
 
 def _engine_actor_pids() -> set[int]:
-    pids = set()
-    for p in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as f:
-                if b"ray::EngineCoreActor" in f.read():
-                    pids.add(int(p))
-        except (OSError, ValueError):
-            continue
-    return pids
+    return engine_actor_pids()
 
 
 def test_engine_actor_death_fails_streams_and_health(server, ckpt, tmp_path):
