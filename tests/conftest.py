@@ -11,3 +11,21 @@ import tempfile
 _worker = os.environ.get("PYTEST_XDIST_WORKER")
 if _worker and "RAY_TMPDIR" not in os.environ:
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{_worker}-", dir="/tmp")
+
+# Rough wall seconds of the slowest files on 2 cores (pytest --durations).
+# make test hands files to its two xdist workers in collection order, each
+# taking the next when it is free: longest first keeps both busy to the end
+# instead of leaving one long file running alone.
+_SLOW_FILES = {
+    "test_serve.py": 120, "test_batch.py": 110, "test_ray_executor.py": 110, "test_parallel.py": 100,
+    "test_engine_actor_recovery.py": 85, "test_recovery.py": 80, "test_data_plane_security.py": 80,
+    "test_cli.py": 67, "test_node_loss.py": 50, "test_kernels.py": 45, "test_openapi_fuzz.py": 40,
+    "test_serve_recovery.py": 40, "test_recovery_visibility.py": 40, "test_structured_outputs.py": 40,
+    "test_clients.py": 40, "test_llm.py": 40, "test_spec_decode.py": 30, "test_async_scheduling.py": 30,
+    "test_lora.py": 30, "test_migration.py": 25,
+}
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """Slowest files first; tests keep their order within a file (stable sort)."""
+    items.sort(key=lambda item: -_SLOW_FILES.get(os.path.basename(str(item.fspath)), 0))

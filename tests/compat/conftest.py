@@ -86,7 +86,7 @@ class _Server:
         self._thread.join(timeout=60)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> str:
     from llm_utils import make_checkpoint
 
@@ -94,7 +94,7 @@ def ckpt(tmp_path_factory) -> str:
                            max_position_embeddings=4096)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(ckpt) -> Iterator[_Server]:
     s = _Server(ckpt)
     s.start()
@@ -102,6 +102,6 @@ def server(ckpt) -> Iterator[_Server]:
     s.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def base_url(server) -> str:
     return server.url + "/v1"

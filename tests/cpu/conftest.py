@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
@@ -17,3 +19,18 @@ def pytest_sessionstart(session: object) -> None:
     from kernels import cpu_attention
 
     cpu_attention.available()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leaked_distributed_world(request):
+    """A test module that leaves this process's torch.distributed world behind
+    (an in-process engine never shut down) fails here, after its own module
+    fixtures are gone, and the world is torn down, so the next module's
+    in-process engine can start."""
+    yield
+    from parallel import state
+
+    if state.is_initialized():
+        state.destroy_distributed()
+        pytest.fail(f"{request.node.nodeid} left this process's distributed world initialized "
+                    "(an in-process engine was not shut down)")
