@@ -20,12 +20,10 @@ lint: venv
 	$(VPY) -m mypy engine executors workers parallel kernels
 
 # Two xdist workers, one test file each at a time (module-scoped Ray instances
-# and models stay shared): the suite alone keeps about one core busy. Files go
-# out in collection order, slowest first (tests/conftest.py), not reordered by
-# their number of tests (which sent the slow files, with few tests each, last).
+# and models stay shared): the suite alone keeps about one core busy.
 TEST_WORKERS ?= 2
 test: lint
-	$(VPY) -m pytest tests/cpu tests/compat -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(VPY) -m pytest tests/cpu tests/compat -q -n $(TEST_WORKERS) --dist loadfile
 
 # `make run`: fresh clone -> local Ray, the demo model served at 127.0.0.1, one request answered.
 run: venv
