@@ -13,9 +13,10 @@ if _worker and "RAY_TMPDIR" not in os.environ:
     os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix=f"ray-{_worker}-", dir="/tmp")
 
 # Rough wall seconds of the slowest files on 2 cores (pytest --durations).
-# make test hands files to its two xdist workers in collection order, each
-# taking the next when it is free: longest first keeps both busy to the end
-# instead of leaving one long file running alone.
+# Collected first. Under make test's xdist, files go out by number of tests
+# (xdist's loadscope reorder), this order breaking ties: keeping this order
+# outright (--no-loadscope-reorder) ran the heavy Ray files on both workers at
+# once and was slower than xdist's mix of heavy and light files.
 _SLOW_FILES = {
     "test_serve.py": 120, "test_batch.py": 110, "test_ray_executor.py": 110, "test_parallel.py": 100,
     "test_engine_actor_recovery.py": 85, "test_recovery.py": 80, "test_data_plane_security.py": 80,
