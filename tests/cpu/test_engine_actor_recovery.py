@@ -261,10 +261,6 @@ def _serve_body(i: int) -> dict:
     return body
 
 
-def _engine_actor_pids() -> set[int]:
-    return engine_actor_pids()
-
-
 @pytest.fixture(scope="module")
 def serve_refs(ckpt):
     """The undisturbed run, in-process."""
@@ -332,7 +328,7 @@ def test_killed_engine_actor_behind_serve_costs_no_stream(serve_config, serve_re
 
     from cluster.serve_app import run_serve
 
-    before, groups = _engine_actor_pids(), _live_placement_groups()
+    before, groups = engine_actor_pids(), _live_placement_groups()
     url = run_serve(serve_config, blocking=False, app_name=f"rec-{executor}",
                     route_prefix=f"/{executor}", overrides={"executor": executor})
     try:
@@ -343,7 +339,7 @@ def test_killed_engine_actor_behind_serve_costs_no_stream(serve_config, serve_re
 
 
 def _serve_kill_scenario(url: str, refs, before: set[int]) -> None:
-    new = _engine_actor_pids() - before
+    new = engine_actor_pids() - before
     assert len(new) == 1, new
     victim = new.pop()
     async def scenario() -> list[list[dict | str]]:
@@ -365,7 +361,7 @@ def _serve_kill_scenario(url: str, refs, before: set[int]) -> None:
         assert usage["completion_tokens"] == SERVE_TOKENS
         assert usage["prompt_tokens"] == len(ref.prompt_token_ids)
     assert not pid_alive(victim)
-    assert len(_engine_actor_pids() - before) == 1  # its replacement
+    assert len(engine_actor_pids() - before) == 1  # its replacement
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     gauges = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():

@@ -922,7 +922,7 @@ def test_cpu_replica_pins_engine_step_thread_and_replica_threads(server):
     split = split_cpus(os.sched_getaffinity(0), 1)
     if split is None:
         pytest.skip("one core: nothing to split")
-    engines = [_thread_cpus(p) for p in _engine_actor_pids()]
+    engines = [_thread_cpus(p) for p in engine_actor_pids()]
     assert any(set(split.engine) in threads for threads in engines), engines
     replicas = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, b"OpenAIDeployment")]
     assert replicas
@@ -937,10 +937,6 @@ def _cmdline_has(pid: str, needle: bytes) -> bool:
         return False
 
 
-def _engine_actor_pids() -> set[int]:
-    return engine_actor_pids()
-
-
 def test_engine_actor_death_fails_streams_and_health(server, ckpt, tmp_path):
     """Past the restart budget (none here) the replica's engine actor dies
     mid-stream: the stream ends with an in-band engine_unavailable error and
@@ -952,7 +948,7 @@ def test_engine_actor_death_fails_streams_and_health(server, ckpt, tmp_path):
 
     from cluster.serve_app import build_app
 
-    before = _engine_actor_pids()
+    before = engine_actor_pids()
     cfg = _write_config(str(tmp_path / "doomed.yaml"), ckpt, 1)
     with open(cfg) as f:
         doomed = json.load(f)
@@ -962,7 +958,7 @@ def test_engine_actor_death_fails_streams_and_health(server, ckpt, tmp_path):
     serve.run(build_app({"config": cfg, "name": "Doomed"}), name="doomed", route_prefix="/doomed",
               blocking=False)
     try:
-        new = _engine_actor_pids() - before
+        new = engine_actor_pids() - before
         assert len(new) == 1, new
         victim = new.pop()
 

@@ -74,7 +74,8 @@ class _LoRALinearBase(nn.Module):
         if self.subs is not None:
             self.subs[sub][2][slot, :r].copy_(b.t())
         else:
-            lora_blocks(self.b_t, None)[0][2][slot, lo:lo + r, off:off + size].copy_(b.t())
+            assert self.b_t is not None, "a LoRA layer holds subs or b_t"
+            self.b_t[slot, lo:lo + r, off:off + size].copy_(b.t())
 
     def _delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mp = get_lora_mapping()
