@@ -254,13 +254,6 @@ def test_mp_engine_survives_foreign_peers(ckpt, prompts):
         llm.shutdown()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
     llm = LLM(model=ckpt, executor="ray", tensor_parallel_size=2, enable_prefix_caching=False)
     foreign = foreign_exec = plane = None

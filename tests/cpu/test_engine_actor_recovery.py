@@ -14,7 +14,6 @@ import signal
 
 import httpx
 import pytest
-import ray
 from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
 from ray_nodes import engine_actor_pids
 from recovery_utils import expect_fail_fast
@@ -60,13 +59,6 @@ def reference(ckpt, params):
         return llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
         llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 # ---- the contract underneath: a request resubmitted with its tokens goes on ----------------

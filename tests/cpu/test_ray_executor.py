@@ -8,7 +8,6 @@ import os
 import signal
 
 import pytest
-import ray
 from llm_utils import close_or_why, engine_top5, make_checkpoint, random_prompts, wait_pids_gone
 from probe_workers import use_worker_class
 from recovery_utils import drain_all, expect_fail_fast
@@ -31,13 +30,6 @@ def _assert_close(got, ref, what: str) -> None:
     for i, ((g, g5), (r, r5)) in enumerate(zip(got, ref)):
         why = close_or_why(g, g5, r, r5)
         assert why is None, f"{what}, prompt {i}: {why}"
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=8, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

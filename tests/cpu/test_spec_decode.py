@@ -236,15 +236,6 @@ def test_greedy_parity_tp2(ckpts, prompts, base, refs):
     _check("llama", ckpts, prompts, base, refs, got)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=6, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 def test_greedy_parity_ray_tp2(ray_local, ckpts, prompts, base, refs):
     """Drafts travel to both ranks in the SchedulerOutput; the core runs in its actor."""
     with LLM(model=ckpts["qwen3"], speculative_config=spec(3), executor="ray",
