@@ -25,7 +25,7 @@ namespace {
 using conveyor_cpu::KernelTable;
 
 // Every table this CPU can run, best first: AVX-512 needs avx512f, AVX2 needs
-// avx2 and fma (cpuid, and the OS saving the wider registers: GCC's
+// avx2, fma and f16c (cpuid, and the OS saving the wider registers: GCC's
 // __builtin_cpu_supports checks both); the portable one runs anywhere.
 std::vector<const KernelTable*> supported_tables() {
   std::vector<const KernelTable*> out;
@@ -33,7 +33,8 @@ std::vector<const KernelTable*> supported_tables() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && conveyor_cpu::table_avx512())
     out.push_back(conveyor_cpu::table_avx512());
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && conveyor_cpu::table_avx2())
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+      conveyor_cpu::table_avx2())
     out.push_back(conveyor_cpu::table_avx2());
 #endif
   out.push_back(conveyor_cpu::table_portable());

@@ -235,6 +235,7 @@ CPU_CASES = [
     (torch.float32, 4, 4, 64, 128),
     (torch.float32, 8, 2, 128, 16),  # the vector tables' other head sizes
     (torch.float32, 4, 1, 32, 16),
+    (torch.bfloat16, 8, 2, 64, 16),  # bf16 rows widened in registers (dtype: bfloat16)
 ]
 
 
