@@ -85,6 +85,10 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 # oneDNN has native bf16 kernels (AVX512_BF16 / AMX: bf16 math, fp32 accumulation).
 _PACKED_DTYPES = (torch.float32,) + (
     (torch.bfloat16,) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
+# Above this many rows a bf16 linear goes to F.linear (oneDNN's own matmul,
+# weight reordered per call): at M = 2048 it ran 1.2-1.9x the packed primitive
+# (AMX; /tmp microbench in BENCHMARKS "bf16"), which wins below (1.1-1.4x at M <= 256).
+_BF16_PACKED_ROWS = 256
 
 
 def onednn_rows(m: int) -> int:
@@ -110,7 +114,7 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     if quantized is not None:
         return quantized(x, b)
     if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
-            or w.dtype != x.dtype:
+            or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and x.shape[0] > _BF16_PACKED_ROWS):
         return F.linear(x, w, b)
     cached = module.__dict__.get("_packed_weight")
     key = (w.data_ptr(), w._version)
