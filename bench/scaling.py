@@ -130,7 +130,7 @@ def _plot_pillow(rows: list[dict], axes: list[str], path: str) -> None:
                 d.text((px - 10, y0 + h - pad + 5), str(r["value"]), fill="black")
                 if i == 0:
                     d.text((px - 10, y0 + pad + 5), f"{r['ratio']:.2f}x", fill="black")
-            d.text((x0 + w - 120, y0 + 10), "blue conveyor, orange vllm", fill="black")
+            d.text((x0 + pad, y0 + 24), "blue: conveyor, orange: vllm", fill="black")
     img.save(path)
 
 
