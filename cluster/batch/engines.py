@@ -1,15 +1,14 @@
 """Batch engines: turn one OpenAI Batch line into one output record.
 
 `LineRunner` owns an AsyncLLM and the OpenAI server's request handling; each
-line goes through exactly the handler a POST to its URL would reach (in
-process, no HTTP), so results have the HTTP API's response bodies.
+line goes through exactly the handlers a POST to its URL would reach (data in,
+data out: no HTTP), so results have the HTTP API's response bodies.
 `LocalEngine` runs one in this process; `ActorEngine` runs one in a Ray actor
 with a placement group of its own (`--data-parallel N`).
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import uuid
@@ -18,6 +17,10 @@ from typing import Any, Protocol
 
 import msgspec
 
+from cluster.openai import errors as E
+from cluster.openai import request_prep as RP
+from cluster.openai.job import RequestMeta
+from cluster.openai.protocol import ChatRequest, CompletionRequest
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, UnsendableRequestError
 from engine.json_limits import utf8_problem
@@ -44,24 +47,11 @@ def make_record(custom_id: str, request_id: str, status: int, body: dict[str, An
 
 # ---- one engine: lines -> records ------------------------------------------------------
 
-def _fake_request(url: str, request_id: str) -> Any:
-    """A starlette Request carrying one batch line's request id, so the line
-    goes through exactly the HTTP handler (the body comes validated)."""
-    from starlette.requests import Request
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.disconnect"}
-
-    scope = {"type": "http", "method": "POST", "path": url, "query_string": b"",
-             "headers": [(b"content-type", b"application/json"),
-                         (b"x-request-id", request_id.encode())]}
-    return Request(scope, receive)
-
-
 class LineRunner:
     """One AsyncLLM and the OpenAI request handling on top of it."""
 
     def __init__(self, config: EngineConfig) -> None:
+        # Here, not at the top: `conveyor --help` and the job's parser never load the engine.
         from cluster.openai.server import OpenAIServer
         from engine.async_client import AsyncLLM
 
@@ -69,59 +59,52 @@ class LineRunner:
         self.server = OpenAIServer(self.llm, config)
 
     def _check_line(self, obj: dict[str, Any]) -> str:
-        from cluster.openai.protocol import APIError, bad_request
-
         url, method, body = obj.get("url"), obj.get("method", "POST"), obj.get("body")
         if url not in URLS:
-            raise APIError(400, f"unsupported url {url!r}; supported: {', '.join(URLS)}",
-                           param="url", code="invalid_url")
+            raise E.APIError(400, f"unsupported url {url!r}; supported: {', '.join(URLS)}",
+                             param="url", code="invalid_url")
         if method != "POST":
-            raise bad_request(f"unsupported method {method!r}; batch lines use POST", "method",
-                              "invalid_method")
+            raise E.bad_request(f"unsupported method {method!r}; batch lines use POST", "method",
+                                "invalid_method")
         if not isinstance(body, dict):
-            raise bad_request("body must be a JSON object (the request body)", "body", "invalid_json")
+            raise E.bad_request("body must be a JSON object (the request body)", "body", "invalid_json")
         if body.get("stream") is True:
-            raise bad_request("stream is not supported in batch jobs", "stream", "unsupported_parameter")
+            raise E.bad_request("stream is not supported in batch jobs", "stream", "unsupported_parameter")
         return URLS[url]
 
     async def run(self, obj: dict[str, Any]) -> dict[str, Any]:
         """The output record of one input line; raises EngineFailure if the engine died."""
-        from cluster.openai.protocol import (
-            APIError,
-            ChatRequest,
-            CompletionRequest,
-            bad_request,
-            validate_model,
-        )
-
         await self.server.start()
         rid = f"batch-{uuid.uuid4().hex}"
         try:
             problem = utf8_problem(obj["custom_id"])
             if problem is not None:  # the line's error record still names it (escaped)
-                raise bad_request(f"custom_id {problem}", "custom_id")
-            kind = self._check_line(obj)
-            request = _fake_request(obj["url"], rid)
-            if kind == "completion":
-                req = validate_model(CompletionRequest, obj["body"])
-                response = await self.server.completions(req, request)
-            else:
-                response = await self.server.chat(validate_model(ChatRequest, obj["body"]), request)
-            status, body = response.status_code, json.loads(response.body)
-        except APIError as e:
+                raise E.bad_request(f"custom_id {problem}", "custom_id")
+            status, body = 200, await self._body(self._check_line(obj), obj["body"], RequestMeta(rid))
+        except E.APIError as e:
             status, body = e.status, e.body()
         except UnsendableRequestError as e:  # this line alone could not reach the engine
-            status, body = 400, bad_request(str(e)).body()
+            status, body = 400, E.bad_request(str(e)).body()
         except EngineDeadError as e:  # never a line's own error: the line is not done
             raise EngineFailure(f"engine failed: {self.llm.dead_error or e}") from None
         except Exception:
             log.exception("line %r failed", obj.get("custom_id"))
-            status, body = 500, {"error": {"message": "internal error", "type": "internal_error",
-                                           "param": None, "code": "internal_error"}}
+            status, body = 500, E.error_body("internal error", "internal_error", "internal_error")
         # 503 is the server's "engine unavailable": a dead engine, not this line.
         if status == 503 or self.llm.dead_error is not None:
             raise EngineFailure(f"engine failed: {self.llm.dead_error or body}")
         return make_record(obj["custom_id"], rid, status, body)
+
+    async def _body(self, kind: str, body: dict[str, Any], meta: RequestMeta) -> dict[str, Any]:
+        """The response body a POST of `body` would get (streaming is refused
+        by _check_line, so the reply is the JSON body)."""
+        if kind == "completion":
+            job = await RP.off_loop(self.server.prep_pool, self.server.completion_job,
+                                    E.validate_model(CompletionRequest, body), meta)
+        else:
+            job = await RP.off_loop(self.server.prep_pool, self.server.chat_job,
+                                    E.validate_model(ChatRequest, body), meta)
+        return await self.server.collect(job)
 
     async def close(self) -> None:
         await self.llm.shutdown()

@@ -34,7 +34,7 @@ from cluster.cli.options import (
 from cluster.cli.setup_checks import check_engine_setup, check_serve_setup
 from engine.config import ConfigError, check_cluster_fits, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHES = {"scheduler": "bench/scheduler.py", "offline": "bench/offline_throughput.py",
            "serve": "bench/serve_load.py", "attention": "bench/attention.py",
            "spec": "bench/spec_decode.py", "serve-compare": "bench/serve_compare.py",

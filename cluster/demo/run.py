@@ -26,7 +26,7 @@ from typing import Any
 
 from parallel.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = "configs/tiny-cpu.yaml"
 
 

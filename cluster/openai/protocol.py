@@ -1,5 +1,5 @@
-"""OpenAI wire format: request models, conversion to SamplingParams, response
-and stream-chunk builders, and the error body.
+"""OpenAI wire format, requests: the body models (tools typed) and their
+conversion to SamplingParams. Errors: errors.py; response bodies: bodies.py.
 
 Invariants:
 - Every client mistake becomes an `APIError` (status + OpenAI error body with
@@ -12,84 +12,16 @@ Invariants:
 """
 from __future__ import annotations
 
-import math
-import time
-from collections.abc import Sequence
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-import msgspec
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.openai.errors import bad_request
+from cluster.openai.structured_request import structured_outputs_of
+from engine.errors import ParamError
 from engine.json_limits import check_json_value
 from engine.sampling_params import SamplingParams
-
-# ---- errors -----------------------------------------------------------------------
-
-class APIError(Exception):
-    """An error with an HTTP status and an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 code: str = "invalid_value", param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type, code
-        self.param, self.headers = param, headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.code, self.param)
-
-
-def error_body(message: str, type: str, code: str, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """The body of every 4xx/5xx (the OpenAI error shape), for the schema."""
-    error: ErrorDetail
-
-
-def invalid_request(errors: Sequence[Any]) -> APIError:
-    """A pydantic/FastAPI validation failure as the 400 a client sees: the first
-    error's field is `param`. FastAPI prefixes locations with "body"; an error
-    on the body as a whole (not JSON, not an object, missing) is invalid_json."""
-    err = errors[0] if errors else {}
-    loc = [str(p) for p in err.get("loc", ())]
-    if loc[:1] == ["body"]:
-        loc = loc[1:]
-    kind = err.get("type")
-    if kind == "json_invalid":
-        detail = (err.get("ctx") or {}).get("error", "JSON decode error")
-        return bad_request(f"request body is not valid JSON: {detail}", code="invalid_json")
-    if not loc:
-        if isinstance(err.get("input"), bytes):  # FastAPI: a non-JSON Content-Type
-            return APIError(415, "Content-Type must be application/json",
-                            code="unsupported_media_type")
-        return bad_request("request body must be a JSON object", code="invalid_json")
-    code = "missing_required_parameter" if kind == "missing" else "invalid_value"
-    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-    if not msg.startswith(loc[0]):  # our own checks name the path already
-        msg = f"{'.'.join(loc)}: {msg}"
-    return bad_request(msg, loc[0], code)
-
-
-def validate_model(cls: type[BaseModel], obj: dict[str, Any]) -> Any:
-    """For callers outside FastAPI (batch lines); routes get the model from FastAPI."""
-    try:
-        return cls.model_validate(obj)
-    except ValidationError as e:
-        raise invalid_request(e.errors()) from None
-
 
 # ---- requests -----------------------------------------------------------------------
 
@@ -178,6 +110,72 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
 
 
+# ---- tools (OpenAI's function tools) ---------------------------------------------------
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+MAX_TOOLS = 128
+
+
+class FunctionDef(BaseModel):
+    model_config = _MODEL_CONFIG
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; compiled in tools/request.py
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _well_formed(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"must match {_NAME_RE.pattern}")
+        return v
+
+
+class ToolDef(BaseModel):
+    model_config = _MODEL_CONFIG
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class _FunctionName(BaseModel):
+    model_config = _MODEL_CONFIG
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _MODEL_CONFIG
+    type: Literal["function"]
+    function: _FunctionName
+
+
+class _CallFunction(BaseModel):
+    model_config = _MODEL_CONFIG
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(BaseModel):
+    model_config = _MODEL_CONFIG
+    id: str
+    type: Literal["function"] = "function"
+    function: _CallFunction
+
+
+def _unique_names(tools: list[ToolDef] | None) -> list[ToolDef] | None:
+    seen: set[str] = set()
+    for i, t in enumerate(tools or ()):
+        if t.function.name in seen:
+            raise ValueError(f"tools[{i}].function.name {t.function.name!r} is not unique")
+        seen.add(t.function.name)
+    return tools
+
+
+# Validated once (FastAPI, or validate_model), and documented in the OpenAPI schema.
+Tools = Annotated[list[ToolDef] | None, Field(max_length=MAX_TOOLS), AfterValidator(_unique_names)]
+
+
+# ---- messages -------------------------------------------------------------------------
+
 class TextPart(BaseModel):
     model_config = _MODEL_CONFIG
     type: Literal["text"]
@@ -189,7 +187,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # assistant turns; checked in cluster/openai/tools/request.py
+    tool_calls: list[Any] | None = None  # assistant turns; checked in tools/request.py (as AssistantToolCall)
     tool_call_id: str | None = None  # tool turns
 
 
@@ -200,8 +198,8 @@ class ChatRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None  # checked in cluster/openai/tools/request.py, like tool_choice
-    tool_choice: Any = None
+    tools: Tools = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice: checked in tools/request.py
     parallel_tool_calls: bool | None = None
 
 
@@ -234,8 +232,6 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int | N
         renames = {"logprobs": "top_logprobs", "max_tokens": chat_max_tokens(req)[1]}
     else:
         logprobs, renames = req.logprobs, {}
-    from cluster.openai.structured_request import structured_outputs_of
-
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     logit_bias = _logit_bias(req.logit_bias)
     kwargs: dict[str, Any] = dict(
@@ -250,10 +246,10 @@ def to_sampling_params(req: CompletionRequest | ChatRequest, max_tokens: int | N
         logit_bias=logit_bias, allowed_token_ids=req.allowed_token_ids)
     try:
         return SamplingParams(**kwargs)
-    except ValueError as e:
-        field = str(e).split(" ", 1)[0]
-        param = renames.get(field, field) if field in kwargs else None
-        raise bad_request(str(e), param) from None
+    except ParamError as e:
+        raise bad_request(str(e), renames.get(e.param, e.param)) from None
+    except ValueError as e:  # not one field's: e.g. a structured_outputs mix
+        raise bad_request(str(e)) from None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -280,142 +276,3 @@ def render_messages(req: ChatRequest) -> list[dict[str, Any]]:
             d["name"] = m.name
         out.append(d)
     return out
-
-
-# ---- responses ----------------------------------------------------------------------
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage; cached_tokens is the engines' own prefix-cache hit
-    (RequestOutput.num_cached_tokens, summed over the prompts)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def finish_reason(reason: str | None) -> str | None:
-    # "abort"/"error" never reach a successful response; keep OpenAI's two values.
-    return None if reason is None else ("length" if reason == "length" else "stop")
-
-
-def completion_choice(index: int, text: str, logprobs: dict | None, reason: str | None,
-                      stop_reason: int | str | None = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs,
-            "finish_reason": finish_reason(reason), "stop_reason": stop_reason}
-
-
-def chat_choice(index: int, text: str, logprobs: dict | None, reason: str | None,
-                stop_reason: int | str | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason(reason),
-            "stop_reason": stop_reason}
-
-
-def chat_delta(index: int, delta: dict[str, Any], logprobs: dict | None = None,
-               reason: str | None = None, stop_reason: int | str | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": finish_reason(reason)}
-    if reason is not None:
-        choice["stop_reason"] = stop_reason
-    return choice
-
-
-def envelope(kind: str, rid: str, model: str, choices: list[dict[str, Any]],
-             usage_: dict[str, int] | None = None, created: int | None = None) -> dict[str, Any]:
-    """kind: text_completion | chat.completion | chat.completion.chunk."""
-    out: dict[str, Any] = {"id": rid, "object": kind, "created": created or int(time.time()),
-                           "model": model, "choices": choices}
-    if usage_ is not None:
-        out["usage"] = usage_
-    return out
-
-
-_JSON = msgspec.json.Encoder()
-# JSON escapes every control character, but not these three line breaks of
-# str.splitlines(): generated text holding one would split the event for
-# clients that break lines that way.
-_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
-
-
-def sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj.encode() if isinstance(obj, str) else _JSON.encode(obj)
-    for raw, escaped in _LINE_BREAKS:
-        if raw in data:
-            data = data.replace(raw, escaped)
-    return b"data: " + data + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-# ---- logprobs -----------------------------------------------------------------------
-
-def join_completion_logprobs(a: dict[str, Any] | None, b: dict[str, Any]) -> dict[str, Any]:
-    """Two completions-shape logprobs one after the other (echoed prompt, then output)."""
-    if a is None:
-        return b
-    return {key: a[key] + b[key] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-
-
-def _finite(x: float) -> float:
-    # JSON has no -inf; vLLM clamps the same way.
-    return x if math.isfinite(x) else -9999.0
-
-
-class LogprobFormatter:
-    """Turns the engine's per-token {token_id: logprob} dicts (top-k plus the
-    sampled token) into OpenAI's completions/chat logprobs shapes."""
-
-    def __init__(self, tokenizer: Any | None) -> None:
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def token(self, tid: int) -> str:
-        s = self._cache.get(tid)
-        if s is None:
-            s = (self.tokenizer.decode([tid], skip_special_tokens=False)
-                 if self.tokenizer is not None else f"token_id:{tid}")
-            if len(self._cache) < 65536:
-                self._cache[tid] = s
-        return s
-
-    @staticmethod
-    def _top(d: dict[int, float], k: int) -> list[tuple[int, float]]:
-        # The dict holds k entries, or k+1 when the sampled token is outside the
-        # top-k; sorting and cutting at k recovers exactly the top-k.
-        return sorted(d.items(), key=lambda kv: -kv[1])[:k]
-
-    def completion(self, token_ids: list[int], lps: Sequence[dict[int, float] | None], k: int,
-                   offset: int) -> tuple[dict[str, Any], int]:
-        """offset: characters of this choice's tokens already sent (the
-        text_offset base); returns the logprobs and the next offset. A None
-        entry (the first prompt token) gets null logprob and top_logprobs."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, d in zip(token_ids, lps):
-            s = self.token(tid)
-            tokens.append(s)
-            token_lps.append(None if d is None else _finite(d.get(tid, -math.inf)))
-            tops.append({self.token(t): _finite(v) for t, v in self._top(d, k)}
-                        if k and d is not None else None)
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
-                "text_offset": offsets}, offset
-
-    def prompt(self, token_ids: list[int], lps: list[dict[int, float] | None] | None,
-               k: int) -> tuple[dict[str, Any], int]:
-        """Echoed prompt tokens in the completions shape: the first token (and
-        any without logprobs) has null token_logprobs / top_logprobs."""
-        lps = list(lps or [])[:len(token_ids)]
-        return self.completion(token_ids, lps + [None] * (len(token_ids) - len(lps)), k, 0)
-
-    def _entry(self, tid: int, lp: float) -> dict[str, Any]:
-        s = self.token(tid)
-        return {"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8"))}
-
-    def chat(self, token_ids: list[int], lps: list[dict[int, float]], k: int) -> dict[str, Any]:
-        content = []
-        for tid, d in zip(token_ids, lps):
-            e = self._entry(tid, d.get(tid, -math.inf))
-            e["top_logprobs"] = [self._entry(t, v) for t, v in self._top(d, k)]
-            content.append(e)
-        return {"content": content}

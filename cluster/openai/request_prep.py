@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
-from cluster.openai import protocol as P
+from cluster.openai import errors as E
 from engine.tokenizer import Tokenizer
 
 # Texts below this many characters are tokenized inline (well under a millisecond).
@@ -51,7 +51,7 @@ def tokenize_bounded(tok: Tokenizer, text: str, add_special_tokens: bool, param:
     released (their job runs on the prep pool: the loop goes on meanwhile)."""
     limit = max_model_len * tok.max_token_chars * 2
     if len(text) > limit:
-        raise P.bad_request(
+        raise E.bad_request(
             f"the prompt has {len(text)} characters: more than the {limit} that this model's "
             f"context of {max_model_len} tokens could ever hold", param, "context_length_exceeded")
     if len(text) < INLINE_CHARS:

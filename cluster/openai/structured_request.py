@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.openai.protocol import bad_request
+from cluster.openai.errors import bad_request
 from engine.structured_output.params import StructuredOutputsParams
 
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")

@@ -19,6 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from cluster.openai import bodies as B
+from cluster.openai import errors as E
 from cluster.openai import protocol as P
 
 _MODEL_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
@@ -57,12 +59,12 @@ def _text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise P.bad_request(f"{where}.content must be a string or a list of parts", "input")
+        raise E.bad_request(f"{where}.content must be a string or a list of parts", "input")
     out = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise P.bad_request(f"{where}.content[{j}]: only text parts are supported "
+            raise E.bad_request(f"{where}.content[{j}]: only text parts are supported "
                                 f"({', '.join(_TEXT_PARTS)}); got {kind!r}", "input",
                                 "unsupported_parameter")
         out.append(part["text"])
@@ -80,7 +82,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise P.bad_request(f"{where}.role must be user, system, developer or assistant", "input")
+                raise E.bad_request(f"{where}.role must be user, system, developer or assistant", "input")
             msgs.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
@@ -95,7 +97,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
                          "content": out if isinstance(out, str) else _text_of(out, where)})
         elif kind != "reasoning":  # reasoning items carry nothing this model reads
-            raise P.bad_request(f"{where}.type {kind!r} is not supported (message, function_call, "
+            raise E.bad_request(f"{where}.type {kind!r} is not supported (message, function_call, "
                                 "function_call_output)", "input", "unsupported_parameter")
     return msgs
 
@@ -106,7 +108,7 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":
-            raise P.bad_request(f"tools[{i}]: only function tools are supported", "tools",
+            raise E.bad_request(f"tools[{i}]: only function tools are supported", "tools",
                                 "unsupported_parameter")
         fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
@@ -124,7 +126,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise P.bad_request("text.format must be an object", "text")
+        raise E.bad_request("text.format must be an object", "text")
     if fmt.get("type") == "json_schema":
         js = {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": js}
@@ -145,12 +147,12 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]]) -> tuple[
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     try:
-        return P.validate_model(P.ChatRequest, {k: v for k, v in body.items() if v is not None}), turns
-    except P.APIError as e:
+        return E.validate_model(P.ChatRequest, {k: v for k, v in body.items() if v is not None}), turns
+    except E.APIError as e:
         raise responses_error(e) from None
 
 
-def responses_error(e: P.APIError) -> P.APIError:
+def responses_error(e: E.APIError) -> E.APIError:
     """A chat pipeline error with `param` named as the Responses client sent it."""
     if e.param in _PARAM_NAMES:
         e.param = _PARAM_NAMES[e.param]
@@ -189,7 +191,7 @@ def response_object(req: ResponsesRequest, rid: str, model: str, created: int, *
                     output: list[dict[str, Any]], usage: dict[str, int] | None,
                     status: str = "completed") -> dict[str, Any]:
     fmt = (req.text or {}).get("format") or {"type": "text"}
-    u = usage or P.usage(0, 0)
+    u = usage or B.usage(0, 0)
     return {
         "id": rid, "object": "response", "created_at": created, "status": status, "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

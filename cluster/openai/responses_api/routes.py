@@ -23,26 +23,27 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from cluster.openai import protocol as P
+from cluster.openai import bodies as B
+from cluster.openai import errors as E
 from cluster.openai import request_prep as RP
+from cluster.openai.http import meta_of, to_response
+from cluster.openai.job import Job, Reply, RequestMeta
 from cluster.openai.responses_api import protocol as R
 from cluster.openai.responses_api.store import LocalResponseStore, ResponseStore
-
-if TYPE_CHECKING:
-    from cluster.openai.server import OpenAIServer, _Job
+from cluster.openai.server import OpenAIServer
 
 _DATA = b"data: "
 
 
-def _not_found(rid: str, param: str | None = None) -> P.APIError:
-    return P.APIError(404, f"Response with id {rid!r} not found.", code="response_not_found",
+def _not_found(rid: str, param: str | None = None) -> E.APIError:
+    return E.APIError(404, f"Response with id {rid!r} not found.", code="response_not_found",
                       param=param)
 
 
@@ -61,7 +62,7 @@ class _EventWriter:
     def event(self, kind: str, **fields: Any) -> bytes:
         body = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\n".encode() + P.sse(body)
+        return f"event: {kind}\n".encode() + B.sse(body)
 
     def response(self, status: str) -> dict[str, Any]:
         resp = R.response_object(self.req, self.rid, self.model, self.created, output=self.output,
@@ -158,7 +159,7 @@ class ResponsesAPI:
                                                             cfg.responses_ttl_s)
         return self.server.response_store
 
-    async def create(self, req: R.ResponsesRequest, request: Request) -> Response:
+    async def create(self, req: R.ResponsesRequest, meta: RequestMeta) -> Reply:
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             record = await self.store.get(req.previous_response_id)
@@ -167,15 +168,15 @@ class ResponsesAPI:
             history = record["messages"]
         chat, turns = R.chat_request(req, history)
         try:
-            job = await RP.off_loop(self.server.prep_pool, self.server.chat_job, chat, request)
-        except P.APIError as e:
+            job = await RP.off_loop(self.server.prep_pool, self.server.chat_job, chat, meta)
+        except E.APIError as e:
             raise R.responses_error(e) from None
         rid = R.new_id("resp")
         if req.stream:
-            return self.server.event_stream(job, self._events(req, rid, job, turns))
+            return self.server.stream(job, self._events(req, rid, job, turns))
         resp = R.from_chat(req, rid, self.server.model_name, await self.server.collect(job))
         await self._save(req, resp, turns)
-        return JSONResponse(resp)
+        return resp
 
     async def _save(self, req: R.ResponsesRequest, resp: dict[str, Any],
                     turns: list[dict[str, Any]]) -> None:
@@ -185,16 +186,16 @@ class ResponsesAPI:
         await self.store.put(resp["id"], {"response": resp,
                                           "messages": turns + ([out] if out is not None else [])})
 
-    async def _events(self, req: R.ResponsesRequest, rid: str, job: _Job,
+    async def _events(self, req: R.ResponsesRequest, rid: str, job: Job,
                       turns: list[dict[str, Any]]) -> AsyncIterator[bytes]:
         ev = _EventWriter(req, rid, self.server.model_name)
         for b in ev.start():
             yield b
-        # _guarded_sse: the chat stream with errors in band and the engine
+        # server.sse: the chat stream with errors in band and the engine
         # requests aborted however it ends (aclosing: also when we stop early).
-        async with aclosing(self.server._guarded_sse(job)) as chunks:
+        async with aclosing(self.server.sse(job)) as chunks:
             async for raw in chunks:
-                if raw == P.SSE_DONE:
+                if raw == B.SSE_DONE:
                     continue
                 chunk = json.loads(raw[len(_DATA):])
                 if "error" in chunk:
@@ -212,16 +213,16 @@ class ResponsesAPI:
         await self._save(req, resp, turns)
         yield ev.event(f"response.{status}", response=resp)
 
-    async def retrieve(self, rid: str) -> Response:
+    async def retrieve(self, rid: str) -> dict[str, Any]:
         record = await self.store.get(rid)
         if record is None:
             raise _not_found(rid)
-        return JSONResponse(record["response"])
+        return record["response"]
 
-    async def delete(self, rid: str) -> Response:
+    async def delete(self, rid: str) -> dict[str, Any]:
         if not await self.store.delete(rid):
             raise _not_found(rid)
-        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+        return {"id": rid, "object": "response", "deleted": True}
 
 
 def add_responses_routes(app: FastAPI, server: OpenAIServer, guarded: Callable[[Any], Any],
@@ -229,14 +230,17 @@ def add_responses_routes(app: FastAPI, server: OpenAIServer, guarded: Callable[[
     """guarded: build_api's wrapper that turns APIError into the OpenAI body."""
     api = ResponsesAPI(server)
 
+    async def reply(call: Awaitable[Reply]) -> Response:
+        return to_response(await call)
+
     @app.post("/v1/responses", responses=responses)
     async def create(body: R.ResponsesRequest, request: Request) -> Response:
-        return await guarded(api.create(body, request))
+        return await guarded(reply(api.create(body, meta_of(request))))
 
     @app.get("/v1/responses/{response_id}", responses=responses)
     async def retrieve(response_id: str) -> Response:
-        return await guarded(api.retrieve(response_id))
+        return await guarded(reply(api.retrieve(response_id)))
 
     @app.delete("/v1/responses/{response_id}", responses=responses)
     async def delete(response_id: str) -> Response:
-        return await guarded(api.delete(response_id))
+        return await guarded(reply(api.delete(response_id)))

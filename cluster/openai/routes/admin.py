@@ -10,16 +10,14 @@ finite and bounded); a replica with one engine answers 400 naming `engine`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.openai import protocol as P
-
-if TYPE_CHECKING:
-    from cluster.openai.server import OpenAIServer
+from cluster.openai import errors as E
+from cluster.openai.server import OpenAIServer
 
 MAX_DRAIN_TIMEOUT_S = 3600.0
 
@@ -43,16 +41,16 @@ def add_admin_routes(app: FastAPI, server: OpenAIServer, guarded: Callable[[Any]
         try:
             moved = await server.llm.drain(body.engine, body.timeout_s)
         except ValueError as e:
-            raise P.bad_request(str(e), "engine") from None
+            raise E.bad_request(str(e), "engine") from None
         except TimeoutError as e:
-            raise P.APIError(504, str(e), type="server_error", code="drain_timeout") from None
+            raise E.APIError(504, str(e), type="server_error", code="drain_timeout") from None
         return JSONResponse({"engine": body.engine, "status": "drained", "moved_requests": moved})
 
     async def undrain_call(body: UndrainRequest) -> Response:
         try:
             server.llm.undrain(body.engine)
         except ValueError as e:
-            raise P.bad_request(str(e), "engine") from None
+            raise E.bad_request(str(e), "engine") from None
         return JSONResponse({"engine": body.engine, "status": "up"})
 
     @app.post("/admin/drain", responses=responses)

@@ -11,20 +11,12 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
-from cluster.openai import protocol as P
-
-
-def adapter_models(loras: Any, base_name: str, max_model_len: int) -> list[dict[str, Any]]:
-    if loras is None:
-        return []
-    return [{"id": name, "object": "model", "created": 0, "owned_by": "conveyor",
-             "root": lr.lora_path, "parent": base_name, "max_model_len": max_model_len}
-            for name, lr in loras.by_name.items()]
+from cluster.openai import errors as E
 
 
 def _registry(loras: Any) -> Any:
     if loras is None:
-        raise P.bad_request("LoRA is not enabled on this server (lora.enable)", "lora_name")
+        raise E.bad_request("LoRA is not enabled on this server (lora.enable)", "lora_name")
     return loras
 
 
@@ -34,12 +26,12 @@ def load(loras: Any, body: dict[str, Any]) -> dict[str, Any]:
     name, path = body.get("lora_name"), body.get("lora_path")
     for key, v in (("lora_name", name), ("lora_path", path)):
         if not isinstance(v, str) or not v:
-            raise P.bad_request(f"{key} must be a non-empty string", key)
+            raise E.bad_request(f"{key} must be a non-empty string", key)
     try:
         reg.add(name, path)
     except ValueError as e:
         param = "lora_name" if str(e).startswith("lora_name") else "lora_path"
-        raise P.bad_request(str(e), param) from None
+        raise E.bad_request(str(e), param) from None
     return {"status": "ok", "lora_name": name}
 
 
@@ -49,7 +41,7 @@ def unload(loras: Any, body: dict[str, Any]) -> dict[str, Any]:
     try:
         reg.remove(name if isinstance(name, str) else "")
     except KeyError:
-        raise P.APIError(404, f"The LoRA adapter `{name}` is not loaded.", code="model_not_found",
+        raise E.APIError(404, f"The LoRA adapter `{name}` is not loaded.", code="model_not_found",
                          param="lora_name") from None
     return {"status": "ok", "lora_name": name}
 

@@ -8,17 +8,15 @@ Invariants: the same validation as the generation routes (unknown model ->
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from cluster.openai import errors as E
 from cluster.openai import protocol as P
-from cluster.openai.tools.request import tool_specs
-
-if TYPE_CHECKING:
-    from cluster.openai.server import OpenAIServer
+from cluster.openai.server import OpenAIServer
 
 _MODEL_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
@@ -29,7 +27,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[P.ChatMessage] | None = None
-    tools: list[Any] | None = None
+    tools: P.Tools = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True  # prompts only: messages get the template's own tokens
     return_token_strs: bool = False
@@ -42,19 +40,18 @@ class DetokenizeRequest(BaseModel):
 
 
 def _tokenize(server: OpenAIServer, req: TokenizeRequest) -> dict[str, Any]:
-    server._check_model(req.model)
+    server.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
-        raise P.bad_request("send exactly one of prompt and messages", "prompt")
+        raise E.bad_request("send exactly one of prompt and messages", "prompt")
     if req.messages is not None:
         try:
             chat = P.ChatRequest(messages=req.messages, tools=req.tools,
                                  add_generation_prompt=req.add_generation_prompt)
         except ValidationError as e:  # e.g. messages: [] (a chat needs at least one)
-            raise P.invalid_request(e.errors()) from None
-        tool_specs(chat)  # the template gets tools only once they are checked, as in chat
-        ids = server._chat_prompt(chat)  # the template holds its special tokens (as chat runs it)
+            raise E.invalid_request(e.errors()) from None
+        ids = server.chat_prompt(chat)  # the template holds its special tokens (as chat runs it)
     else:
-        ids = server._tokenize(req.prompt or "", req.add_special_tokens, "prompt")
+        ids = server.tokenize(req.prompt or "", req.add_special_tokens, "prompt")
     out: dict[str, Any] = {"count": len(ids), "max_model_len": server.config.max_model_len,
                            "tokens": ids, "token_strs": None}
     if req.return_token_strs:
@@ -63,13 +60,13 @@ def _tokenize(server: OpenAIServer, req: TokenizeRequest) -> dict[str, Any]:
 
 
 def _detokenize(server: OpenAIServer, req: DetokenizeRequest) -> dict[str, Any]:
-    server._check_model(req.model)
+    server.check_model(req.model)
     tok = server.llm.tokenizer
     if tok is None:
-        raise P.bad_request("this model has no tokenizer", "tokens")
+        raise E.bad_request("this model has no tokenizer", "tokens")
     vocab = server.llm.frontend.vocab_size or len(tok)
     if any(t < 0 or t >= vocab for t in req.tokens):
-        raise P.bad_request(f"tokens must be in [0, {vocab})", "tokens")
+        raise E.bad_request(f"tokens must be in [0, {vocab})", "tokens")
     return {"prompt": tok.decode(req.tokens)}
 
 
@@ -83,7 +80,7 @@ def add_utility_routes(app: FastAPI, server: OpenAIServer, guarded: Callable[[An
     @app.get("/v1/models/{model_id:path}", responses=responses)
     async def model(model_id: str) -> Response:
         def card() -> dict[str, Any]:
-            server._check_model(model_id)
+            server.check_model(model_id)
             return server.models()["data"][0]
         return await guarded(as_json(card))
 

@@ -1,6 +1,7 @@
-"""Tool calling, request side: validate `tools`, `tool_choice`,
-`parallel_tool_calls` and the tool turns of `messages`, render them for the
-chat template, and build the grammar that "required"/named choices run under.
+"""Tool calling, request side: check `tool_choice` and the tool turns of
+`messages` (`tools` come validated with the body: protocol.Tools), render
+them for the chat template, and build the grammar that "required"/named
+choices run under.
 
 Invariants:
 - Every client mistake is a 400 naming the field (`tools`, `tool_choice`,
@@ -13,13 +14,13 @@ Invariants:
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
+from cluster.openai import errors as E
 from cluster.openai import protocol as P
 from cluster.openai.structured_request import structured_outputs_of
 from cluster.openai.tools.parsers import ToolParser, ToolSpec, get_tool_parser
@@ -27,52 +28,11 @@ from engine.json_limits import JSONLimitError, check_json_value
 from engine.structured_output.params import StructuredOutputsParams
 from engine.structured_output.schema import close_objects
 
-_STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 # No parameters: the call takes none (and a weak model cannot invent keys forever).
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-MAX_TOOLS = 128
 # Calls per choice under "required": a weak model in a grammar that allows
 # unbounded calls can append calls until max_tokens cuts the last one off.
 MAX_PARALLEL_CALLS = 8
-
-
-class FunctionDef(BaseModel):
-    model_config = _STRICT
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDef(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class _FunctionName(BaseModel):
-    model_config = _STRICT
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = _STRICT
-    type: Literal["function"]
-    function: _FunctionName
-
-
-class _CallFunction(BaseModel):
-    model_config = _STRICT
-    name: str
-    arguments: str
-
-
-class AssistantToolCall(BaseModel):
-    model_config = _STRICT
-    id: str
-    type: Literal["function"] = "function"
-    function: _CallFunction
 
 
 @dataclass(frozen=True)
@@ -99,23 +59,14 @@ def _validate(cls: type[BaseModel], obj: Any, param: str, where: str) -> Any:
     except ValidationError as e:
         detail = e.errors()[0]
         loc = ".".join(str(p) for p in detail.get("loc", ()))
-        raise P.bad_request(f"{where}{'.' + loc if loc else ''}: {detail.get('msg')}", param) from None
+        raise E.bad_request(f"{where}{'.' + loc if loc else ''}: {detail.get('msg')}", param) from None
 
 
 def tool_specs(req: P.ChatRequest) -> list[ToolSpec]:
-    """The request's tools, checked: names unique and well-formed, parameters an object."""
-    tools = req.tools or []
-    if len(tools) > MAX_TOOLS:
-        raise P.bad_request(f"at most {MAX_TOOLS} tools are allowed", "tools")
-    specs: list[ToolSpec] = []
-    for i, raw in enumerate(tools):
-        fn = _validate(ToolDef, raw, "tools", f"tools[{i}]").function
-        if not _NAME_RE.match(fn.name):
-            raise P.bad_request(f"tools[{i}].function.name must match {_NAME_RE.pattern}", "tools")
-        if any(s.name == fn.name for s in specs):
-            raise P.bad_request(f"tools[{i}].function.name {fn.name!r} is not unique", "tools")
-        specs.append(ToolSpec(fn.name, fn.parameters if fn.parameters is not None else _NO_PARAMETERS))
-    return specs
+    """The request's tools (their shape, names and count were validated with
+    the body: protocol.Tools); no parameters means none."""
+    return [ToolSpec(t.function.name, t.function.parameters if t.function.parameters is not None
+                     else _NO_PARAMETERS) for t in req.tools or ()]
 
 
 def _choice(req: P.ChatRequest, specs: list[ToolSpec]) -> tuple[str, str | None]:
@@ -125,14 +76,14 @@ def _choice(req: P.ChatRequest, specs: list[ToolSpec]) -> tuple[str, str | None]
         return ("auto" if specs else "none"), None
     if isinstance(tc, str):
         if tc not in ("none", "auto", "required"):
-            raise P.bad_request(f"tool_choice must be none, auto, required or a named function; "
+            raise E.bad_request(f"tool_choice must be none, auto, required or a named function; "
                                 f"got {tc!r}", "tool_choice")
         if tc == "required" and not specs:
-            raise P.bad_request('tool_choice "required" needs tools', "tool_choice")
+            raise E.bad_request('tool_choice "required" needs tools', "tool_choice")
         return tc if specs or tc == "none" else "none", None
-    name = _validate(NamedToolChoice, tc, "tool_choice", "tool_choice").function.name
+    name = _validate(P.NamedToolChoice, tc, "tool_choice", "tool_choice").function.name
     if all(s.name != name for s in specs):
-        raise P.bad_request(f"tool_choice names function {name!r}, which is not among tools",
+        raise E.bad_request(f"tool_choice names function {name!r}, which is not among tools",
                             "tool_choice")
     return "named", name
 
@@ -185,7 +136,7 @@ def _compile_check(check: Callable[[StructuredOutputsParams], None],
         so = build()
         check(so)
     except ValueError as e:
-        raise P.bad_request(f"{what}: {e}", param) from None
+        raise E.bad_request(f"{what}: {e}", param) from None
     return so
 
 
@@ -201,7 +152,7 @@ def _calls_or_answer(req: P.ChatRequest, parser: ToolParser, specs: list[ToolSpe
         schema = schema if allow_additional else close_objects(schema)
     else:
         param = "structured_outputs" if req.structured_outputs is not None else "response_format"
-        raise P.bad_request(f"with tools under tool_choice \"auto\", only a JSON answer format "
+        raise E.bad_request(f"with tools under tool_choice \"auto\", only a JSON answer format "
                             f"(json_schema or json_object) can be combined; got {answer.kind}", param)
     return StructuredOutputsParams(grammar=parser.grammar_or_json(specs, max_calls, schema))
 
@@ -224,29 +175,30 @@ def template_input(req: P.ChatRequest, template: str | None = None
     for i, (m, d) in enumerate(zip(req.messages, messages)):
         if m.tool_calls:
             if m.role != "assistant":
-                raise P.bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
+                raise E.bad_request(f"messages[{i}]: only assistant messages carry tool_calls",
                                     "messages")
             d["tool_calls"] = [_rendered_call(i, c, seen) for c in m.tool_calls]
         if m.role == "tool":
             if m.tool_call_id is None:
-                raise P.bad_request(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+                raise E.bad_request(f"messages[{i}]: a tool message needs tool_call_id", "messages")
             if m.tool_call_id not in seen:
-                raise P.bad_request(f"messages[{i}].tool_call_id {m.tool_call_id!r} matches no "
+                raise E.bad_request(f"messages[{i}].tool_call_id {m.tool_call_id!r} matches no "
                                     "earlier tool call", "messages")
             d["tool_call_id"] = m.tool_call_id
-    extra = {"tools": req.tools} if req.tools else {}  # HF's variable: the tools as sent
+    # HF's variable: the tools as sent (the fields the client set, in OpenAI's order).
+    extra = {"tools": [t.model_dump(exclude_unset=True) for t in req.tools]} if req.tools else {}
     return messages, extra
 
 
 def _rendered_call(i: int, raw: Any, seen: set[str]) -> dict[str, Any]:
-    call = _validate(AssistantToolCall, raw, "messages", f"messages[{i}].tool_calls")
+    call = _validate(P.AssistantToolCall, raw, "messages", f"messages[{i}].tool_calls")
     try:
         args: Any = json.loads(call.function.arguments)
         check_json_value(args, f"messages[{i}].tool_calls.arguments")  # nesting the template can render
     except JSONLimitError as e:
-        raise P.bad_request(str(e), "messages") from None
+        raise E.bad_request(str(e), "messages") from None
     except RecursionError:  # nested past the parser's stack
-        raise P.bad_request(f"messages[{i}].tool_calls: arguments of {call.id!r} nest too deeply",
+        raise E.bad_request(f"messages[{i}].tool_calls: arguments of {call.id!r} nest too deeply",
                             "messages") from None
     except ValueError:
         # Clients echo truncated calls back verbatim: the template gets the
