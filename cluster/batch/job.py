@@ -40,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from cluster.batch.engines import ActorEngine, Engine, EngineFailure, LineRunner, LocalEngine
+from cluster.batch.engines import ActorEngine, Engine, LineRunner, LocalEngine
 from cluster.cli.options import (
     ENGINE_OVERRIDES,
     SERVE_OVERRIDES,
@@ -49,6 +49,7 @@ from cluster.cli.options import (
     collect_overrides,
 )
 from engine.config import ConfigError, EngineConfig, check_cluster_fits, load_config
+from engine.errors import EngineDeadError
 
 log = logging.getLogger("conveyor.batch")
 
@@ -376,7 +377,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (ConfigError, BatchInputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except EngineFailure as e:
+    except EngineDeadError as e:
         print(f"error: {e}; rerun the same command to resume from {args.output}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - the job failed; finished lines are kept

@@ -360,9 +360,10 @@ def test_dead_engine_actor_is_503_not_500():
 
 
 def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
-    from cluster.batch.engines import EngineFailure, LineRunner, LocalEngine
+    from cluster.batch.engines import LineRunner, LocalEngine
     from cluster.batch.job import BatchLine, OutputLog, Progress, Summary, drive
     from cluster.openai.server import OpenAIServer
+    from engine.errors import EngineDeadError
 
     async def run() -> None:
         runner = LineRunner.__new__(LineRunner)
@@ -373,7 +374,7 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
         out = OutputLog(str(tmp_path / "out.jsonl"))
         assert out.open() == set()
         try:
-            with pytest.raises(EngineFailure):
+            with pytest.raises(EngineDeadError):
                 await drive([LocalEngine(runner, 1)], [line], out, Progress(Summary(1), False))
         finally:
             out.close()
