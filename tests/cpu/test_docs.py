@@ -7,7 +7,8 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TOPS = ("engine", "executors", "workers", "parallel", "kernels", "cluster", "tests", "bench", "docs",
         "configs", ".ci")
-PATH = re.compile(r"(?<![\w/.-])((?:%s)/[\w./-]*[\w/])" % "|".join(re.escape(t) for t in TOPS))
+_TOP = "|".join(re.escape(t) for t in TOPS)
+PATH = re.compile(rf"(?<![\w/.-])((?:{_TOP})/[\w./-]*[\w/])")
 EXAMPLES = {"configs/x.yaml"}  # README's example of a config with a mistake
 
 
