@@ -384,6 +384,18 @@ def test_errors_are_400_naming_the_field(api, body, param):
     assert ok.status_code == 200 and llm.num_unfinished == 0
 
 
+def test_tools_are_typed_in_the_openapi_schema(api):
+    """FastAPI validates `tools` with the body (the errors above) and documents
+    their shape: a client generator sees ToolDef, not an untyped list."""
+    async def go(c):
+        return (await c.get("/openapi.json")).json()["components"]["schemas"]
+    schemas = _run(api, go)
+    tools = schemas["ChatRequest"]["properties"]["tools"]["anyOf"][0]
+    assert tools["items"] == {"$ref": "#/components/schemas/ToolDef"} and tools["maxItems"] == 128
+    assert schemas["ToolDef"]["properties"]["type"]["const"] == "function"
+    assert set(schemas["FunctionDef"]["required"]) == {"name"}
+
+
 def test_batch_lines_with_tools(tmp_path, ckpt):
     from cluster.batch.job import main
 
