@@ -246,13 +246,13 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                 _assert_error(await c.post("/v1/completions", json=body), 503, "engine_unavailable")
                 srv.draining = False
 
-                async def broken(job):  # one of our bugs: generic 500, details only logged
+                async def broken(job, streams):  # one of our bugs: generic 500, details only logged
                     raise RuntimeError("secret detail")
-                srv._collect, orig = broken, srv._collect
+                srv.builder.collect, orig = broken, srv.builder.collect
                 r = await c.post("/v1/completions", json=body)
                 _assert_error(r, 500, "internal_error")
                 assert "secret" not in r.text
-                srv._collect = orig
+                srv.builder.collect = orig
 
                 # The engine dies mid-stream: the error goes in-band, then [DONE].
                 async def kill_soon() -> None:
