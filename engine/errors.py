@@ -22,3 +22,7 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self) -> tuple[type[ParamError], tuple[str, str]]:
+        # Pickled as (param, message): Ray and multiprocessing rebuild it whole.
+        return ParamError, (self.param, str(self))
