@@ -35,10 +35,10 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster import cpu_layout
-from cluster.engine_actor import CoreActorPlacement
-from cluster.ray_core_client import RayCoreClient
-from cluster.response_store import RayResponseStore
+from cluster.engine_actor import cpu_layout
+from cluster.engine_actor.actor import CoreActorPlacement
+from cluster.engine_actor.client import RayCoreClient
+from cluster.openai.responses_api.store import RayResponseStore
 from engine.config import EngineConfig, check_model_dir, load_config
 from executors.ray_placement import worker_bundle
 
@@ -154,8 +154,8 @@ class OpenAIDeployment:
     """One replica: an AsyncLLM plus the OpenAI FastAPI app built on it."""
 
     def __init__(self, config_path: str, overrides: dict[str, Any], use_gpu: bool) -> None:
-        from cluster.metrics import ServeMetrics
-        from cluster.openai_server import OpenAIServer, model_name_of
+        from cluster.openai.metrics import ServeMetrics
+        from cluster.openai.server import OpenAIServer, model_name_of
         from engine.async_client import AsyncLLM
 
         self.config = load_config(config_path, **overrides)
@@ -188,7 +188,7 @@ class OpenAIDeployment:
                                                       sc.responses_ttl_s)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from cluster.openai_app import build_api
+        from cluster.openai.app import build_api
 
         env = self.config.serve.api_key_env
         key = os.environ.get(env) if env else None

@@ -17,7 +17,7 @@ import zmq
 from llm_utils import make_checkpoint, random_prompts
 from zmq.utils.monitor import recv_monitor_message
 
-from cluster.engine_actor import TO_CORE, TO_FRONTEND, CoreInput
+from cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreInput
 from engine import LLM, SamplingParams
 from executors import frames as fr
 from executors.channel import DataPlane, PlaneKeys

@@ -109,8 +109,8 @@ def test_resubmitted_request_continues_where_it_was(ckpt):
 
 
 def test_resume_ledger_holds_exactly_what_was_delivered():
-    from cluster.resume_ledger import ResumeLedger
     from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+    from engine.resume_ledger import ResumeLedger
 
     def req(rid: str) -> EngineCoreRequest:
         return EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3],

@@ -138,8 +138,8 @@ def test_http_adapter_addressing(models):
     import httpx
     import openai
 
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer, model_name_of
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer, model_name_of
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 

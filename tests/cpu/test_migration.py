@@ -268,8 +268,8 @@ def test_drain_cli_and_admin_body_checks(capsys) -> None:
 
     from pydantic import ValidationError
 
-    from cluster.admin_routes import DrainRequest
-    from cluster.cli import main
+    from cluster.cli.main import main
+    from cluster.openai.routes.admin import DrainRequest
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
