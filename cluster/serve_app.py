@@ -115,6 +115,9 @@ def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:
     placement group; otherwise the model in the actor, with its GPUs)."""
     from engine.dp_engine import DataParallelClient, make_engine_clients
 
+    if config.serve.replicas > 1:  # the engines are the app's, not this replica's
+        from cluster.engine_pool import pooled_client
+        return pooled_client(config, use_gpu)
     p = config.parallel
     place = (CoreActorPlacement() if p.executor == "ray" else
              CoreActorPlacement(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
@@ -260,7 +263,7 @@ def replica_cpus(config: EngineConfig, use_gpu: bool) -> float:
     if p.data_parallel_size > 1:
         per_engine = (p.num_cpus_per_worker * config.world_size if p.executor == "ray" else
                       (0.0 if use_gpu else p.num_cpus_per_worker) + (1.0 if use_gpu else 0.0))
-        return 1.0 + p.data_parallel_size * per_engine
+        return 1.0 + p.data_parallel_size * per_engine / config.serve.replicas  # engine_pool: shared
     opts = replica_resources(config, use_gpu)
     bundles = opts.get("placement_group_bundles")
     if bundles:

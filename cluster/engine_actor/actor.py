@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import msgspec
 import ray
 
+from cluster.frontends import Frontends
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
 from engine.core_client import EngineBusyLoop
@@ -42,8 +43,8 @@ TO_CORE = Route("frontend->core", "CoreInput")
 TO_FRONTEND = Route("core->frontend", "EngineCoreOutputs")
 
 
-# One call (wait_closed) stays pending for the actor's life: room for the rest beside it.
-@ray.remote(num_cpus=0, max_concurrency=6)
+# One call (wait_closed) per frontend stays pending for the actor's life: room for the rest.
+@ray.remote(num_cpus=0, max_concurrency=32)
 class EngineCoreActor:
     def __init__(self, config_bytes: bytes, keys_bytes: bytes,
                  engine_cpus: tuple[int, ...] = ()) -> None:
@@ -56,7 +57,8 @@ class EngineCoreActor:
         self._plane = DataPlane(msgspec.msgpack.decode(keys_bytes, type=PlaneKeys), server=True)
         self._in = self._plane.pull(TO_CORE, CoreInput, bind_host=host)
         self._out = self._plane.push(self._plane.sealer(TO_FRONTEND, "core"), bind_host=host)
-        self._loop = EngineBusyLoop(self.core, self._out.send)
+        self.frontends = Frontends(self._in, self._out, (TO_CORE, TO_FRONTEND), CoreInput)
+        self._loop = EngineBusyLoop(self.core, self.frontends.send)
         self._closing = False
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_inputs, daemon=True, name="core-inputs")
@@ -78,7 +80,7 @@ class EngineCoreActor:
     def _read_inputs(self) -> None:
         # recv() drops bad frames itself; this thread must outlive any input.
         while not self._closing:
-            msg = self._in.recv(timeout_ms=200)
+            msg = self.frontends.recv(timeout_ms=200)
             if msg is None:
                 continue
             if msg.kind == "add" and msg.request is not None:
@@ -89,6 +91,14 @@ class EngineCoreActor:
                 self._loop.submit("kv_snapshot", None)
             else:
                 log.warning("ignored a core input of kind %r", msg.kind)
+
+    def attach(self, keys_bytes: bytes) -> tuple[int, str, str, bytes]:
+        """Another frontend (cluster/engine_pool.py): its id, addresses, kv_info."""
+        fid, in_addr, out_addr = self.frontends.attach(keys_bytes, cluster_host())
+        return fid, in_addr, out_addr, msgspec.msgpack.encode(self.core.kv_info)
+
+    def detach(self, fid: int) -> None:
+        self._loop.submit("abort", self.frontends.detach(fid))
 
     def listen_addresses(self) -> list[str]:
         """Every ZMQ endpoint this actor's process binds: its input and output
@@ -135,6 +145,7 @@ class EngineCoreActor:
         self._reader.join(timeout=5)  # it polls self._in: close only after it stopped
         try:
             self.core.shutdown()
+            self.frontends.close()
             self._plane.close()
         finally:
             self._closed.set()
