@@ -119,7 +119,7 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     host: Annotated[str, knob("a host name or IP address", bool, flag=True,
                               help="HTTP bind address")] = "127.0.0.1"
     port: Annotated[int, int_in(1, 65535, flag=True, help="HTTP port")] = 8000
-    replicas: Annotated[int, at_least(1, flag=True, help="Serve replicas (one engine each)")] = 1
+    replicas: Annotated[int, at_least(1, flag=True, help="Serve ingress replicas (one engine each; with data_parallel_size > 1 all share the N engines)")] = 1
     api_key_env: Annotated[str | None, knob("null or an environment variable name", flag=True,
                                             help="environment variable holding the API key")] = None
     # None: sized from max_num_seqs
