@@ -6,7 +6,7 @@ named after the app, the deployment and the engine config) starts them,
 supervises them (a `RayCoreClient` per engine: a lost actor is rebuilt as
 before) and outlives any one replica. The HTTP ingress is then its own tier:
 Serve scales the R replicas, and each one attaches to every engine as a
-frontend of its own (cluster/frontends.py: its own CURVE keys and channel
+frontend of its own (cluster/engine_actor/frontends.py: its own CURVE keys and channel
 pair per engine; outputs come back to the replica that sent the request).
 
 Each replica keeps its own DataParallelClient, so its own router and index.
@@ -35,9 +35,9 @@ from typing import Any
 import msgspec
 import ray
 
-from cluster.core_link import STARTUP_TIMEOUT_S, CoreLink
-from cluster.engine_actor import TO_CORE, TO_FRONTEND, CoreActorPlacement, CoreInput
-from cluster.ray_core_client import RayCoreClient
+from cluster.engine_actor.link import STARTUP_TIMEOUT_S, CoreLink
+from cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreActorPlacement, CoreInput
+from cluster.engine_actor.client import RayCoreClient
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from engine.core_client import OutputHandler
@@ -182,7 +182,10 @@ class AttachedCoreClient(RayCoreClient):
         that is not `old` (the pool is rebuilding it)."""
         deadline = time.monotonic() + timeout_s
         while not getattr(self, "_closing", False):
-            actor, dead = ray.get(self._pool.engine.remote(self._index), timeout=CALL_TIMEOUT_S)
+            try:
+                actor, dead = ray.get(self._pool.engine.remote(self._index), timeout=CALL_TIMEOUT_S)
+            except ray.exceptions.RayActorError as e:  # the pool itself is gone
+                dead = f"the engine pool is gone: {type(e).__name__}"
             if dead is not None:
                 log.error("engine %d is dead in the pool: %s", self._index, dead)
                 return None

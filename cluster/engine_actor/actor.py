@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import msgspec
 import ray
 
-from cluster.frontends import Frontends
+from cluster.engine_actor.frontends import Frontends
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
 from engine.core_client import EngineBusyLoop

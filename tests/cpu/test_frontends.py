@@ -1,4 +1,4 @@
-"""An EngineCoreActor's frontends (cluster/frontends.py), without Ray: each
+"""An EngineCoreActor's frontends (cluster/engine_actor/frontends.py), without Ray: each
 request's outputs go back to the frontend that added it, stats and KV events
 to every frontend, an attached frontend that cannot take a message never
 blocks the engine, and a detached one's requests are handed back for abort."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from cluster.engine_actor import TO_CORE, TO_FRONTEND, CoreInput
-from cluster.frontends import Frontend, Frontends
+from cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreInput
+from cluster.engine_actor.frontends import Frontend, Frontends
 from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine.router.events import KVEvents
 from engine.sampling_params import SamplingParams
