@@ -35,9 +35,9 @@ from typing import Any
 import msgspec
 import ray
 
-from cluster.engine_actor.link import STARTUP_TIMEOUT_S, CoreLink
 from cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreActorPlacement, CoreInput
 from cluster.engine_actor.client import RayCoreClient
+from cluster.engine_actor.link import STARTUP_TIMEOUT_S, CoreLink
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from engine.core_client import OutputHandler

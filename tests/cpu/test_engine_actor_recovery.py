@@ -393,6 +393,8 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
     through the other. The last one out shuts the pool down."""
     import threading
 
+    import ray
+
     from engine.router.policy import block_hashes_of
 
     cfg = build_config(model=ckpt, max_num_batched_tokens=64, data_parallel_size=2,
@@ -440,6 +442,8 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
 
 
 def _pools() -> list[dict]:
+    import ray
+
     return [x for x in ray.util.list_named_actors(all_namespaces=True)
             if x["name"].startswith("conveyor-engines")]
 
@@ -449,6 +453,7 @@ def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
     both replicas attached to it, 24 concurrent streams through Serve's proxy
     (spread over both replicas) give the one-engine text; deleting the app
     takes the pool and its engines with it."""
+    import ray
     from ray import serve
 
     from cluster.serve_app import run_serve
