@@ -40,9 +40,11 @@ from typing import Any
 
 import msgspec
 
-from cluster.batch_engines import ActorEngine, Engine, EngineFailure, LineRunner, LocalEngine
+from cluster.batch_engines import ActorEngine, Engine, LineRunner, LocalEngine
 from cluster.options import ENGINE_OVERRIDES, SERVE_OVERRIDES, add_override_options, add_set_option, collect_overrides
 from engine.config import ConfigError, EngineConfig, check_cluster_fits, load_config
+from engine.core_client import core_in_actor
+from engine.errors import EngineDeadError
 
 log = logging.getLogger("conveyor.batch")
 
@@ -353,7 +355,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     work = any(ln.custom_id not in done for ln in lines)
-    needs_ray = work and (config.parallel.executor == "ray" or args.data_parallel > 1)
+    needs_ray = work and (core_in_actor(config) or config.parallel.executor == "ray" or args.data_parallel > 1)
     started = False
     try:
         if needs_ray:
@@ -370,7 +372,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (ConfigError, BatchInputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except EngineFailure as e:
+    except EngineDeadError as e:  # the job stops; finished lines stay in the output
         print(f"error: {e}; rerun the same command to resume from {args.output}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - the job failed; finished lines are kept

@@ -28,10 +28,6 @@ log = logging.getLogger("conveyor.batch")
 URLS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 
-class EngineFailure(RuntimeError):
-    """The engine died: the job stops; finished lines stay in the output."""
-
-
 def make_record(custom_id: str, request_id: str, status: int, body: dict[str, Any]) -> dict[str, Any]:
     """One output line. Errors keep the HTTP error body under `response` and
     repeat its code/message under `error` (OpenAI batch error shape)."""
@@ -85,7 +81,7 @@ class LineRunner:
         return URLS[url]
 
     async def run(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """The output record of one input line; raises EngineFailure if the engine died."""
+        """The output record of one input line; raises EngineDeadError if the engine died."""
         from cluster.openai_protocol import (
             APIError,
             ChatRequest,
@@ -113,14 +109,14 @@ class LineRunner:
         except UnsendableRequestError as e:  # this line alone could not reach the engine
             status, body = 400, bad_request(str(e)).body()
         except EngineDeadError as e:  # never a line's own error: the line is not done
-            raise EngineFailure(f"engine failed: {self.llm.dead_error or e}") from None
+            raise EngineDeadError(f"engine failed: {self.llm.dead_error or e}") from None
         except Exception:
             log.exception("line %r failed", obj.get("custom_id"))
             status, body = 500, {"error": {"message": "internal error", "type": "internal_error",
                                            "param": None, "code": "internal_error"}}
         # 503 is the server's "engine unavailable": a dead engine, not this line.
         if status == 503 or self.llm.dead_error is not None:
-            raise EngineFailure(f"engine failed: {self.llm.dead_error or body}")
+            raise EngineDeadError(f"engine failed: {self.llm.dead_error or body}")
         return make_record(obj["custom_id"], rid, status, body)
 
     async def close(self) -> None:
@@ -225,7 +221,7 @@ class ActorEngine:
         try:
             await asyncio.wait_for(self.pg.ready(), timeout=self.placement_timeout_s)
         except TimeoutError:
-            raise EngineFailure(f"engine {self.index}: placement group {self.pg.bundle_specs} not ready "
+            raise EngineDeadError(f"engine {self.index}: placement group {self.pg.bundle_specs} not ready "
                                 f"after {self.placement_timeout_s:g}s (parallel.placement_timeout_s); available: {ray.available_resources()}") from None
         await self.actor.ready.remote()
 

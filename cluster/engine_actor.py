@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import msgspec
 import ray
 
+from engine.busy_loop import EngineBusyLoop
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
-from engine.core_client import EngineBusyLoop
 from engine.errors import EngineDeadError
 from executors.channel import DataPlane, PlaneKeys
 from executors.frames import Route

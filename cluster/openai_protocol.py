@@ -125,7 +125,7 @@ _NULL_MEANS_ABSENT = frozenset({
     "prompt_logprobs", "parallel_tool_calls"})
 
 
-class _SamplingFields(_BoundedFields):
+class _SamplingRequest(_BoundedFields):
     """Fields shared by both endpoints (OpenAI + vLLM extras)."""
     model_config = _MODEL_CONFIG
 
@@ -169,7 +169,7 @@ class _SamplingFields(_BoundedFields):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -193,7 +193,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None  # tool turns
 
 
-class ChatRequest(_SamplingFields):
+class ChatRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -18,9 +18,8 @@ not wait for the rebuild: the moment the actor is lost, on_lost moves them to
 the other engines, and the rebuild goes on in the background (on_back: it
 takes requests again). The data-parallel client then owns the only ledger.
 
-Registered as the core client of executor "ray" (engine/core_client.py) when
-imported; pyproject.toml's conveyor.core_clients entry point names this
-module, so `LLM(executor="ray")` finds it without engine/ naming cluster/.
+The client of a core in an actor (parallel.engine_actor): Serve hands it in,
+and engine/core_client.py's actor_client_factory is its default for LLM/AsyncLLM.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from cluster.core_link import CoreActorSpec, CoreLink
 from cluster.engine_actor import CoreActorPlacement, CoreInput
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
-from engine.core_client import OutputHandler, register_core_client
+from engine.core_client import OutputHandler
 from engine.errors import EngineDeadError
 from engine.recovery import RestartBudget
 from engine.resume_ledger import ResumeLedger
@@ -280,5 +279,3 @@ class RayCoreClient:
             self._ledger.clear()
         on_outputs(EngineCoreOutputs(engine_error=message))
 
-
-register_core_client("ray", RayCoreClient)

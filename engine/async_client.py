@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, check_model_dir
 from engine.contracts import EngineCoreOutputs, SchedulerStats
-from engine.core_client import CoreClient, make_core_client
+from engine.core_client import CoreClient, CoreClientFactory, make_core_client
 from engine.errors import EngineDeadError
 from engine.frontend import Frontend, PreparedRequest
 from engine.lora import LoRARequest
@@ -56,12 +56,8 @@ class _Stream:
             acc = self.pending.get(d.index)
             if acc is None:
                 self.pending[d.index] = d
-                continue
-            acc.text += d.text
-            acc.token_ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                acc.logprobs = (acc.logprobs or []) + d.logprobs
-            acc.finish_reason, acc.stop_reason = d.finish_reason, d.stop_reason
+            else:
+                acc.merge(d)
         self.num_cached_tokens = num_cached_tokens
         if self.prompt_logprobs is None and self.children:
             self.prompt_logprobs = self.children[0].prompt_logprobs
@@ -123,11 +119,15 @@ class EngineCounters:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, client: CoreClient | None = None) -> None:
+    def __init__(self, config: EngineConfig, client: CoreClient | None = None, *,
+                 core_client_factory: CoreClientFactory | None = None) -> None:
+        """`client`: a ready core client (Serve builds its own); else one is
+        made for the config, a core in an actor by `core_client_factory`
+        (default: cluster's RayCoreClient)."""
         self.config = config
         if client is None:
             check_model_dir(config)
-        self.client = client if client is not None else make_core_client(config)
+        self.client = client if client is not None else make_core_client(config, core_client_factory)
         self.max_model_len = config.max_model_len
         self.frontend = Frontend(config, self.client.kv_info.vocab_size)
         self.tokenizer = self.frontend.tokenizer
@@ -364,12 +364,7 @@ async def collect(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
         final = ro
         prompt_logprobs = prompt_logprobs or ro.prompt_logprobs
         for d in ro.outputs:
-            c = acc.setdefault(d.index, CompletionOutput(d.index, "", [], logprobs=None))
-            c.text += d.text
-            c.token_ids += d.token_ids
-            if d.logprobs is not None:
-                c.logprobs = (c.logprobs or []) + d.logprobs
-            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            acc.setdefault(d.index, CompletionOutput(d.index, "", [])).merge(d)
     assert final is not None
     final.outputs = [acc[k] for k in sorted(acc)]
     final.prompt_logprobs = prompt_logprobs
