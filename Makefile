@@ -14,9 +14,11 @@ venv: $(VPY)
 	$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[test]"
 
-# The gate: lint everything, type-check the engine side (config in pyproject.toml).
+# The gate: lint everything, type-check the engine side (config in pyproject.toml),
+# and the code's shape (files <= 500 lines, functions <= 60, no import cycle).
 lint: venv
 	$(VPY) -m ruff check .
+	$(VPY) tools/check_shape.py
 	$(VPY) -m mypy engine executors workers parallel kernels
 
 # Two xdist workers, one test file each at a time (module-scoped Ray instances
