@@ -1,5 +1,5 @@
-"""Requests that must never break, hang or mislead the engine (issue 12,
-items 3-8, and "validate once at the edge").
+"""Requests that must never break, hang or mislead the engine, and input
+validated once at the edge.
 
 Most tests drive AsyncLLM and the OpenAI app in process over a FakeCore: a
 CoreClient that records what it is sent and emits only the outputs a test
@@ -111,7 +111,7 @@ def ckpt(tmp_path_factory):
     return make_checkpoint("llama", str(tmp_path_factory.mktemp("hardening") / "llama"))
 
 
-# ---- 3: max_tokens=None and min_tokens ------------------------------------------------------
+# ---- max_tokens=None and min_tokens ------------------------------------------------------
 
 def test_min_tokens_must_fit_the_context(ckpt):
     from engine import LLM
@@ -163,7 +163,7 @@ def test_http_min_tokens_without_max_tokens(ckpt):
     _run(run())
 
 
-# ---- 4: a KV pool too small for one request ----------------------------------------------------
+# ---- a KV pool too small for one request ----------------------------------------------------
 
 def test_engine_refuses_a_pool_that_cannot_hold_max_model_len(ckpt):
     from engine import LLM
@@ -192,7 +192,7 @@ def test_core_refuses_measured_pool_and_names_the_memory_knob():
     assert ex.pool._shutdown  # the executor it started is shut down, not leaked
 
 
-# ---- 5: bounded requests, admission by engine requests, priority, websockets -----------------
+# ---- bounded requests, admission by engine requests, priority, websockets -----------------
 
 def test_stop_lists_are_bounded():
     with pytest.raises(ValueError, match="^stop must hold at most 16"):
@@ -306,7 +306,7 @@ def test_websocket_scopes_are_refused_unless_a_route_declares_them():
     _run(run())
 
 
-# ---- 6: a reused request id never gets the earlier request's tokens -----------------------------
+# ---- a reused request id never gets the earlier request's tokens -----------------------------
 
 def test_reused_request_id_never_receives_earlier_tokens():
     async def run() -> None:
@@ -335,15 +335,15 @@ def test_reused_request_id_never_receives_earlier_tokens():
     _run(run())
 
 
-# ---- 7: one EngineDeadError: 503, and batch lines stay undone -----------------------------------
+# ---- one EngineDeadError: 503, and batch lines stay undone -----------------------------------
 
 def test_one_engine_dead_error_class():
     import engine.async_client
-    import engine.core_client
+    import engine.inproc_client
     import executors.base
 
     assert executors.base.EngineDeadError is engine.async_client.EngineDeadError is EngineDeadError
-    assert engine.core_client.EngineDeadError is EngineDeadError
+    assert engine.inproc_client.EngineDeadError is EngineDeadError
 
 
 def test_dead_engine_actor_is_503_not_500():
@@ -361,7 +361,7 @@ def test_dead_engine_actor_is_503_not_500():
 
 def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
     from cluster.batch import BatchLine, OutputLog, Progress, Summary, drive
-    from cluster.batch_engines import EngineFailure, LineRunner, LocalEngine
+    from cluster.batch_engines import LineRunner, LocalEngine
     from cluster.openai_server import OpenAIServer
 
     async def run() -> None:
@@ -373,7 +373,7 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
         out = OutputLog(str(tmp_path / "out.jsonl"))
         assert out.open() == set()
         try:
-            with pytest.raises(EngineFailure):
+            with pytest.raises(EngineDeadError):
                 await drive([LocalEngine(runner, 1)], [line], out, Progress(Summary(1), False))
         finally:
             out.close()
@@ -382,7 +382,7 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
     _run(run())
 
 
-# ---- 8: the event loop never blocks; a failed add cleans up -----------------------------------
+# ---- the event loop never blocks; a failed add cleans up -----------------------------------
 
 class GatedChannel:
     """An input channel whose peer takes nothing until `open` is set."""
@@ -475,7 +475,7 @@ def test_decoding_never_revalidates(monkeypatch):
     data = msgspec.msgpack.encode(NewRequestData("r", PROMPT, sp, [1], 0))
     dec = msgspec.msgpack.Decoder(NewRequestData)
     for _ in range(100):  # every step's SchedulerOutput in every worker
-        assert dec.decode(data).sampling_params == sp
+        assert dec.decode(data).sampling_params == sp.trusted_copy()
     assert sp.trusted_copy(n=1).n == 1  # what the frontend makes of n children
     assert calls[0] == 1
     with pytest.raises(ValueError, match="temperature"):  # construction still checks
