@@ -123,7 +123,6 @@ class OpenAIServer(ResponseBuilding):
         # pending (the first token and the finish always go at once).
         self.llm, self.config, self.stream_interval = llm, config, config.serve.stream_interval
         self.max_admitted, self.admitted = max_admitted, 0
-        self._active_ids: set[str] = set()  # engine ids of admitted requests
         self._health: asyncio.Future[str] | None = None
         self._health_at = 0.0
         self.model_name = model_name_of(config)
@@ -275,9 +274,6 @@ class OpenAIServer(ResponseBuilding):
         params = [sp] * len(prompts)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{self._request_id(request)}"
         eids = [rid] if len(prompts) == 1 else [f"{rid}-p{i}" for i in range(len(prompts))]
-        # A request id in flight twice would let one request's clean-up abort the other.
-        if not self._active_ids.isdisjoint(eids):
-            raise P.bad_request(f"request id {rid!r} is already in use", "X-Request-Id")
         job = _Job(kind, rid, eids, prompts, params, req, tools=plan and ToolSession(plan), lora=lora)
         self._prepare(job, prompt_param)
         # Data parallel: a soft preference for the engine this session used last.
@@ -369,19 +365,21 @@ class OpenAIServer(ResponseBuilding):
                 for prep, sp in zip(job.prepared, job.params)]
 
     def _admit(self, job: _Job) -> None:
-        """Take the job's slots (one per engine request: prompts x n) and its
-        engine ids (checked free in _job, again here: the prep pool built it off the loop)."""
-        if not self._active_ids.isdisjoint(job.engine_ids):
-            raise P.bad_request(f"request id {job.rid!r} is already in use", "X-Request-Id")
+        """Take the job's engine ids (AsyncLLM.reserve_ids: the one check that
+        they are not in flight) and its slots (one per engine request: prompts x n)."""
+        try:
+            self.llm.reserve_ids(job.engine_ids)
+        except ValueError as e:
+            raise P.bad_request(str(e), "X-Request-Id") from None
         if self.max_admitted is not None and self.admitted + job.cost > self.max_admitted:
+            self.llm.release_ids(job.engine_ids)
             raise at_capacity(self.max_admitted)
         self.admitted += job.cost
-        self._active_ids.update(job.engine_ids)
         self.metrics.in_progress.inc()
 
     def _release(self, job: _Job) -> None:
         self.admitted -= job.cost
-        self._active_ids.difference_update(job.engine_ids)
+        self.llm.release_ids(job.engine_ids)
         self.metrics.in_progress.dec()
 
     async def _respond(self, job: _Job) -> Response:

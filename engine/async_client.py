@@ -132,6 +132,9 @@ class AsyncLLM:
         self.frontend = Frontend(config, self.client.kv_info.vocab_size)
         self.tokenizer = self.frontend.tokenizer
         self.streams: dict[str, _Stream] = {}
+        # Request ids taken ahead of their stream (reserve_ids: the HTTP
+        # server's, from admission); with the streams' own, the ids in use.
+        self._reserved: set[str] = set()
         self._child_to_stream: dict[str, tuple[_Stream, RequestState]] = {}
         self.stats = SchedulerStats()
         self.counters = EngineCounters()
@@ -191,11 +194,29 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------
 
-    def _check_id(self, rid: str) -> None:
+    def _check_alive(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(self.dead_error)
-        if rid in self.streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+
+    def reserve_ids(self, request_ids: list[str]) -> None:
+        """The one check that request ids are not in use (a request id in
+        flight twice would let one request's clean-up abort the other): takes
+        them all, or raises ValueError and takes none. generate() with a
+        reserved id runs under that reservation; release_ids gives back what
+        no stream took (a stream's id is free again once it ends)."""
+        taken = [r for r in request_ids if r in self._reserved or r in self.streams]
+        if taken or len(set(request_ids)) < len(request_ids):
+            raise ValueError(f"request id {(taken or request_ids)[0]!r} is already in use")
+        self._reserved.update(request_ids)
+
+    def release_ids(self, request_ids: list[str]) -> None:
+        self._reserved.difference_update(request_ids)
+
+    def _take_id(self, rid: str) -> None:
+        """A new stream takes its id: the caller's reservation, or checked free now."""
+        if rid not in self._reserved:
+            self.reserve_ids([rid])
+        self._reserved.discard(rid)
 
     def prepare(self, prompt: str | list[int], sp: SamplingFields,
                 request_id: str | None = None, priority: int = 0,
@@ -206,7 +227,7 @@ class AsyncLLM:
         request id (a retry after an abort) never meets late outputs of the
         earlier request, whose abort may still be on its way to the core."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        self._check_id(rid)
+        self._check_alive()
         return self.frontend.prepare(prompt, sp, rid, priority, id_suffix=f"-{secrets.token_hex(4)}",
                                      lora_request=lora_request)
 
@@ -227,8 +248,9 @@ class AsyncLLM:
         added and drops the stream before the error propagates."""
         self.start()
         prep = prepared or self.prepare(prompt, sampling_params, request_id, priority)
-        self._check_id(prep.request_id)  # prepared earlier: the id may be taken since
+        self._check_alive()  # prepared earlier: the engine may have died since
         rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
+        self._take_id(rid)
         children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer)
                     for k, r in enumerate(reqs)]
         stream = _Stream(rid, prep.prompt, ids, children)

@@ -335,6 +335,30 @@ def test_reused_request_id_never_receives_earlier_tokens():
     _run(run())
 
 
+def test_a_request_id_in_use_is_refused_by_the_one_check_and_free_after_its_stream():
+    async def run() -> None:
+        core = FakeCore(finish=False)
+        llm = _llm(core)
+        sp = SamplingParams(max_tokens=8)
+        first = llm.generate(PROMPT, sp, request_id="a")
+        step = asyncio.create_task(first.__anext__())
+        await core.added_event.wait()
+        with pytest.raises(ValueError, match="'a' is already in use"):
+            await llm.generate(PROMPT, sp, request_id="a").__anext__()
+        with pytest.raises(ValueError, match="'a' is already in use"):
+            llm.reserve_ids(["b", "a"])
+        llm.reserve_ids(["b"])  # the refused call took nothing
+        with pytest.raises(ValueError, match="'b' is already in use"):  # reserved, no stream yet
+            llm.reserve_ids(["b"])
+        core.emit(core.added[0].request_id, [11], FinishReason.LENGTH)
+        assert (await step).finished
+        llm.reserve_ids(["a"])  # its stream ended: free again
+        llm.release_ids(["a", "b"])
+        assert len(core.added) == 1  # nothing refused reached the engine
+
+    _run(run())
+
+
 # ---- one EngineDeadError: 503, and batch lines stay undone -----------------------------------
 
 def test_one_engine_dead_error_class():
