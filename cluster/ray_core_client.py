@@ -33,7 +33,7 @@ from cluster.engine_actor import CoreActorPlacement, CoreInput
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from engine.core_client import OutputHandler
-from engine.errors import EngineDeadError
+from engine.errors import DeadFlag, EngineDeadError
 from engine.recovery import RestartBudget
 from engine.resume_ledger import ResumeLedger
 from executors.ray_executor import ensure_ray
@@ -62,7 +62,7 @@ class RayCoreClient:
         self.budget = RestartBudget(p.max_restarts, p.restart_window_s)
         self.num_restarts = 0
         self.recovering = False
-        self.dead: str | None = None
+        self.dead = DeadFlag()
         self._ledger = ResumeLedger()
         # Guards link, ledger and recovering: adds and aborts from the event
         # loop against the reader thread's swap to a new actor.
@@ -129,7 +129,7 @@ class RayCoreClient:
         parallel): the actor sends a full snapshot on its output channel. A new
         actor starts a new epoch by itself, so nothing is sent while recovering."""
         with self._lock:
-            if self.dead is None and not self.recovering:
+            if self.dead.cause is None and not self.recovering:
                 self.link.send(CoreInput("kv_snapshot"))
 
     def check_health(self) -> str:
@@ -161,15 +161,14 @@ class RayCoreClient:
             self._reader.join(timeout=10)
         with self._lock:
             link = self.link
-        link.close(graceful=self.dead is None)
+        link.close(graceful=self.dead.cause is None)
         if self.started_ray:
             import ray
 
             ray.shutdown()
 
     def _raise_if_dead(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
+        self.dead.check()
 
     def _raise_if_thread_died(self) -> None:
         """A dead internal thread is a dead engine, whatever the actor says:
@@ -273,7 +272,7 @@ class RayCoreClient:
         if self._closing:
             return
         with self._lock:
-            self.dead = message
+            self.dead.set(message)
             self.link.dead = message  # its sender drops what is left
             self.recovering = False
             self._ledger.clear()

@@ -138,7 +138,7 @@ class AsyncLLM:
         self._child_to_stream: dict[str, tuple[_Stream, RequestState]] = {}
         self.stats = SchedulerStats()
         self.counters = EngineCounters()
-        self.dead_error: str | None = None
+        self.dead = self.client.dead  # the client's: one record that the engine is dead
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
 
@@ -159,8 +159,7 @@ class AsyncLLM:
     def check_health(self) -> str:
         """"ok", or "recovering" while a lost worker group is rebuilt; raises
         EngineDeadError when the engine is dead."""
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
+        self.dead.check()
         return self.client.check_health()
 
     def worker_pids(self) -> list[int]:
@@ -194,9 +193,10 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------
 
-    def _check_alive(self) -> None:
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine died (None while it lives)."""
+        return self.dead.cause
 
     def reserve_ids(self, request_ids: list[str]) -> None:
         """The one check that request ids are not in use (a request id in
@@ -227,7 +227,7 @@ class AsyncLLM:
         request id (a retry after an abort) never meets late outputs of the
         earlier request, whose abort may still be on its way to the core."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        self._check_alive()
+        self.dead.check()
         return self.frontend.prepare(prompt, sp, rid, priority, id_suffix=f"-{secrets.token_hex(4)}",
                                      lora_request=lora_request)
 
@@ -248,7 +248,7 @@ class AsyncLLM:
         added and drops the stream before the error propagates."""
         self.start()
         prep = prepared or self.prepare(prompt, sampling_params, request_id, priority)
-        self._check_alive()  # prepared earlier: the engine may have died since
+        self.dead.check()  # prepared earlier: the engine may have died since
         rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
         self._take_id(rid)
         children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer)
@@ -296,7 +296,7 @@ class AsyncLLM:
         for c in s.children:
             c.fail(reason)
             self._child_to_stream.pop(c.request_id, None)
-        if live and self.dead_error is None:
+        if live and self.dead.cause is None:
             try:
                 self.client.abort_requests([c.request_id for c in live])
             except EngineDeadError:
@@ -365,7 +365,7 @@ class AsyncLLM:
         c.spec_decode.absorb(st)
 
     def _fail_all(self, message: str) -> None:
-        self.dead_error = message
+        self.dead.set(message)
         for s in list(self.streams.values()):
             deltas = []
             for c in s.children:

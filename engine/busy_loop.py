@@ -13,6 +13,7 @@ from typing import cast
 
 from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from engine.core_client import OutputHandler
+from engine.errors import DeadFlag
 from engine.router.events import KVEvents
 
 log = logging.getLogger(__name__)
@@ -22,11 +23,11 @@ class EngineBusyLoop:
     """input queue -> step_fn -> output handler. A step that raises ends the loop with an `engine_error` message to the frontend;
     the engine is dead from then on."""
 
-    def __init__(self, core, on_outputs: OutputHandler) -> None:
+    def __init__(self, core, on_outputs: OutputHandler, dead: DeadFlag | None = None) -> None:
         self.core = core
         self.on_outputs = on_outputs
         self.inputs: queue.Queue[tuple[str, object]] = queue.Queue()
-        self.error: str | None = None
+        self.dead = dead if dead is not None else DeadFlag()  # the client's, in process
         self._stop = threading.Event()
 
     def submit(self, kind: str, payload: object) -> None:
@@ -79,8 +80,13 @@ class EngineBusyLoop:
                     time.sleep(0.001)
         except BaseException as e:  # noqa: BLE001 - everything becomes an engine error
             log.exception("engine core loop died")
-            self.error = f"{type(e).__name__}: {e}"
-            self.on_outputs(EngineCoreOutputs(engine_error=self.error))
+            self.dead.set(f"{type(e).__name__}: {e}")
+            self.on_outputs(EngineCoreOutputs(engine_error=self.dead.cause))
+
+    @property
+    def error(self) -> str | None:
+        """Why the loop died (None while it runs)."""
+        return self.dead.cause
 
     def stop(self) -> None:
         self.submit("stop", None)

@@ -20,12 +20,14 @@ from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
+from engine.errors import DeadFlag
 
 OutputHandler = Callable[[EngineCoreOutputs], None]
 
 
 class CoreClient(Protocol):
     kv_info: KVCacheInfo
+    dead: DeadFlag  # the process's one "engine is dead" record (AsyncLLM shares it)
 
     def start(self, on_outputs: OutputHandler) -> None: ...
     def add_request(self, request: EngineCoreRequest) -> None: ...

@@ -8,7 +8,7 @@ from engine.busy_loop import EngineBusyLoop
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
 from engine.core_client import OutputHandler
-from engine.errors import EngineDeadError
+from engine.errors import DeadFlag
 
 
 class InProcCoreClient:
@@ -18,11 +18,12 @@ class InProcCoreClient:
 
         self.core = EngineCore(config, make_executor(config))
         self.kv_info = self.core.kv_info
+        self.dead = DeadFlag()
         self._loop: EngineBusyLoop | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, on_outputs: OutputHandler) -> None:
-        self._loop = EngineBusyLoop(self.core, on_outputs)
+        self._loop = EngineBusyLoop(self.core, on_outputs, self.dead)
         self._thread = threading.Thread(target=self._loop.run, name="conveyor-core", daemon=True)
         self._thread.start()
 
@@ -37,9 +38,10 @@ class InProcCoreClient:
         self._require().submit("kv_snapshot", None)
 
     def check_health(self) -> str:
-        loop = self._require()
-        if loop.error is not None or not (self._thread and self._thread.is_alive()):
-            raise EngineDeadError(f"engine is dead: {loop.error or 'core thread exited'}")
+        self._require()
+        if not (self._thread and self._thread.is_alive()):
+            self.dead.set("core thread exited")
+        self.dead.check()
         return self.core.check_health()
 
     def worker_pids(self) -> list[int]:

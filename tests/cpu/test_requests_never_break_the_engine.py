@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -27,7 +28,7 @@ from engine.contracts import (
     NewRequestData,
     RequestStatus,
 )
-from engine.errors import EngineDeadError
+from engine.errors import DeadFlag, EngineDeadError
 from engine.sampling_params import SamplingParams
 from engine.stopping import check_stop
 
@@ -41,6 +42,7 @@ class FakeCore:
 
     def __init__(self, finish: bool = True, fail_after: int | None = None) -> None:
         self.kv_info = KVCacheInfo(num_blocks=1000, block_size=16, vocab_size=512)
+        self.dead = DeadFlag()
         self.finish, self.fail_after = finish, fail_after
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
@@ -363,11 +365,28 @@ def test_a_request_id_in_use_is_refused_by_the_one_check_and_free_after_its_stre
 
 def test_one_engine_dead_error_class():
     import engine.async_client
-    import engine.inproc_client
     import executors.base
 
     assert executors.base.EngineDeadError is engine.async_client.EngineDeadError is EngineDeadError
-    assert engine.inproc_client.EngineDeadError is EngineDeadError
+
+
+def test_one_dead_flag_shared_by_the_frontend_its_client_and_an_in_process_loop():
+    """The client detects the death (here its in-process core loop dies) and
+    AsyncLLM reads the same record before any engine_error message arrives."""
+    from engine.async_client import AsyncLLM
+    from engine.busy_loop import EngineBusyLoop
+
+    core = FakeCore()
+    llm = AsyncLLM(_cfg(), core)
+    assert llm.dead is core.dead and llm.dead_error is None
+    loop = EngineBusyLoop(SimpleNamespace(has_work=lambda: True, step_fn=lambda: 1 / 0),
+                          lambda outs: None, core.dead)
+    loop.run()  # the step raises: the loop records why and ends
+    assert llm.dead_error == loop.error == "ZeroDivisionError: division by zero"
+    with pytest.raises(EngineDeadError, match="ZeroDivisionError"):
+        llm.check_health()
+    with pytest.raises(EngineDeadError, match="ZeroDivisionError"):
+        llm.prepare(PROMPT, SamplingParams(max_tokens=2))
 
 
 def test_dead_engine_actor_is_503_not_500():
@@ -443,7 +462,7 @@ def test_ray_core_client_send_never_blocks_the_caller():
     client._init_state(build_config(), CoreLink(None, None, ch, ch, KVCacheInfo(8, 16)))
     try:
         req = EngineCoreRequest(request_id="r-0", prompt_token_ids=PROMPT,
-                                sampling_params=SamplingParams(max_tokens=2))
+                                sampling_params=SamplingParams(max_tokens=2).trusted_copy())
         client.add_request(req)  # returns although the actor takes nothing yet
         client.abort_requests(["r-0"])
         assert ch.sent == []
@@ -451,7 +470,7 @@ def test_ray_core_client_send_never_blocks_the_caller():
         assert ch.done.wait(30)
         assert [m.kind for m in ch.sent] == ["add", "abort"] and ch.sent[0].request == req
         assert threading.get_ident() not in ch.threads  # sent from the sender thread
-        client.dead = "engine actor failed: ActorDiedError"
+        client.dead.set("engine actor failed: ActorDiedError")
         with pytest.raises(EngineDeadError, match="ActorDiedError"):
             client.add_request(req)
     finally:

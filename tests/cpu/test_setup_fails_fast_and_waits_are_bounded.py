@@ -120,6 +120,7 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
 
     from cluster.core_link import CoreLink
     from cluster.ray_core_client import RayCoreClient
+    from engine.errors import DeadFlag
     from engine.recovery import RestartBudget
 
     def timeout(*_a, **_k):
@@ -128,7 +129,7 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
     link = object.__new__(CoreLink)
     link.actor = _SilentActor()
     client = object.__new__(RayCoreClient)
-    client.link, client.dead, client.recovering = link, None, False
+    client.link, client.dead, client.recovering = link, DeadFlag(), False
     client._reader, client._closing = None, False  # no output thread in this test
     link.sender = types.SimpleNamespace(alive=lambda: True)
     client.budget = RestartBudget(0, 600.0)
