@@ -171,3 +171,17 @@ def test_import_rules_static():
                 top = mod.split(".")[0]
                 assert not any(mod == b or mod.startswith(b + ".") or top == b for b in banned), \
                     f"{f.relative_to(root)} imports {mod}"
+
+
+def test_one_delta_merge_for_every_consumer():
+    """CompletionOutput.merge is the only fold of deltas: AsyncLLM's output
+    slot, collect() and the HTTP server's per-choice accumulators use it."""
+    from cluster.openai_responses import _Acc
+    from engine.output_processor import CompletionOutput
+
+    acc = CompletionOutput(0, "a", [1], logprobs=None)
+    acc.merge(CompletionOutput(0, "b", [2], logprobs=[{2: -0.5}]))
+    acc.merge(CompletionOutput(0, "c", [3], "stop", "x", [{3: -0.1}]))
+    assert (acc.text, acc.token_ids, acc.logprobs) == ("abc", [1, 2, 3], [{2: -0.5}, {3: -0.1}])
+    assert (acc.finish_reason, acc.stop_reason) == ("stop", "x")
+    assert _Acc is CompletionOutput
