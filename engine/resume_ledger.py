@@ -7,8 +7,15 @@ delivered). A resubmitted request carries those tokens
 (EngineCoreRequest.output_token_ids), so the new engine goes on at the next
 output position: nothing is duplicated or missing, and seeded draws (which
 depend only on seed and output position) continue as if nothing happened.
-Stop strings, n > 1 (each child is its own request), logprobs and usage are
-the frontend's own state, which never leaves it.
+Stop strings, n > 1 (each child is its own request), logprobs and usage
+(the prefix-cache hit included) are the frontend's own state (RequestState),
+which never leaves it; the ledger never edits the messages it records.
+
+Why two records of tokens: the ledger is the only record of what to
+resubmit, kept on the thread that delivers. The frontend's RequestState
+(tokens, text, stops) is updated later, on the event loop, so at the moment
+an actor is lost it may lack the messages still in flight to the loop:
+resubmitting from it would repeat tokens the client then receives twice.
 
 Two owners use it: RayCoreClient (resubmits to its rebuilt actor) and the
 data-parallel client (migrates to another engine). Under data parallel the
