@@ -10,7 +10,7 @@ against 671-705 unpinned (single runs, +-10%).
 
 Invariants:
 - Only where the model runs in the EngineCoreActor's step thread on CPU
-  (serve.engine_actor, an executor other than "ray", no GPU). Threads a pinned
+  (parallel.engine_actor, an executor other than "ray", no GPU). Threads a pinned
   thread starts later (torch's OpenMP pool) inherit its cores.
 - A split never leaves either side without a core; a node with too few cores,
   or cores that do not exist where the actor landed, pins nothing.
