@@ -179,6 +179,20 @@ def _live_placement_groups() -> int:
     return sum(1 for pg in placement_group_table().values() if pg["state"] == "CREATED")
 
 
+def test_the_knob_alone_puts_a_uniproc_core_and_its_model_in_an_actor(ray_local, ckpt, params, reference):
+    """parallel.engine_actor=True with executor uniproc: the core, with its
+    model, runs in an EngineCoreActor built by the default factory."""
+    llm = LLM(model=ckpt, engine_actor=True, max_num_batched_tokens=64)
+    try:
+        assert llm.config.parallel.executor == "uniproc"
+        pid = llm.engine.client.engine_pid()
+        assert b"ray::EngineCoreActor" in _cmdline(pid) and llm.worker_pids() == [pid]
+        outs = llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in reference[:2]]
+    finally:
+        llm.shutdown()
+
+
 def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference):
     llm = LLM(model=ckpt, executor="ray", max_num_batched_tokens=64)
     client = llm.engine.client
