@@ -16,8 +16,9 @@ venv: $(VPY)
 	$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q --no-compile torch==2.13.0
 	$(PIP) install -q --no-compile -e ".[test]"
 
-# The gate: lint everything, type-check the engine side (config in pyproject.toml).
-LINT := $(VPY) -m ruff check . && $(VPY) -m mypy engine executors workers parallel kernels
+# The gate: lint everything, type-check the engine side (config in pyproject.toml),
+# and the code's shape (files <= 500 lines, functions <= 60, no import cycle).
+LINT := $(VPY) -m ruff check . && $(VPY) tools/check_shape.py && $(VPY) -m mypy engine executors workers parallel kernels
 lint: venv
 	$(LINT)
 

@@ -321,7 +321,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="server-side serve.stream_interval: SSE every N tokens per choice "
                         "(our own server only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="engine config override for our own server, e.g. serve.engine_actor=false")
+                   help="engine config override for our own server, e.g. parallel.engine_actor=false")
     p.add_argument("--direct-ingress", action="store_true",
                    help="our own server with Ray Serve direct ingress; load its replica port")
     p.add_argument("--make-tiny", action="store_true",

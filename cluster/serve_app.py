@@ -12,7 +12,7 @@ leaves slots idle while the router backs off. Past that the replica answers
 answers 503 (engine_unavailable) and fails Serve's health check, so Serve
 replaces the replica; a draining replica answers 503 on /health.
 
-Processes (serve.engine_actor, default on): the replica runs HTTP and the
+Processes (parallel.engine_actor, on in replicas): the replica runs HTTP and the
 AsyncLLM frontend; EngineCore runs in an EngineCoreActor in the replica's
 placement group. The engine step and the per-token HTTP work then never
 contend for one GIL (in one process, every torch op that releases the GIL
@@ -40,6 +40,7 @@ from cluster.engine_actor.actor import CoreActorPlacement
 from cluster.engine_actor.client import RayCoreClient
 from cluster.openai.responses_api.store import RayResponseStore
 from engine.config import EngineConfig, check_model_dir, load_config
+from engine.core_client import core_in_actor
 from executors.ray_placement import worker_bundle
 
 log = logging.getLogger("conveyor.serve")
@@ -75,7 +76,7 @@ def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
     per engine worker ({"GPU": 1} on GPU, {"CPU": 1} on CPU), with the
     configured strategy. Serve captures child actors into it, so the engine
     places worker i on bundle i + 1 of the current placement group.
-    serve.engine_actor with another executor: bundle 0 = the replica, bundle 1
+    parallel.engine_actor with another executor: bundle 0 = the replica, bundle 1
     = the EngineCoreActor that runs the model ({"CPU": 1} + its GPUs).
     Otherwise the engine lives in the replica's process tree.
     """
@@ -101,12 +102,12 @@ def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
 
 def core_actor_placement(config: EngineConfig, use_gpu: bool) -> CoreActorPlacement | None:
     """Where the replica puts its EngineCoreActor (None: in-process core)."""
+    if not core_in_actor(config, serving=True):
+        return None
     if config.parallel.executor == "ray":
         return CoreActorPlacement()
-    if config.serve.engine_actor:
-        return CoreActorPlacement(bundle_index=1, num_cpus=1.0,
-                                  num_gpus=float(config.world_size) if use_gpu else 0.0)
-    return None
+    return CoreActorPlacement(bundle_index=1, num_cpus=1.0,
+                              num_gpus=float(config.world_size) if use_gpu else 0.0)
 
 
 def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig, check_model_dir
 from engine.contracts import EngineCoreOutputs, SchedulerStats
-from engine.core_client import CoreClient, make_core_client
+from engine.core_client import CoreClient, CoreClientFactory, make_core_client
 from engine.errors import EngineDeadError
 from engine.frontend import Frontend, PreparedRequest
 from engine.lora import LoRARequest
@@ -56,12 +56,8 @@ class _Stream:
             acc = self.pending.get(d.index)
             if acc is None:
                 self.pending[d.index] = d
-                continue
-            acc.text += d.text
-            acc.token_ids.extend(d.token_ids)
-            if d.logprobs is not None:
-                acc.logprobs = (acc.logprobs or []) + d.logprobs
-            acc.finish_reason, acc.stop_reason = d.finish_reason, d.stop_reason
+            else:
+                acc.merge(d)
         self.num_cached_tokens = num_cached_tokens
         if self.prompt_logprobs is None and self.children:
             self.prompt_logprobs = self.children[0].prompt_logprobs
@@ -123,19 +119,26 @@ class EngineCounters:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, client: CoreClient | None = None) -> None:
+    def __init__(self, config: EngineConfig, client: CoreClient | None = None, *,
+                 core_client_factory: CoreClientFactory | None = None) -> None:
+        """`client`: a ready core client (Serve builds its own); else one is
+        made for the config, a core in an actor by `core_client_factory`
+        (default: cluster's RayCoreClient)."""
         self.config = config
         if client is None:
             check_model_dir(config)
-        self.client = client if client is not None else make_core_client(config)
+        self.client = client if client is not None else make_core_client(config, core_client_factory)
         self.max_model_len = config.max_model_len
         self.frontend = Frontend(config, self.client.kv_info.vocab_size)
         self.tokenizer = self.frontend.tokenizer
         self.streams: dict[str, _Stream] = {}
+        # Request ids taken ahead of their stream (reserve_ids: the HTTP
+        # server's, from admission); with the streams' own, the ids in use.
+        self._reserved: set[str] = set()
         self._child_to_stream: dict[str, tuple[_Stream, RequestState]] = {}
         self.stats = SchedulerStats()
         self.counters = EngineCounters()
-        self.dead_error: str | None = None
+        self.dead = self.client.dead  # the client's: one record that the engine is dead
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ids = itertools.count()
 
@@ -156,8 +159,7 @@ class AsyncLLM:
     def check_health(self) -> str:
         """"ok", or "recovering" while a lost worker group is rebuilt; raises
         EngineDeadError when the engine is dead."""
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
+        self.dead.check()
         return self.client.check_health()
 
     def worker_pids(self) -> list[int]:
@@ -191,11 +193,30 @@ class AsyncLLM:
 
     # ---- requests ----------------------------------------------------------------
 
-    def _check_id(self, rid: str) -> None:
-        if self.dead_error is not None:
-            raise EngineDeadError(self.dead_error)
-        if rid in self.streams:
-            raise ValueError(f"request id {rid!r} is already in use")
+    @property
+    def dead_error(self) -> str | None:
+        """Why the engine died (None while it lives)."""
+        return self.dead.cause
+
+    def reserve_ids(self, request_ids: list[str]) -> None:
+        """The one check that request ids are not in use (a request id in
+        flight twice would let one request's clean-up abort the other): takes
+        them all, or raises ValueError and takes none. generate() with a
+        reserved id runs under that reservation; release_ids gives back what
+        no stream took (a stream's id is free again once it ends)."""
+        taken = [r for r in request_ids if r in self._reserved or r in self.streams]
+        if taken or len(set(request_ids)) < len(request_ids):
+            raise ValueError(f"request id {(taken or request_ids)[0]!r} is already in use")
+        self._reserved.update(request_ids)
+
+    def release_ids(self, request_ids: list[str]) -> None:
+        self._reserved.difference_update(request_ids)
+
+    def _take_id(self, rid: str) -> None:
+        """A new stream takes its id: the caller's reservation, or checked free now."""
+        if rid not in self._reserved:
+            self.reserve_ids([rid])
+        self._reserved.discard(rid)
 
     def prepare(self, prompt: str | list[int], sp: SamplingFields,
                 request_id: str | None = None, priority: int = 0,
@@ -206,7 +227,7 @@ class AsyncLLM:
         request id (a retry after an abort) never meets late outputs of the
         earlier request, whose abort may still be on its way to the core."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        self._check_id(rid)
+        self.dead.check()
         return self.frontend.prepare(prompt, sp, rid, priority, id_suffix=f"-{secrets.token_hex(4)}",
                                      lora_request=lora_request)
 
@@ -227,8 +248,9 @@ class AsyncLLM:
         added and drops the stream before the error propagates."""
         self.start()
         prep = prepared or self.prepare(prompt, sampling_params, request_id, priority)
-        self._check_id(prep.request_id)  # prepared earlier: the id may be taken since
+        self.dead.check()  # prepared earlier: the engine may have died since
         rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
+        self._take_id(rid)
         children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer)
                     for k, r in enumerate(reqs)]
         stream = _Stream(rid, prep.prompt, ids, children)
@@ -274,7 +296,7 @@ class AsyncLLM:
         for c in s.children:
             c.fail(reason)
             self._child_to_stream.pop(c.request_id, None)
-        if live and self.dead_error is None:
+        if live and self.dead.cause is None:
             try:
                 self.client.abort_requests([c.request_id for c in live])
             except EngineDeadError:
@@ -343,7 +365,7 @@ class AsyncLLM:
         c.spec_decode.absorb(st)
 
     def _fail_all(self, message: str) -> None:
-        self.dead_error = message
+        self.dead.set(message)
         for s in list(self.streams.values()):
             deltas = []
             for c in s.children:
@@ -364,12 +386,7 @@ async def collect(gen: AsyncIterator[RequestOutput]) -> RequestOutput:
         final = ro
         prompt_logprobs = prompt_logprobs or ro.prompt_logprobs
         for d in ro.outputs:
-            c = acc.setdefault(d.index, CompletionOutput(d.index, "", [], logprobs=None))
-            c.text += d.text
-            c.token_ids += d.token_ids
-            if d.logprobs is not None:
-                c.logprobs = (c.logprobs or []) + d.logprobs
-            c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+            acc.setdefault(d.index, CompletionOutput(d.index, "", [])).merge(d)
     assert final is not None
     final.outputs = [acc[k] for k in sorted(acc)]
     final.prompt_logprobs = prompt_logprobs

@@ -24,11 +24,11 @@ from engine.contracts import (
     RequestStatus,
     SchedulerOutput,
 )
-from engine.frontend import resolved_max_tokens
 from engine.kv_cache.manager import cdiv
 from engine.recovery import RestartBudget, rebuild_executor, record_recovery, recovery_enabled
 from engine.request import Request
 from engine.router.events import EngineLoad, KVEventPublisher, KVEvents
+from engine.sampling_params import resolved_max_tokens
 from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
 from executors.base import EngineDeadError, Executor
@@ -121,15 +121,14 @@ class EngineCore:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.config.max_model_len))
 
     def check_schedulable(self, request: EngineCoreRequest) -> None:
-        """The core's own invariant, not input validation (the frontend did
-        that once): the request fits max_model_len and, alone, the KV pool."""
+        """The core's own invariant, not input validation: the request fits,
+        alone, in the KV pool (only the core knows the pool). A non-empty
+        prompt within max_model_len is the frontend's check, made once at the
+        edge (engine/frontend.py: check_engine_limits): every request reaches
+        here through Frontend.prepare, or is one of those resubmitted (recovery,
+        migration) with the same prompt and max_tokens."""
         n, max_len = len(request.prompt_token_ids), self.config.max_model_len
-        if n == 0:
-            raise ValueError("prompt must not be empty")
         total = n + max(resolved_max_tokens(request.sampling_params, n, max_len), 1)
-        if total > max_len:
-            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({total - n}) exceeds "
-                             f"max_model_len ({max_len})")
         need = cdiv(total, self.kv_info.block_size)
         if need > self.kv_info.num_blocks - 1:
             raise ValueError(f"the request needs {need} KV blocks; the pool has "

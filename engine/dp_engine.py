@@ -28,7 +28,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest
-from engine.errors import EngineDeadError
+from engine.errors import DeadFlag, EngineDeadError
 from engine.frontend import resolved_max_tokens
 from engine.migration import MigrationLog
 from engine.resume_ledger import ResumeLedger
@@ -83,6 +83,7 @@ class DataParallelClient:
         self._live: dict[str, int] = {}  # request id -> the engine that owns it now
         # The one record of what each live request delivered (migrations resubmit from it).
         self.ledger = ResumeLedger()
+        self.dead = DeadFlag()  # the frontend's record (AsyncLLM shares it)
         self.migrations = MigrationLog(len(self.clients))
         self.states = [UP] * len(self.clients)
         self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
@@ -105,6 +106,7 @@ class DataParallelClient:
                     if self._lose(i, f"engine {i}: {outs.engine_error}", dead=True):
                         return  # its requests went on elsewhere: no stream sees the error
                     outs.engine_error = f"engine {i}: {outs.engine_error}"
+                    self.dead.set(outs.engine_error)
                     on_outputs(outs)
                     return
                 snapshot = self._feed_router(i, outs)

@@ -9,6 +9,33 @@ class EngineDeadError(RuntimeError):
     (HTTP 503), never as a bug of ours (500)."""
 
 
+class DeadFlag:
+    """The one record, per process, that an engine is dead: its core client
+    owns it (CoreClient.dead) and the layers that must know share that object
+    (AsyncLLM, the busy loop of an in-process core). Set once, the first
+    cause wins, never cleared. (A worker group's failure is the executor's
+    own state, which recovery may survive; a CoreLink's `dead` says that one
+    actor link is closed, which a rebuilt actor survives.)"""
+
+    __slots__ = ("_cause",)
+
+    def __init__(self) -> None:
+        self._cause: str | None = None
+
+    @property
+    def cause(self) -> str | None:
+        return self._cause
+
+    def set(self, cause: str) -> None:
+        if self._cause is None:
+            self._cause = cause
+
+    def check(self) -> None:
+        """Raise EngineDeadError with the cause once the engine is dead."""
+        if self._cause is not None:
+            raise EngineDeadError(self._cause)
+
+
 class UnsendableRequestError(ValueError):
     """One request could not be encoded for the engine (a value the edge's
     checks should have refused). It fails alone, as the client's mistake

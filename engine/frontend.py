@@ -3,7 +3,6 @@ resolve EOS ids, check the engine's limits (once per request), fan `n` out
 into child requests. Shared by LLM (offline) and AsyncLLM (serving, batch)."""
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -15,10 +14,10 @@ from engine.contracts import EngineCoreRequest
 from engine.errors import ParamError
 from engine.json_limits import utf8_problem
 from engine.lora import LoRARequest, ModelDims, check_adapter
-from engine.sampling_params import SamplingFields, child_seed
+from engine.sampling_params import SamplingFields, child_seed, resolved_max_tokens
 from engine.structured_output.backend import StructuredOutputBackend, make_backend
 from engine.structured_output.params import StructuredOutputsParams
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.tokenizer import Tokenizer, eos_of_model_dir, load_tokenizer
 
 Prompt = str | list[int]
 _VALID_SPECS_CACHED = 256
@@ -41,11 +40,6 @@ class ContextLengthError(ValueError):
         super().__init__(f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds "
                          f"max_model_len ({max_model_len})")
         self.prompt_len, self.max_tokens, self.max_model_len = prompt_len, max_tokens, max_model_len
-
-
-def resolved_max_tokens(sp: SamplingFields, prompt_len: int, max_model_len: int) -> int:
-    """max_tokens None means up to max_model_len minus the prompt (vLLM)."""
-    return sp.max_tokens if sp.max_tokens is not None else max_model_len - prompt_len
 
 
 def check_engine_limits(ids: list[int], sp: SamplingFields, config: EngineConfig,
@@ -249,15 +243,9 @@ def eos_token_id_of(config: EngineConfig) -> int | None:
 
 
 def _eos_ids(config: EngineConfig, tok: Tokenizer | None) -> tuple[int | None, set[int]]:
-    if tok is not None:
-        return tok.eos_token_id, set(tok.eos_token_ids) - {tok.eos_token_id}
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        f = os.path.join(config.model.path, name)
-        if os.path.isfile(f):
-            with open(f) as fh:
-                v = json.load(fh).get("eos_token_id")
-            if v is not None:
-                ids = v if isinstance(v, list) else [v]
-                break
-    return (ids[0] if ids else None), set(ids[1:])
+    """(eos_token_id, the other ids that end generation): the tokenizer's
+    resolution (engine/tokenizer.py: resolve_eos), or the same rule over the
+    checkpoint's files when it has no tokenizer."""
+    eos, ids = (tok.eos_token_id, set(tok.eos_token_ids)) if tok is not None else \
+        eos_of_model_dir(config.model.path)
+    return eos, ids - {eos}

@@ -1,9 +1,10 @@
 """LLM: offline generation in this process (vLLM-compatible names).
 
 The composition root of the offline path: config -> executor -> EngineCore,
-plus the tokenizer and the per-request output state. With an executor whose
-core runs elsewhere (executor "ray": an EngineCoreActor), the core client
-comes from its plugin (engine/core_client.py) and SyncCoreEngine steps it."""
+plus the tokenizer and the per-request output state. When the core runs
+elsewhere (parallel.engine_actor: an EngineCoreActor) or as N engines, a
+CoreClient (engine/core_client.py; a caller may hand in the factory of its
+actor client) is stepped through SyncCoreEngine."""
 from __future__ import annotations
 
 import itertools
@@ -13,12 +14,13 @@ from typing import Any
 from engine.config import EngineConfig, build_config, check_model_dir, load_config
 from engine.contracts import EngineCoreRequest
 from engine.core import EngineCore
-from engine.core_client import SyncCoreEngine, remote_core_factory
+from engine.core_client import CoreClientFactory, core_in_actor, make_core_client
 from engine.frontend import Frontend, PreparedRequest, Prompt
 from engine.lora import LoRARequest
 from engine.output_processor import CompletionOutput, RequestOutput, RequestState
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.metrics import SpecDecodeCounters
+from engine.sync_engine import SyncCoreEngine
 from engine.tokenizer import Tokenizer
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput"]
@@ -26,7 +28,9 @@ __all__ = ["LLM", "RequestOutput", "CompletionOutput"]
 
 class LLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
-                 **kwargs: Any) -> None:
+                 core_client_factory: CoreClientFactory | None = None, **kwargs: Any) -> None:
+        """`core_client_factory` builds the client of a core in an actor
+        (default: cluster's RayCoreClient, imported only when asked for)."""
         if config is None:
             config = build_config(model=model or "", **kwargs)
         elif model is not None or kwargs:
@@ -35,21 +39,16 @@ class LLM:
             raise ValueError("model is required: a local Hugging Face checkpoint directory")
         check_model_dir(config)
         self.config = config
-        self.engine = self._make_engine(config)
+        self.engine = self._make_engine(config, core_client_factory)
         self.frontend = Frontend(config, self.engine.kv_info.vocab_size)
         self.tokenizer = self.frontend.tokenizer
         self._ids = itertools.count()
         self._spec_counters = SpecDecodeCounters()
 
     @staticmethod
-    def _make_engine(config: EngineConfig) -> Any:
-        if config.parallel.data_parallel_size > 1:  # N cores behind the router
-            from engine.dp_engine import DataParallelClient
-
-            return SyncCoreEngine(DataParallelClient(config))
-        remote = remote_core_factory(config)
-        if remote is not None:
-            return SyncCoreEngine(remote(config))
+    def _make_engine(config: EngineConfig, actor_factory: CoreClientFactory | None) -> Any:
+        if config.parallel.data_parallel_size > 1 or core_in_actor(config):
+            return SyncCoreEngine(make_core_client(config, actor_factory))
         from executors import make_executor
 
         return EngineCore(config, make_executor(config))

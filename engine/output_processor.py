@@ -28,6 +28,17 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merge(self, delta: CompletionOutput) -> None:
+        """Fold the next delta of the same choice into this one: text and token
+        ids concatenated, logprobs appended, the finish taken from the delta.
+        The one merge of deltas (AsyncLLM's slot, collect(), the server's
+        per-choice accumulators); `self` must own its lists."""
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
 
 @dataclass
 class RequestOutput:
@@ -53,7 +64,10 @@ class RequestState:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
+    # The prefix-cache hit of the request's first output, kept: a request
+    # resumed on another engine (recovery, migration) reports it throughout,
+    # so usage stays what the client was first told.
+    first_cache_hit: int | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -72,6 +86,10 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.first_cache_hit or 0
+
     def process(self, o: EngineCoreOutput) -> bool:
         """Absorb one step's output; True if a stop string ended the request
         here and the core must abort it."""
@@ -80,7 +98,8 @@ class RequestState:
         if self.first_token_time is None and o.new_token_ids:
             self.first_token_time = time.monotonic()
         self.token_ids.extend(o.new_token_ids)
-        self.num_cached_tokens = o.num_cached_tokens
+        if self.first_cache_hit is None:
+            self.first_cache_hit = o.num_cached_tokens
         if self.logprobs is not None and o.new_logprobs:
             self.logprobs.extend(o.new_logprobs)
         if o.prompt_logprobs is not None and self.prompt_logprobs is None:

@@ -7,7 +7,7 @@ import msgspec
 
 from engine.contracts import EngineCoreRequest, FinishReason, PromptLogprobs, RequestStatus
 from engine.lora import LoRARequest
-from engine.sampling_params import SamplingFields
+from engine.sampling_params import SamplingFields, resolved_max_tokens
 
 
 class Request(msgspec.Struct, kw_only=True, gc=False):
@@ -49,7 +49,7 @@ class Request(msgspec.Struct, kw_only=True, gc=False):
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
         sp = req.sampling_params
         prompt = list(req.prompt_token_ids)
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else max_model_len - len(prompt)
+        max_tokens = resolved_max_tokens(sp, len(prompt), max_model_len)
         # A resubmitted request (its engine died) goes on after the tokens it has.
         outputs = list(req.output_token_ids)
         # A resubmitted request with tokens already delivered its prompt logprobs.

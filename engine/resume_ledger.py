@@ -7,8 +7,15 @@ delivered). A resubmitted request carries those tokens
 (EngineCoreRequest.output_token_ids), so the new engine goes on at the next
 output position: nothing is duplicated or missing, and seeded draws (which
 depend only on seed and output position) continue as if nothing happened.
-Stop strings, n > 1 (each child is its own request), logprobs and usage are
-the frontend's own state, which never leaves it.
+Stop strings, n > 1 (each child is its own request), logprobs and usage
+(the prefix-cache hit included) are the frontend's own state (RequestState),
+which never leaves it; the ledger never edits the messages it records.
+
+Why two records of tokens: the ledger is the only record of what to
+resubmit, kept on the thread that delivers. The frontend's RequestState
+(tokens, text, stops) is updated later, on the event loop, so at the moment
+an actor is lost it may lack the messages still in flight to the loop:
+resubmitting from it would repeat tokens the client then receives twice.
 
 Two owners use it: RayCoreClient (resubmits to its rebuilt actor) and the
 data-parallel client (migrates to another engine). Under data parallel the
@@ -28,9 +35,6 @@ from engine.contracts import EngineCoreOutputs, EngineCoreRequest
 class _Entry:
     request: EngineCoreRequest
     output_token_ids: list[int] = field(default_factory=list)
-    # The prefix-cache hit the frontend saw first: a resumed request reports
-    # it again, not the new engine's (usage stays what the client was told).
-    num_cached_tokens: int | None = None
     last_delivery: float = 0.0  # when tokens last reached the frontend (absorb's `now`)
 
 
@@ -61,7 +65,9 @@ class ResumeLedger:
         return e.last_delivery if e is not None else None
 
     def absorb(self, outs: EngineCoreOutputs, now: float = 0.0) -> None:
-        """Record the tokens about to be delivered; forget finished requests."""
+        """Record the tokens about to be delivered; forget finished requests.
+        The outputs go on as they are (the frontend's RequestState keeps the
+        first prefix-cache hit it saw)."""
         entries = self._entries
         for o in outs.outputs:
             e = entries.get(o.request_id)
@@ -73,10 +79,6 @@ class ResumeLedger:
                 e.output_token_ids.extend(o.new_token_ids)
                 if o.new_token_ids:
                     e.last_delivery = now
-            if e.num_cached_tokens is None:
-                e.num_cached_tokens = o.num_cached_tokens
-            else:
-                o.num_cached_tokens = e.num_cached_tokens
 
     def resubmissions(self, request_ids: list[str] | None = None) -> list[EngineCoreRequest]:
         """Every unfinished request (or those of `request_ids` it holds), in

@@ -21,8 +21,10 @@ from engine.errors import ParamError
 from engine.json_limits import utf8_problem
 from engine.structured_output.params import StructuredOutputsParams
 
-# Upper bounds that are policy, not physics; the engine config may lower them.
-DEFAULT_MAX_N = 128
+# Upper bounds that are policy, not physics. n's cap is the engine's
+# model.max_n (checked by the frontend); MAX_N bounds that knob, so a
+# SamplingParams checks only what holds for every engine.
+MAX_N = 128
 MAX_LOGPROBS = 20
 # Stop strings are scanned on every new token: bound their number and size.
 MAX_STOP_STRINGS = 16
@@ -69,16 +71,8 @@ class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    # Equal by value whichever of the two classes: a SamplingParams sent and
-    # decoded (as SamplingFields) equals what was sent.
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, SamplingFields):
-            return NotImplemented
-        return msgspec.structs.astuple(self) == msgspec.structs.astuple(other)
-
-    def __ne__(self, other: object) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
+    # Equality is msgspec's: same class and same values. What the engine
+    # carries is always a SamplingFields (trusted_copy), as is every decode.
 
     def clone(self, **changes: Any) -> SamplingFields:
         """A copy of the same type with `changes`: a SamplingParams checks them."""
@@ -90,6 +84,12 @@ class SamplingFields(msgspec.Struct, kw_only=True, omit_defaults=True):
         values = msgspec.structs.asdict(self)
         values.update(changes)
         return SamplingFields(**values)
+
+
+def resolved_max_tokens(sp: SamplingFields, prompt_len: int, max_model_len: int) -> int:
+    """The one resolution of max_tokens: None means up to max_model_len minus
+    the prompt (vLLM)."""
+    return sp.max_tokens if sp.max_tokens is not None else max_model_len - prompt_len
 
 
 def child_seed(seed: int | None, k: int) -> int | None:
@@ -113,8 +113,8 @@ class SamplingParams(SamplingFields):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self.validate()
 
-    def validate(self, max_n: int = DEFAULT_MAX_N) -> None:
-        _int("n", self.n, lo=1, hi=max_n)
+    def validate(self) -> None:
+        _int("n", self.n, lo=1, hi=MAX_N)
         _float("temperature", self.temperature, lo=0.0)
         _float("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
         _int("top_k", self.top_k, lo=0, hi=_INT64 - 1)  # >= vocab: off

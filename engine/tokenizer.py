@@ -269,19 +269,29 @@ def _resolve_bos_eos(backend: _BackendTokenizer, special: dict[str, str], gen_cf
         text = special.get(attr)
         return None if text is None else backend.token_to_id(text)
 
-    tok_eos = tok_id("eos_token")
-    gen_eos = _id_list(gen_cfg.get("eos_token_id"))
-    fallback = tok_eos if tok_eos is not None else next(iter(_id_list(model_cfg.get("eos_token_id"))), None)
-    eos: int | None = fallback
-    if gen_eos:
-        eos = tok_eos if tok_eos is not None and tok_eos in gen_eos else gen_eos[0]
-    eos_ids = set(gen_eos) | ({fallback} if fallback is not None else set())
-
+    eos, eos_ids = resolve_eos(tok_id("eos_token"), gen_cfg, model_cfg)
     bos = tok_id("bos_token")
     for cfg in (model_cfg, gen_cfg):
         if bos is None:
             bos = next(iter(_id_list(cfg.get("bos_token_id"))), None)
     return bos, eos, eos_ids
+
+
+def resolve_eos(tok_eos: int | None, gen_cfg: dict, model_cfg: dict) -> tuple[int | None, set[int]]:
+    """The one EOS rule, with or without a tokenizer (tok_eos: its eos token's
+    id, or None). (eos_token_id, every id that ends generation)."""
+    gen_eos = _id_list(gen_cfg.get("eos_token_id"))
+    fallback = tok_eos if tok_eos is not None else next(iter(_id_list(model_cfg.get("eos_token_id"))), None)
+    eos: int | None = fallback
+    if gen_eos:
+        eos = tok_eos if tok_eos is not None and tok_eos in gen_eos else gen_eos[0]
+    return eos, set(gen_eos) | ({fallback} if fallback is not None else set())
+
+
+def eos_of_model_dir(model_dir: str) -> tuple[int | None, set[int]]:
+    """resolve_eos for a checkpoint without tokenizer.json (token-id prompts)."""
+    return resolve_eos(None, _read_json(os.path.join(model_dir, "generation_config.json")),
+                       _read_json(os.path.join(model_dir, "config.json")))
 
 
 def _load_chat_template(model_dir: str, tok_cfg: dict) -> str | None:

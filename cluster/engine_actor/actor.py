@@ -21,9 +21,9 @@ import msgspec
 import ray
 
 from cluster.engine_actor.frontends import Frontends
+from engine.busy_loop import EngineBusyLoop
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
-from engine.core_client import EngineBusyLoop
 from engine.errors import EngineDeadError
 from executors.channel import DataPlane, PlaneKeys
 from executors.frames import Route

@@ -18,9 +18,8 @@ not wait for the rebuild: the moment the actor is lost, on_lost moves them to
 the other engines, and the rebuild goes on in the background (on_back: it
 takes requests again). The data-parallel client then owns the only ledger.
 
-Registered as the core client of executor "ray" (engine/core_client.py) when
-imported; pyproject.toml's conveyor.core_clients entry point names this
-module, so `LLM(executor="ray")` finds it without engine/ naming cluster/.
+The client of a core in an actor (parallel.engine_actor): Serve hands it in,
+and engine/core_client.py's actor_client_factory is its default for LLM/AsyncLLM.
 """
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ from cluster.engine_actor.actor import CoreActorPlacement, CoreInput
 from cluster.engine_actor.link import CoreActorSpec, CoreLink
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
-from engine.core_client import OutputHandler, register_core_client
-from engine.errors import EngineDeadError
+from engine.core_client import OutputHandler
+from engine.errors import DeadFlag, EngineDeadError
 from engine.recovery import RestartBudget
 from engine.resume_ledger import ResumeLedger
 from executors.ray_executor import ensure_ray
@@ -63,7 +62,7 @@ class RayCoreClient:
         self.budget = RestartBudget(p.max_restarts, p.restart_window_s)
         self.num_restarts = 0
         self.recovering = False
-        self.dead: str | None = None
+        self.dead = DeadFlag()
         self._ledger = ResumeLedger()
         # Guards link, ledger and recovering: adds and aborts from the event
         # loop against the reader thread's swap to a new actor.
@@ -130,7 +129,7 @@ class RayCoreClient:
         parallel): the actor sends a full snapshot on its output channel. A new
         actor starts a new epoch by itself, so nothing is sent while recovering."""
         with self._lock:
-            if self.dead is None and not self.recovering:
+            if self.dead.cause is None and not self.recovering:
                 self.link.send(CoreInput("kv_snapshot"))
 
     def check_health(self) -> str:
@@ -162,15 +161,14 @@ class RayCoreClient:
             self._reader.join(timeout=10)
         with self._lock:
             link = self.link
-        link.close(graceful=self.dead is None)
+        link.close(graceful=self.dead.cause is None)
         if self.started_ray:
             import ray
 
             ray.shutdown()
 
     def _raise_if_dead(self) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
+        self.dead.check()
 
     def _raise_if_thread_died(self) -> None:
         """A dead internal thread is a dead engine, whatever the actor says:
@@ -274,11 +272,9 @@ class RayCoreClient:
         if self._closing:
             return
         with self._lock:
-            self.dead = message
+            self.dead.set(message)
             self.link.dead = message  # its sender drops what is left
             self.recovering = False
             self._ledger.clear()
         on_outputs(EngineCoreOutputs(engine_error=message))
 
-
-register_core_client("ray", RayCoreClient)

@@ -10,7 +10,7 @@ against 671-705 unpinned (single runs, +-10%).
 
 Invariants:
 - Only where the model runs in the EngineCoreActor's step thread on CPU
-  (serve.engine_actor, an executor other than "ray", no GPU). Threads a pinned
+  (parallel.engine_actor, an executor other than "ray", no GPU). Threads a pinned
   thread starts later (torch's OpenMP pool) inherit its cores.
 - A split never leaves either side without a core; a node with too few cores,
   or cores that do not exist where the actor landed, pins nothing.
@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.core_client import core_in_actor
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def frontend_cpus(config: EngineConfig, use_gpu: bool) -> int:
     n = config.serve.frontend_cpus
     if n is not None:
         return n
-    runs_model_in_actor = config.serve.engine_actor and config.parallel.executor != "ray"
+    runs_model_in_actor = core_in_actor(config, serving=True) and config.parallel.executor != "ray"
     return 1 if runs_model_in_actor and not use_gpu and config.serve.replicas == 1 else 0
 
 

@@ -12,7 +12,6 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.openai import bodies as B
@@ -22,19 +21,13 @@ from cluster.openai.metrics import RequestTimer, ServeMetrics
 from cluster.openai.request_prep import constraint_param
 from cluster.openai.streams import merge_streams
 from cluster.openai.tools.response import rounds
-from engine.output_processor import RequestOutput
+from engine.output_processor import CompletionOutput, RequestOutput
 
 Streams = list[AsyncIterator[RequestOutput]]  # one engine stream per prompt of a Job
 
 
-@dataclass
-class _Acc:
-    """One choice accumulated over deltas (non-streaming responses)."""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    reason: str | None = None
-    stop_reason: int | str | None = None
+# One choice accumulated over deltas (CompletionOutput.merge: the engine's one merge).
+_Acc = CompletionOutput
 
 
 class ResponseBuilder:
@@ -67,14 +60,10 @@ class ResponseBuilder:
                 job.prompt_logprobs.setdefault(i, ro.prompt_logprobs)
             for d in ro.outputs:
                 self._check_delta(d.finish_reason, d.stop_reason, job.req)
-                a = into.setdefault(i * job.n + d.index, _Acc())
-                a.reason, a.stop_reason = d.finish_reason, d.stop_reason
-                if job.drop_output:  # max_tokens 0: only the finish counts
-                    continue
-                a.text += d.text
-                a.token_ids += d.token_ids
-                a.logprobs += d.logprobs or []
-                n_tokens += len(d.token_ids)
+                a = into.setdefault(i * job.n + d.index, _Acc(d.index, "", [], logprobs=[]))
+                # max_tokens 0: only the finish counts
+                a.merge(_Acc(d.index, "", [], d.finish_reason, d.stop_reason) if job.drop_output else d)
+                n_tokens += 0 if job.drop_output else len(d.token_ids)
             if ro.finished:
                 timers[i].finish()
         return n_tokens
@@ -99,9 +88,9 @@ class ResponseBuilder:
             if k is not None:
                 out = self.fmt.completion(a.token_ids, a.logprobs, k, offset)[0]
                 lp = B.join_completion_logprobs(lp, out)
-            return B.completion_choice(idx, text + a.text, lp, a.reason, a.stop_reason)
+            return B.completion_choice(idx, text + a.text, lp, a.finish_reason, a.stop_reason)
         lp = self.fmt.chat(a.token_ids, a.logprobs, k) if k is not None else None
-        choice = B.chat_choice(idx, a.text, lp, a.reason, a.stop_reason)
+        choice = B.chat_choice(idx, a.text, lp, a.finish_reason, a.stop_reason)
         return job.tools.finish_choice(choice, a.text) if job.tools else choice
 
     def _echo_prefix(self, job: Job, idx: int) -> tuple[str, dict[str, Any] | None, int]:
@@ -120,7 +109,7 @@ class ResponseBuilder:
     def _echo_ready(job: Job, idx: int, a: _Acc) -> bool:
         """A streamed echo with logprobs waits for its prompt's logprobs (they
         come with child 0's first token; another choice may sample first)."""
-        return (job.echo is None or job.k is None or a.reason is not None
+        return (job.echo is None or job.k is None or a.finish_reason is not None
                 or idx // job.n in job.prompt_logprobs)
 
     async def sse(self, job: Job, streams: Streams) -> AsyncIterator[bytes]:
@@ -139,7 +128,7 @@ class ResponseBuilder:
         async for batch in merge_streams(streams):
             tokens_out += self._absorb(job, batch, timers, pending)
             ready = sorted(idx for idx, a in pending.items()
-                           if (a.reason is not None or idx not in started
+                           if (a.finish_reason is not None or idx not in started
                                or len(a.token_ids) >= self.stream_interval)
                            and (idx in started or self._echo_ready(job, idx, a)))
             if ready:
@@ -164,8 +153,8 @@ class ResponseBuilder:
             if k is not None:
                 more, offsets[idx] = self.fmt.completion(d.token_ids, d.logprobs, k, offsets[idx])
                 lp = B.join_completion_logprobs(lp, more)
-            return [B.completion_choice(idx, text, lp, d.reason, d.stop_reason)]
+            return [B.completion_choice(idx, text, lp, d.finish_reason, d.stop_reason)]
         lp = self.fmt.chat(d.token_ids, d.logprobs, k) if k is not None else None
-        delta = {"content": d.text} if d.text or d.reason is None else {}
-        choice = B.chat_delta(idx, delta, lp, d.reason, d.stop_reason)
+        delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+        choice = B.chat_delta(idx, delta, lp, d.finish_reason, d.stop_reason)
         return job.tools.delta_choices(idx, choice, d.text) if job.tools else [choice]

@@ -70,7 +70,6 @@ class OpenAIServer:
         one that alone asks for more gets 400."""
         self.llm, self.config = llm, config
         self.max_admitted, self.admitted = max_admitted, 0
-        self._active_ids: set[str] = set()  # engine ids of admitted requests
         self._health: asyncio.Future[str] | None = None
         self._health_at = 0.0
         self.model_name = model_name_of(config)
@@ -220,9 +219,6 @@ class OpenAIServer:
         self._check_cost(len(prompts) * sp.n)
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{self._request_id(meta)}"
         eids = [rid] if len(prompts) == 1 else [f"{rid}-p{i}" for i in range(len(prompts))]
-        # A request id in flight twice would let one request's clean-up abort the other.
-        if not self._active_ids.isdisjoint(eids):
-            raise E.bad_request(f"request id {rid!r} is already in use", "X-Request-Id")
         return Job(kind, rid, eids, prompts, [sp] * len(prompts), req)
 
     def _ready(self, job: Job, meta: RequestMeta) -> Job:
@@ -316,19 +312,21 @@ class OpenAIServer:
                 for prep, sp in zip(job.prepared, job.params)]
 
     def _admit(self, job: Job) -> None:
-        """Take the job's slots (one per engine request: prompts x n) and its
-        engine ids (checked free in _new_job, again here: the prep pool built it off the loop)."""
-        if not self._active_ids.isdisjoint(job.engine_ids):
-            raise E.bad_request(f"request id {job.rid!r} is already in use", "X-Request-Id")
+        """Take the job's engine ids (AsyncLLM.reserve_ids: the one check that
+        they are not in flight) and its slots (one per engine request: prompts x n)."""
+        try:
+            self.llm.reserve_ids(job.engine_ids)
+        except ValueError as e:
+            raise E.bad_request(str(e), "X-Request-Id") from None
         if self.max_admitted is not None and self.admitted + job.cost > self.max_admitted:
+            self.llm.release_ids(job.engine_ids)
             raise E.at_capacity(self.max_admitted)
         self.admitted += job.cost
-        self._active_ids.update(job.engine_ids)
         self.metrics.in_progress.inc()
 
     def _release(self, job: Job) -> None:
         self.admitted -= job.cost
-        self._active_ids.difference_update(job.engine_ids)
+        self.llm.release_ids(job.engine_ids)
         self.metrics.in_progress.dec()
 
     async def run(self, job: Job) -> Reply:

@@ -85,7 +85,23 @@ def build_config(tree: dict[str, Any] | None = None, source: str = "<kwargs>",
     except msgspec.ValidationError as e:
         raise ConfigError(_format_validation_error(str(e), tree, over, source)) from None
     _validate(cfg, source, over)
-    return _resolve(cfg, source, over)
+    return _resolve(_map_legacy_keys(cfg, source, over), source, over)
+
+
+def _map_legacy_keys(cfg: EngineConfig, source: str, over: dict[str, Any]) -> EngineConfig:
+    """serve.engine_actor is the older spelling of parallel.engine_actor: it
+    sets the knob when that is unset (with executor "ray" the core was always
+    in an actor, so there it changes nothing), and is cleared so nothing else
+    reads it."""
+    legacy, p = cfg.serve.engine_actor, cfg.parallel
+    if legacy is None:
+        return cfg
+    if p.engine_actor is not None and p.engine_actor != legacy:
+        raise _fail(source, "serve.engine_actor", f"unset or equal to parallel.engine_actor "
+                    f"({str(p.engine_actor).lower()}), its newer spelling", legacy, over)
+    par = p if p.executor == "ray" else msgspec.structs.replace(p, engine_actor=legacy)
+    return msgspec.structs.replace(cfg, parallel=par,
+                                   serve=msgspec.structs.replace(cfg.serve, engine_actor=None))
 
 
 def _default_max_num_seqs(tree: dict[str, Any]) -> None:

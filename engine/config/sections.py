@@ -5,6 +5,7 @@ from typing import Annotated
 import msgspec
 
 from engine.config.knobs import at_least, finite_in, int_in, knob, one_of
+from engine.sampling_params import MAX_N
 
 _FROZEN = dict(frozen=True, forbid_unknown_fields=True, kw_only=True)
 
@@ -33,7 +34,8 @@ class ModelConfig(msgspec.Struct, **_FROZEN):
                                                   help="context length cap")] = None
     seed: Annotated[int, knob("int", kwarg=True, flag=True, help="engine seed")] = 0
     attention_backend: Annotated[str, one_of(BACKENDS, kwarg=True, flag=True)] = "auto"
-    max_n: Annotated[int, at_least(1)] = 16  # cap on SamplingParams.n
+    # The cap on SamplingParams.n (engine/frontend.py checks it per request).
+    max_n: Annotated[int, int_in(1, MAX_N)] = 16
     # The cpu backend's kernel table: "auto" (the best this CPU runs, by cpuid)
     # or one forced (benchmarks, tests).
     cpu_isa: Annotated[str, one_of(CPU_ISAS, kwarg=True, flag=True)] = "auto"
@@ -55,7 +57,16 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # (serve.router); each has its own TP x PP worker group.
     data_parallel_size: Annotated[int, int_in(1, 1024, kwarg=True, flag=True,
                                               help="engine replicas behind one frontend and the router")] = 1
+    # Where the workers run (uniproc: this process; mp: child processes; ray:
+    # Ray actors). Where the engine core runs is engine_actor's to say.
     executor: Annotated[str, one_of(EXECUTORS, kwarg=True, flag=True)] = "uniproc"
+    # Run the EngineCore in its own Ray actor (EngineCoreActor), so the
+    # frontend's event loop and the engine step never share a GIL. None (the
+    # default): on with executor "ray" (what that executor always meant) and
+    # in Serve replicas, off for LLM/AsyncLLM with another executor
+    # (engine/core_client.py: core_in_actor). serve.engine_actor is its older
+    # spelling and maps onto it.
+    engine_actor: Annotated[bool | None, knob("true, false or null (auto)", kwarg=True)] = None
     placement_strategy: Annotated[str, one_of(STRATEGIES, kwarg=True, flag=True)] = "PACK"
     pp_layer_partition: Annotated[list[int] | None, knob(
         "null or a list of ints >= 1, one per pipeline stage",
@@ -141,11 +152,11 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # stream_batching_interval_ms). A model slower than this per token is
     # never delayed; a faster one stops paying HTTP work per token.
     stream_batching_interval_ms: Annotated[float, finite_in(0.0, 10000.0)] = 0.0
-    # Serve replicas run EngineCore (and, for executors other than "ray", the
-    # model) in their own Ray actor, so the HTTP event loop and the engine step
-    # never share a GIL. Executor "ray" always does; AsyncLLM(config) outside
-    # Serve keeps the core in a thread of its own process.
-    engine_actor: Annotated[bool, _BOOL] = True
+    # The older spelling of parallel.engine_actor (which see), still accepted:
+    # when set, and parallel.engine_actor is not, it sets that knob at load
+    # (with executor "ray" the core was always in an actor, so false is
+    # ignored there, as before). Nothing reads it after load.
+    engine_actor: Annotated[bool | None, knob("true, false or null (unset)")] = None
     # Ray Serve's direct ingress (experimental in Ray 2.60): each replica also
     # serves the API on its own port (30000+), and clients there skip the
     # proxy hop. Every Ray process needs RAY_SERVE_ENABLE_DIRECT_INGRESS=1,
@@ -153,7 +164,7 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # where Conveyor starts Ray itself (`conveyor serve`, run_serve without a
     # running Ray), off on an existing cluster; true/false: always / never.
     direct_ingress: Annotated[bool | None, knob("true, false or null (auto)")] = None
-    # CPU replicas (engine_actor, executor not "ray", no GPU): the last this
+    # CPU replicas (core in an actor, executor not "ray", no GPU): the last this
     # many cores of the node run the replica's threads (HTTP, Serve, output
     # processing), the others the engine's step thread, as vLLM's CPU backend
     # reserves a core for its frontend (cluster/engine_actor/cpu_layout.py). 0: no pinning.

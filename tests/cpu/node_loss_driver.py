@@ -26,7 +26,7 @@ from recovery_utils import drain_all  # noqa: E402
 
 from engine.async_client import AsyncLLM  # noqa: E402
 from engine.config import build_config  # noqa: E402
-from engine.core_client import InProcCoreClient  # noqa: E402
+from engine.inproc_client import InProcCoreClient  # noqa: E402
 
 
 def _parent_pid(pid: int) -> int:

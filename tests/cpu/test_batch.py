@@ -57,7 +57,7 @@ def _twenty_lines() -> list[dict]:
     lines.insert(5, _line("bad-url", "/v1/embeddings", {"model": "tiny", "input": "x"}))
     lines.insert(13, _line("bad-param", "/v1/completions",
                            {"model": "tiny", "prompt": "x", "max_tokens": 4, "temperature": -1}))
-    # Issue 31: lines that passed validation and then broke the engine link
+    # Lines that passed validation and then broke the engine link
     # (it hung the job under `--executor ray`), or that no rerun could write.
     for i, (cid, extra) in enumerate(BAD_VALUES.items()):
         lines.insert(3 + 4 * i, _line(cid, "/v1/completions", {"model": "tiny", "prompt": "x",

@@ -28,7 +28,7 @@ def _rt(obj):
 
 
 def test_round_trips():
-    sp = SamplingParams(temperature=0.5, top_p=0.9, stop=["x"], seed=3, logprobs=2)
+    sp = SamplingParams(temperature=0.5, top_p=0.9, stop=["x"], seed=3, logprobs=2).trusted_copy()
     req = EngineCoreRequest(request_id="a", prompt_token_ids=[1, 2], sampling_params=sp,
                             eos_token_id=2, cache_salt="s", priority=3)
     assert _rt(req) == req
@@ -66,8 +66,13 @@ def test_sampling_params_cross_field_and_decode():
         SamplingParams(min_tokens=5, max_tokens=4)
     sp = SamplingParams(stop="end", top_k=-1)
     assert sp.stop == ["end"] and sp.top_k == 0
-    with pytest.raises(ValueError, match="n must be <= 4"):
-        SamplingParams(n=5).validate(max_n=4)
+    from engine.config import ConfigError, build_config
+    from engine.frontend import check_engine_limits
+
+    with pytest.raises(ValueError, match="n must be <= 4"):  # the one cap: the engine's
+        check_engine_limits([1], SamplingParams(n=5), build_config(**{"model.max_n": 4}), 0)
+    with pytest.raises(ConfigError, match="model.max_n"):  # bounded by what SamplingParams accepts
+        build_config(**{"model.max_n": 129})
     bad = msgspec.msgpack.encode({"temperature": -1.0})
     with pytest.raises(ValueError, match="temperature"):
         msgspec.msgpack.decode(bad, type=SamplingParams)
@@ -111,17 +116,37 @@ def test_import_rule_scanner_sees_lazy_and_dynamic_imports(tmp_path):
         "cluster", "cluster.engine_actor", "cluster.engine_actor.client", "cluster.serve_app"]
 
 
-def test_engine_reaches_the_ray_core_client_only_through_its_plugin():
-    """engine/ never names cluster/ (the arrow runs cluster -> engine): its
-    frontends load without it, and the executor "ray" core client comes from
-    the conveyor.core_clients entry point, which imports cluster/ itself."""
+def test_engine_loads_without_cluster_and_the_knob_alone_places_the_core():
+    """engine/ loads without cluster/ (the arrow runs cluster -> engine); where
+    the core runs is parallel.engine_actor alone (executor "ray" keeps its old
+    meaning only while the knob is unset; serve.engine_actor maps onto it),
+    and only a core asked into an actor reaches cluster's RayCoreClient."""
     code = ("import sys; import engine.llm, engine.async_client, engine.core_client as cc; "
-            "from engine.config import build_config; "
+            "from engine.config import build_config as b; "
             "assert not [m for m in sys.modules if m.split('.')[0] == 'cluster']; "
-            "assert cc.remote_core_factory(build_config(executor='uniproc')) is None; "
-            "f = cc.remote_core_factory(build_config(executor='ray')); "
-            "from cluster.engine_actor.client import RayCoreClient; assert f is RayCoreClient, f")
+            "assert [cc.core_in_actor(b(executor=e)) for e in ('uniproc', 'mp', 'ray')] == [False, False, True]; "
+            "assert cc.core_in_actor(b(executor='uniproc'), serving=True); "
+            "assert not cc.core_in_actor(b(executor='ray', engine_actor=False)); "
+            "assert cc.core_in_actor(b(executor='mp', engine_actor=True)); "
+            "assert not cc.core_in_actor(b({'serve': {'engine_actor': False}}), serving=True); "
+            "assert cc.core_in_actor(b({'serve': {'engine_actor': False}}, executor='ray'), serving=True); "
+            "assert b({'serve': {'engine_actor': True}}).serve.engine_actor is None; "
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'cluster']; "
+            "from cluster.engine_actor.client import RayCoreClient; "
+            "assert cc.actor_client_factory() is RayCoreClient")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_legacy_serve_engine_actor_must_agree_with_the_knob():
+    from engine.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="serve.engine_actor"):
+        build_config({"serve": {"engine_actor": False}, "parallel": {"engine_actor": True}})
+
+
+# The one place engine/ names cluster/: the default client of a core in an
+# actor, imported on demand (engine/core_client.py: actor_client_factory).
+_ENGINE_TO_CLUSTER = {("engine/core_client.py", "cluster.engine_actor.client")}
 
 
 def test_import_rules_static():
@@ -141,6 +166,22 @@ def test_import_rules_static():
             if pkg == "executors" and f.name.startswith("ray"):
                 continue  # only executors/ray* may import Ray
             for mod in imports(f):
+                if (str(f.relative_to(root)), mod) in _ENGINE_TO_CLUSTER:
+                    continue
                 top = mod.split(".")[0]
                 assert not any(mod == b or mod.startswith(b + ".") or top == b for b in banned), \
                     f"{f.relative_to(root)} imports {mod}"
+
+
+def test_one_delta_merge_for_every_consumer():
+    """CompletionOutput.merge is the only fold of deltas: AsyncLLM's output
+    slot, collect() and the HTTP server's per-choice accumulators use it."""
+    from cluster.openai.responses import _Acc
+    from engine.output_processor import CompletionOutput
+
+    acc = CompletionOutput(0, "a", [1], logprobs=None)
+    acc.merge(CompletionOutput(0, "b", [2], logprobs=[{2: -0.5}]))
+    acc.merge(CompletionOutput(0, "c", [3], "stop", "x", [{3: -0.1}]))
+    assert (acc.text, acc.token_ids, acc.logprobs) == ("abc", [1, 2, 3], [{2: -0.5}, {3: -0.1}])
+    assert (acc.finish_reason, acc.stop_reason) == ("stop", "x")
+    assert _Acc is CompletionOutput

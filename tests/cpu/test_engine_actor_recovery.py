@@ -1,4 +1,4 @@
-"""A dead EngineCoreActor costs no request (issue 13, item 3): the client
+"""A dead EngineCoreActor costs no request: the client
 notices, starts a new actor (same placement group, fresh plane keys) and
 resubmits every unfinished request with the tokens already delivered, so each
 stream goes on where it was. Past the restart budget it fails fast.
@@ -124,11 +124,24 @@ def test_resume_ledger_holds_exactly_what_was_delivered():
                                      EngineCoreOutput("x", [1])]))  # not ours: ignored
     later = EngineCoreOutput("a", [6], num_cached_tokens=0)  # a new engine's own count
     ledger.absorb(EngineCoreOutputs([later, EngineCoreOutput("b", [5], FinishReason.LENGTH)]))
-    assert later.num_cached_tokens == 2  # the frontend keeps seeing the first engine's hit
+    assert later.num_cached_tokens == 0  # messages in flight go on as they are
     ledger.drop(["c"])  # aborted (a stop string, a client that left)
     assert [(r.request_id, r.output_token_ids) for r in ledger.resubmissions()] == [("a", [7, 6])]
     ledger.add(req("d"))
     assert [r.request_id for r in ledger.resubmissions()] == ["a", "d"]  # arrival order
+
+
+def test_a_resumed_request_reports_its_first_prefix_cache_hit():
+    """The frontend's RequestState owns what the client was told: a resumed
+    request's new engine reports its own hit, and the first one stays."""
+    from engine.contracts import EngineCoreOutput, FinishReason
+    from engine.output_processor import RequestState
+
+    st = RequestState.make("a", 0, SamplingParams(max_tokens=3), [1, 2, 3], None)
+    st.process(EngineCoreOutput("a", [7], num_cached_tokens=2))
+    st.process(EngineCoreOutput("a", [6], num_cached_tokens=0))  # resumed elsewhere
+    st.process(EngineCoreOutput("a", [5], FinishReason.LENGTH, num_cached_tokens=3))
+    assert st.num_cached_tokens == 2 and st.token_ids == [7, 6, 5]
 
 
 def _choices(outs):
@@ -156,6 +169,20 @@ def _live_placement_groups() -> int:
     from ray.util import placement_group_table
 
     return sum(1 for pg in placement_group_table().values() if pg["state"] == "CREATED")
+
+
+def test_the_knob_alone_puts_a_uniproc_core_and_its_model_in_an_actor(ray_local, ckpt, params, reference):
+    """parallel.engine_actor=True with executor uniproc: the core, with its
+    model, runs in an EngineCoreActor built by the default factory."""
+    llm = LLM(model=ckpt, engine_actor=True, max_num_batched_tokens=64)
+    try:
+        assert llm.config.parallel.executor == "uniproc"
+        pid = llm.engine.client.engine_pid()
+        assert b"ray::EngineCoreActor" in _cmdline(pid) and llm.worker_pids() == [pid]
+        outs = llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in reference[:2]]
+    finally:
+        llm.shutdown()
 
 
 def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference):

@@ -98,7 +98,7 @@ def test_seeded_sampling_batch_invariant(ckpts):
 
 def test_seeded_sampling_survives_chunking_and_preemption(ckpts):
     """Draws depend only on (seed, output position): partial-prefill rows and
-    recompute after preemption consume nothing (issue 13, item 2)."""
+    recompute after preemption consume nothing."""
     path = ckpts["llama"]
     prompts = random_prompts(10, 30, 30, seed=12)
     sps = [SamplingParams(max_tokens=32, temperature=1.0, seed=100 + i, ignore_eos=True)
@@ -359,5 +359,27 @@ def test_a_failed_start_leaves_the_process_ready_for_the_next_engine(ckpts, tmp_
     llm = LLM(model=ckpts["llama"])
     try:
         assert llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+    finally:
+        llm.shutdown()
+
+
+def test_a_core_asked_into_an_actor_comes_from_the_factory_handed_in(ckpts, prompts, refs):
+    """parallel.engine_actor alone decides that the core runs behind a client,
+    and LLM builds that client with the caller's factory (here the in-process
+    client, so no Ray is needed): same tokens as the engine stepped directly."""
+    from engine.inproc_client import InProcCoreClient
+    from engine.sync_engine import SyncCoreEngine
+
+    made = []
+
+    def factory(config):
+        made.append(config.parallel.engine_actor)
+        return InProcCoreClient(config)
+
+    llm = LLM(model=ckpts["llama"], engine_actor=True, core_client_factory=factory)
+    try:
+        assert isinstance(llm.engine, SyncCoreEngine) and made == [True]
+        outs = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == refs["llama"][:2]
     finally:
         llm.shutdown()

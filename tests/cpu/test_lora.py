@@ -170,7 +170,7 @@ def test_http_adapter_addressing(models):
 async def _batch_line_check(server, llm, prompt, refs) -> None:
     """A batch JSONL line's `model` names the adapter (the batch runner's
     OpenAIServer on the same engine: no second engine start)."""
-    from cluster.batch_engines import LineRunner
+    from cluster.batch.engines import LineRunner
 
     runner = LineRunner.__new__(LineRunner)  # its __init__ would start another engine
     runner.llm, runner.server = llm, server

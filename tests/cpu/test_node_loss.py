@@ -1,4 +1,4 @@
-"""Node loss (issue 13, item 4): two Ray nodes on one machine, a head started
+"""Node loss: two Ray nodes on one machine, a head started
 with `ray start --head` and a second raylet joined with `ray start --address`.
 The worker group (TP=2) is placed on the second node; that node (its raylet
 and the processes the raylet started, the workers among them) is SIGKILLed by

@@ -166,7 +166,7 @@ def test_schemathesis_no_5xx_and_openai_errors(served):
     assert llm.stats.kv_cache_usage == 0.0, llm.stats
 
 
-# ---- issue 31: hostile values in every field --------------------------------------------------
+# ---- hostile values in every field -------------------------------------------------------
 
 TOOL = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {
     "type": "object", "properties": {"x": {"type": "string", "maxLength": 8}}}}}

@@ -1,4 +1,4 @@
-"""A lost worker rank costs no request (issue 13, item 1): the engine rebuilds
+"""A lost worker rank costs no request: the engine rebuilds
 its worker group and recomputes every unfinished request; greedy and seeded
 outputs equal an undisturbed run. Past the restart budget it fails fast."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Recovery as an operator sees it (issue 13, item 5) and a wedged rank.
+"""Recovery as an operator sees it and a wedged rank.
 
 - While a lost worker group is rebuilt, /health answers 200 {"status":
   "recovering"}, a new request queues and then completes, and afterwards

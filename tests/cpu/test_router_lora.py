@@ -1,4 +1,4 @@
-"""Adapter-aware routing (engine/router/policy.py, issue 27 item 4): a hot
+"""Adapter-aware routing (engine/router/policy.py): a hot
 adapter spreads once its engine crosses the spill bound, cold adapters stick
 to their holders, the KV score still decides among holders, and the router's
 hashes carry the adapter like the engine's. Pure Python, no engine."""

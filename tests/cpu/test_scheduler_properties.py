@@ -48,7 +48,7 @@ class Shape:
 
     @property
     def max_model_len(self) -> int:
-        # One request alone always fits the pool (issue 4 rejects the others at add time).
+        # One request alone always fits the pool (the core rejects the others at add time).
         cap = (self.num_blocks - 1) * self.block_size
         return min(cap, self.budget) if not self.chunked else cap
 

@@ -188,98 +188,213 @@ async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> lis
     return [len(e["choices"][0]["logprobs"]["tokens"]) for e in events]
 
 
-def test_in_process_503_500_and_in_band_error(ckpt):
+# ---- the OpenAI app in process: one engine for the SSE tests, a FakeCore for the rest ----------
+
+class _LoopThread:
+    """One event loop in a thread for a class of tests: the AsyncLLM bound
+    to it serves them all (an engine start per test would cost seconds)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.loop.close()
+
+
+@pytest.fixture(scope="class")
+def inproc(ckpt):
+    """(loop, AsyncLLM, config) for one class; shut down before the Ray tests."""
+    from engine.async_client import AsyncLLM
+    from engine.config import build_config
+
+    cfg = build_config({"model": {"path": ckpt, "max_model_len": 512}})
+    lt = _LoopThread()
+    llm = AsyncLLM(cfg)
+    try:
+        yield lt, llm, cfg
+    finally:
+        lt.run(llm.shutdown())
+        lt.close()
+
+
+class TestServerSSEInProcess:
+    def test_stream_interval_sends_tokens_in_groups(self, inproc):
+        """serve.stream_interval=4: after the first chunk, every chunk but the
+        last holds at least 4 tokens, and none is lost."""
+        lt, llm, cfg = inproc
+        sizes = lt.run(_event_sizes(llm, cfg, 10, stream_interval=4))
+        assert sum(sizes) == 10 and all(n >= 4 for n in sizes[1:-1]), sizes
+
+    def test_stream_batching_interval_holds_tokens_until_the_finish(self, inproc):
+        """serve.stream_batching_interval_ms reaches the SSE path: with an
+        interval longer than the whole generation, one event after the first
+        carries everything (the finish is never held back)."""
+        lt, llm, cfg = inproc
+        sizes = lt.run(_event_sizes(llm, cfg, 120, stream_batching_interval_ms=10000.0))
+        assert sum(sizes) == 120 and len(sizes) <= 2, sizes
+
+
+def _fake_app(core=None, cfg=None, headers=AUTH, **server_kw):
+    """(AsyncLLM over a FakeCore, its OpenAIServer, an httpx client of its app with KEY)."""
+    from test_requests_never_break_the_engine import FakeCore, _cfg
+
     from cluster.openai.app import build_api
     from cluster.openai.server import OpenAIServer
     from engine.async_client import AsyncLLM
-    from engine.config import build_config
-    from engine.contracts import EngineCoreOutputs
 
-    cfg = build_config({"model": {"path": ckpt, "max_model_len": 512},
-                        "serve": {"served_model_name": "tiny", "metrics_public": True}})
-    body = {"prompt": "The cat", "max_tokens": 400, "ignore_eos": True}
+    core = core or FakeCore(finish=True)
+    cfg = cfg or _cfg(**{"serve.metrics_public": True})
+    llm = AsyncLLM(cfg, core)
+    srv = OpenAIServer(llm, cfg, **server_kw)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv, api_key=KEY)),
+                               base_url="http://t", headers=headers)
+    return core, srv, client
+
+
+BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 4}
+
+
+def _finish_first(core) -> None:
+    from engine.contracts import FinishReason
+
+    core.emit(core.added[0].request_id, [11], FinishReason.LENGTH)
+
+
+def test_public_metrics_need_no_key():
+    async def run() -> None:
+        _, _, c = _fake_app()
+        async with c:
+            assert (await c.get("/metrics", headers={"Authorization": ""})).status_code == 200
+
+    asyncio.run(run())
+
+
+def test_request_id_header_names_the_response():
+    async def run() -> None:
+        _, _, c = _fake_app()
+        async with c:
+            r = await c.post("/v1/completions", json=BODY, headers={"X-Request-Id": "rid-1"})
+            assert r.headers["x-request-id"] == "rid-1" and r.json()["id"] == "cmpl-rid-1"
+
+    asyncio.run(run())
+
+
+def test_past_the_admission_slots_a_request_gets_429_with_retry_after():
+    from test_requests_never_break_the_engine import FakeCore
 
     async def run() -> None:
-        llm = AsyncLLM(cfg)
-        srv = OpenAIServer(llm, cfg)
-        app = build_api(srv, api_key=KEY)
-        await srv.start()
-        transport = httpx.ASGITransport(app=app)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as c:
-                assert (await c.get("/metrics", headers={"Authorization": ""})).status_code == 200
-                r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
-                                 headers={"X-Request-Id": "rid-1"})
-                assert r.headers["x-request-id"] == "rid-1" and r.json()["id"] == "cmpl-rid-1"
-                # stream_interval=4: the first chunk without waiting, then 4 at a time, the rest at
-                # the finish. How many tokens the first chunk holds depends on how far the engine
-                # got before the handler read its stream (1 when idle, 2 seen under CI load).
-                sizes = await _event_sizes(llm, cfg, 10, stream_interval=4)
-                assert sum(sizes) == 10 and sizes[0] < 4 and len(sizes) <= 4, sizes
-                assert all(n >= 4 for n in sizes[1:-1]), sizes
-                # One admission slot: of two concurrent requests one gets 429; slots come back
-                # after non-streaming and streaming responses alike.
-                srv1 = OpenAIServer(llm, cfg, max_admitted=1)
-                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv1, api_key=None)),
-                                             base_url="http://t") as c1:
-                    pair = await asyncio.gather(*(c1.post("/v1/completions", json=body) for _ in range(2)))
-                    assert sorted(r.status_code for r in pair) == [200, 429]
-                    _assert_error(next(r for r in pair if r.status_code == 429), 429, "server_at_capacity")
-                    assert next(r for r in pair if r.status_code == 429).headers["retry-after"] == "1"
-                    r1 = await c1.post("/v1/completions", json={**body, "max_tokens": 4, "stream": True})
-                    assert r1.status_code == 200 and r1.text.endswith("data: [DONE]\n\n")
-                    assert srv1.admitted == 0
-                # serve.stream_batching_interval_ms reaches the SSE path: far fewer events than tokens.
-                sizes = await _event_sizes(llm, cfg, 120, stream_batching_interval_ms=50.0)
-                assert sum(sizes) == 120 and len(sizes) <= 40, sizes
-                # One request id in flight twice: the second is refused, the first is untouched.
-                dup = {"X-Request-Id": "dup-1"}
-                pair = await asyncio.gather(*(c.post("/v1/completions", json=body, headers=dup)
-                                              for _ in range(2)))
-                assert sorted(r.status_code for r in pair) == [200, 400], [r.text for r in pair]
-                ok = next(r for r in pair if r.status_code == 200).json()
-                assert ok["usage"]["completion_tokens"] == 400
-                _assert_error(next(r for r in pair if r.status_code == 400), 400, "invalid_value",
-                              "X-Request-Id")
-                srv.draining = True
-                assert (await c.get("/health")).status_code == 503
-                _assert_error(await c.post("/v1/completions", json=body), 503, "engine_unavailable")
-                srv.draining = False
+        core, srv, c = _fake_app(FakeCore(finish=False), max_admitted=1)
+        async with c:
+            first = asyncio.create_task(c.post("/v1/completions", json=BODY))
+            await core.added_event.wait()  # the one slot is taken
+            r = await c.post("/v1/completions", json=BODY)
+            _assert_error(r, 429, "server_at_capacity")
+            assert r.headers["retry-after"] == "1"
+            _finish_first(core)
+            assert (await first).status_code == 200
 
-                async def broken(job, streams):  # one of our bugs: generic 500, details only logged
-                    raise RuntimeError("secret detail")
-                srv.builder.collect, orig = broken, srv.builder.collect
-                r = await c.post("/v1/completions", json=body)
-                _assert_error(r, 500, "internal_error")
-                assert "secret" not in r.text
-                srv.builder.collect = orig
+    asyncio.run(run())
 
-                # The engine dies mid-stream: the error goes in-band, then [DONE].
-                async def kill_soon() -> None:
-                    await asyncio.sleep(0.05)
-                    llm._on_outputs_threadsafe(EngineCoreOutputs(engine_error="worker died"))
-                killer = asyncio.create_task(kill_soon())
-                r = await c.post("/v1/completions", json={**body, "stream": True})
-                await killer
-                events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
-                assert events[-1] == "[DONE]"
-                assert json.loads(events[-2])["error"]["code"] == "engine_unavailable"
-                assert (await c.get("/health")).status_code == 503
-                _assert_error(await c.post("/v1/completions", json=body), 503, "engine_unavailable")
-            # CORS only when configured; preflight passes without a key, credentials stay off.
-            cors_cfg = build_config({"model": {"path": ckpt, "max_model_len": 512},
-                                     "serve": {"cors_origins": ["http://ui.example"]}})
-            preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
-                         "Access-Control-Request-Headers": "authorization,content-type"}
-            for cfg_, allowed in ((cfg, None), (cors_cfg, "http://ui.example")):
-                app_ = build_api(OpenAIServer(llm, cfg_), api_key=KEY)
-                transport_ = httpx.ASGITransport(app=app_)
-                async with httpx.AsyncClient(transport=transport_, base_url="http://t") as c:
-                    r = await c.options("/v1/completions", headers=preflight)
-                    assert r.headers.get("access-control-allow-origin") == allowed
-                    assert "access-control-allow-credentials" not in r.headers
-        finally:
-            await llm.shutdown()
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_finished_response_gives_its_admission_slot_back(stream):
+    async def run() -> None:
+        _, srv, c = _fake_app(max_admitted=1)
+        async with c:
+            r = await c.post("/v1/completions", json={**BODY, "stream": stream})
+            assert r.status_code == 200 and (not stream or r.text.endswith("data: [DONE]\n\n"))
+            assert srv.admitted == 0
+
+    asyncio.run(run())
+
+
+def test_a_request_id_in_flight_twice_is_refused_and_the_first_goes_on():
+    from test_requests_never_break_the_engine import FakeCore
+
+    async def run() -> None:
+        core, _, c = _fake_app(FakeCore(finish=False))
+        async with c:
+            dup = {"X-Request-Id": "dup-1"}
+            first = asyncio.create_task(c.post("/v1/completions", json=BODY, headers=dup))
+            await core.added_event.wait()
+            _assert_error(await c.post("/v1/completions", json=BODY, headers=dup), 400,
+                          "invalid_value", "X-Request-Id")
+            _finish_first(core)
+            r = await first
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+    asyncio.run(run())
+
+
+def test_a_draining_replica_answers_503():
+    async def run() -> None:
+        _, srv, c = _fake_app()
+        srv.draining = True
+        async with c:
+            assert (await c.get("/health")).status_code == 503
+            _assert_error(await c.post("/v1/completions", json=BODY), 503, "engine_unavailable")
+
+    asyncio.run(run())
+
+
+def test_our_own_bug_is_a_generic_500_without_details():
+    async def run() -> None:
+        _, srv, c = _fake_app()
+
+        async def broken(job, streams):
+            raise RuntimeError("secret detail")
+        srv.builder.collect = broken
+        async with c:
+            r = await c.post("/v1/completions", json=BODY)
+            _assert_error(r, 500, "internal_error")
+            assert "secret" not in r.text
+
+    asyncio.run(run())
+
+
+def test_engine_death_mid_stream_goes_in_band_then_health_fails():
+    from test_requests_never_break_the_engine import FakeCore
+
+    from engine.contracts import EngineCoreOutputs
+
+    async def run() -> None:
+        core, srv, c = _fake_app(FakeCore(finish=False))
+        async with c:
+            stream = asyncio.create_task(c.post("/v1/completions", json={**BODY, "stream": True}))
+            await core.added_event.wait()
+            core.on_outputs(EngineCoreOutputs(engine_error="worker died"))
+            events = [ln[6:] for ln in (await stream).text.splitlines() if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == "engine_unavailable"
+            assert (await c.get("/health")).status_code == 503
+            _assert_error(await c.post("/v1/completions", json=BODY), 503, "engine_unavailable")
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("origins,allowed", [(None, None), (["http://ui.example"], "http://ui.example")])
+def test_cors_preflight_only_when_configured_and_never_with_credentials(origins, allowed):
+    from test_requests_never_break_the_engine import _cfg
+
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+
+    async def run() -> None:
+        cfg = _cfg(**({"serve.cors_origins": origins} if origins else {}))
+        _, _, c = _fake_app(cfg=cfg, headers={})  # a preflight carries no key
+        async with c:
+            r = await c.options("/v1/completions", headers=preflight)
+            assert r.headers.get("access-control-allow-origin") == allowed
+            assert "access-control-allow-credentials" not in r.headers
 
     asyncio.run(run())
 

@@ -1,4 +1,4 @@
-"""Serve acceptance of issue 13: a worker rank killed mid-stream costs no
+"""Serve recovery: a worker rank killed mid-stream costs no
 request. 24 concurrent streams (half greedy, half seeded at temperature 0.8)
 through the OpenAI HTTP app, executor "ray" with TP=2 inside the replica's
 placement group; SIGKILL one RayWorkerActor a third of the way through: every

@@ -115,6 +115,18 @@ def test_config_json_fallback(tmp_path) -> None:
     assert t.bos_token is None and t.all_special_ids == [2]
 
 
+def test_a_checkpoint_without_tokenizer_resolves_eos_by_the_same_rule(tmp_path) -> None:
+    """One EOS rule: a token-id-only checkpoint gets generation_config's ids
+    first and config.json's as a fallback, as load_tokenizer does."""
+    from engine.tokenizer import eos_of_model_dir
+
+    d = str(tmp_path)
+    _write(os.path.join(d, "config.json"), {"eos_token_id": 7})
+    assert eos_of_model_dir(d) == (7, {7})
+    _write(os.path.join(d, "generation_config.json"), {"eos_token_id": [5, 6]})
+    assert eos_of_model_dir(d) == (5, {5, 6, 7})
+
+
 def test_missing_files_name_the_path(tmp_path) -> None:
     missing = str(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match="nope"):

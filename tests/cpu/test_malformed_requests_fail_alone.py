@@ -1,5 +1,5 @@
-"""Issue 31: one request must never wedge a replica, slow everyone, or reach
-the user as a 500. In process over hardening's FakeCore (no Ray, no server):
+"""One request must never wedge a replica, slow everyone, or reach
+the user as a 500. In process over test_requests_never_break_the_engine's FakeCore (no Ray, no server):
 values the engine link cannot encode, deep JSON, lone surrogates, a grammar
 bomb, a huge prompt, the send thread and health."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from test_hardening_requests import PROMPT, FakeCore, _client, _error, _llm, _run
+from test_requests_never_break_the_engine import PROMPT, FakeCore, _client, _error, _llm, _run
 
 from engine.contracts import (
     EngineCoreOutput,
@@ -59,7 +59,7 @@ CHAT = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "description": "d",
                                          "parameters": {"type": "object", "properties": {}}}}
-# (path, body, param): each passed validation on main, then failed deeper (issue 31, items 1 and 6).
+# (path, body, param): each passed validation on main, then failed deeper.
 PROBES = [
     ("/v1/completions", {"prompt": PROMPT, "stop": [LONE]}, "stop"),
     ("/v1/completions", {"prompt": PROMPT, "top_k": 2**64}, "top_k"),

@@ -1,5 +1,5 @@
-"""Requests that must never break, hang or mislead the engine (issue 12,
-items 3-8, and "validate once at the edge").
+"""Requests that must never break, hang or mislead the engine, and input
+validated once at the edge.
 
 Most tests drive AsyncLLM and the OpenAI app in process over a FakeCore: a
 CoreClient that records what it is sent and emits only the outputs a test
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -27,7 +28,7 @@ from engine.contracts import (
     NewRequestData,
     RequestStatus,
 )
-from engine.errors import EngineDeadError
+from engine.errors import DeadFlag, EngineDeadError
 from engine.sampling_params import SamplingParams
 from engine.stopping import check_stop
 
@@ -41,6 +42,7 @@ class FakeCore:
 
     def __init__(self, finish: bool = True, fail_after: int | None = None) -> None:
         self.kv_info = KVCacheInfo(num_blocks=1000, block_size=16, vocab_size=512)
+        self.dead = DeadFlag()
         self.finish, self.fail_after = finish, fail_after
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
@@ -111,7 +113,7 @@ def ckpt(tmp_path_factory):
     return make_checkpoint("llama", str(tmp_path_factory.mktemp("hardening") / "llama"))
 
 
-# ---- 3: max_tokens=None and min_tokens ------------------------------------------------------
+# ---- max_tokens=None and min_tokens ------------------------------------------------------
 
 def test_min_tokens_must_fit_the_context(ckpt):
     from engine import LLM
@@ -163,7 +165,7 @@ def test_http_min_tokens_without_max_tokens(ckpt):
     _run(run())
 
 
-# ---- 4: a KV pool too small for one request ----------------------------------------------------
+# ---- a KV pool too small for one request ----------------------------------------------------
 
 def test_engine_refuses_a_pool_that_cannot_hold_max_model_len(ckpt):
     from engine import LLM
@@ -192,7 +194,7 @@ def test_core_refuses_measured_pool_and_names_the_memory_knob():
     assert ex.pool._shutdown  # the executor it started is shut down, not leaked
 
 
-# ---- 5: bounded requests, admission by engine requests, priority, websockets -----------------
+# ---- bounded requests, admission by engine requests, priority, websockets -----------------
 
 def test_stop_lists_are_bounded():
     with pytest.raises(ValueError, match="^stop must hold at most 16"):
@@ -306,7 +308,7 @@ def test_websocket_scopes_are_refused_unless_a_route_declares_them():
     _run(run())
 
 
-# ---- 6: a reused request id never gets the earlier request's tokens -----------------------------
+# ---- a reused request id never gets the earlier request's tokens -----------------------------
 
 def test_reused_request_id_never_receives_earlier_tokens():
     async def run() -> None:
@@ -335,15 +337,56 @@ def test_reused_request_id_never_receives_earlier_tokens():
     _run(run())
 
 
-# ---- 7: one EngineDeadError: 503, and batch lines stay undone -----------------------------------
+def test_a_request_id_in_use_is_refused_by_the_one_check_and_free_after_its_stream():
+    async def run() -> None:
+        core = FakeCore(finish=False)
+        llm = _llm(core)
+        sp = SamplingParams(max_tokens=8)
+        first = llm.generate(PROMPT, sp, request_id="a")
+        step = asyncio.create_task(first.__anext__())
+        await core.added_event.wait()
+        with pytest.raises(ValueError, match="'a' is already in use"):
+            await llm.generate(PROMPT, sp, request_id="a").__anext__()
+        with pytest.raises(ValueError, match="'a' is already in use"):
+            llm.reserve_ids(["b", "a"])
+        llm.reserve_ids(["b"])  # the refused call took nothing
+        with pytest.raises(ValueError, match="'b' is already in use"):  # reserved, no stream yet
+            llm.reserve_ids(["b"])
+        core.emit(core.added[0].request_id, [11], FinishReason.LENGTH)
+        assert (await step).finished
+        llm.reserve_ids(["a"])  # its stream ended: free again
+        llm.release_ids(["a", "b"])
+        assert len(core.added) == 1  # nothing refused reached the engine
+
+    _run(run())
+
+
+# ---- one EngineDeadError: 503, and batch lines stay undone -----------------------------------
 
 def test_one_engine_dead_error_class():
     import engine.async_client
-    import engine.core_client
     import executors.base
 
     assert executors.base.EngineDeadError is engine.async_client.EngineDeadError is EngineDeadError
-    assert engine.core_client.EngineDeadError is EngineDeadError
+
+
+def test_one_dead_flag_shared_by_the_frontend_its_client_and_an_in_process_loop():
+    """The client detects the death (here its in-process core loop dies) and
+    AsyncLLM reads the same record before any engine_error message arrives."""
+    from engine.async_client import AsyncLLM
+    from engine.busy_loop import EngineBusyLoop
+
+    core = FakeCore()
+    llm = AsyncLLM(_cfg(), core)
+    assert llm.dead is core.dead and llm.dead_error is None
+    loop = EngineBusyLoop(SimpleNamespace(has_work=lambda: True, step_fn=lambda: 1 / 0),
+                          lambda outs: None, core.dead)
+    loop.run()  # the step raises: the loop records why and ends
+    assert llm.dead_error == loop.error == "ZeroDivisionError: division by zero"
+    with pytest.raises(EngineDeadError, match="ZeroDivisionError"):
+        llm.check_health()
+    with pytest.raises(EngineDeadError, match="ZeroDivisionError"):
+        llm.prepare(PROMPT, SamplingParams(max_tokens=2))
 
 
 def test_dead_engine_actor_is_503_not_500():
@@ -383,7 +426,7 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
     _run(run())
 
 
-# ---- 8: the event loop never blocks; a failed add cleans up -----------------------------------
+# ---- the event loop never blocks; a failed add cleans up -----------------------------------
 
 class GatedChannel:
     """An input channel whose peer takes nothing until `open` is set."""
@@ -420,7 +463,7 @@ def test_ray_core_client_send_never_blocks_the_caller():
     client._init_state(build_config(), CoreLink(None, None, ch, ch, KVCacheInfo(8, 16)))
     try:
         req = EngineCoreRequest(request_id="r-0", prompt_token_ids=PROMPT,
-                                sampling_params=SamplingParams(max_tokens=2))
+                                sampling_params=SamplingParams(max_tokens=2).trusted_copy())
         client.add_request(req)  # returns although the actor takes nothing yet
         client.abort_requests(["r-0"])
         assert ch.sent == []
@@ -428,7 +471,7 @@ def test_ray_core_client_send_never_blocks_the_caller():
         assert ch.done.wait(30)
         assert [m.kind for m in ch.sent] == ["add", "abort"] and ch.sent[0].request == req
         assert threading.get_ident() not in ch.threads  # sent from the sender thread
-        client.dead = "engine actor failed: ActorDiedError"
+        client.dead.set("engine actor failed: ActorDiedError")
         with pytest.raises(EngineDeadError, match="ActorDiedError"):
             client.add_request(req)
     finally:
@@ -476,7 +519,7 @@ def test_decoding_never_revalidates(monkeypatch):
     data = msgspec.msgpack.encode(NewRequestData("r", PROMPT, sp, [1], 0))
     dec = msgspec.msgpack.Decoder(NewRequestData)
     for _ in range(100):  # every step's SchedulerOutput in every worker
-        assert dec.decode(data).sampling_params == sp
+        assert dec.decode(data).sampling_params == sp.trusted_copy()
     assert sp.trusted_copy(n=1).n == 1  # what the frontend makes of n children
     assert calls[0] == 1
     with pytest.raises(ValueError, match="temperature"):  # construction still checks

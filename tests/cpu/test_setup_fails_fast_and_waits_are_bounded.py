@@ -1,4 +1,4 @@
-"""Issue 12, items 9-12: a wedged engine fails instead of hanging, setup
+"""A wedged engine fails instead of hanging, setup
 mistakes fail at once with what to do, Ray is sized for the engine, and the
 GPU-path start-up (KV profile, warm-up, block sizes, visible devices,
 collective timeout) does what it says, checked here on CPU."""
@@ -28,7 +28,7 @@ def ckpt(tmp_path_factory):
     return make_checkpoint("llama", str(tmp_path_factory.mktemp("hard") / "m"))
 
 
-# ---- item 9: every wait on a worker is bounded; a timeout is a dead rank ------------------
+# ---- every wait on a worker is bounded; a timeout is a dead rank ------------------
 
 @pytest.fixture
 def wedging_mp(monkeypatch):
@@ -120,6 +120,7 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
 
     from cluster.engine_actor.client import RayCoreClient
     from cluster.engine_actor.link import CoreLink
+    from engine.errors import DeadFlag
     from engine.recovery import RestartBudget
 
     def timeout(*_a, **_k):
@@ -128,7 +129,7 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
     link = object.__new__(CoreLink)
     link.actor = _SilentActor()
     client = object.__new__(RayCoreClient)
-    client.link, client.dead, client.recovering = link, None, False
+    client.link, client.dead, client.recovering = link, DeadFlag(), False
     client._reader, client._closing = None, False  # no output thread in this test
     link.sender = types.SimpleNamespace(alive=lambda: True)
     client.budget = RestartBudget(0, 600.0)
@@ -150,7 +151,7 @@ def test_timeouts_are_validated_config_fields(key, value):
     assert ParallelConfig().step_timeout_s >= 60  # generous by default
 
 
-# ---- item 10: a missing model directory fails at once, saying what to do -------------------
+# ---- a missing model directory fails at once, saying what to do -------------------
 
 MISSING = "/nonexistent/dir"
 HINT = (f"model.path: directory {MISSING} not found (run `make run` to build demo_model, "
@@ -186,7 +187,7 @@ def test_serve_config_with_a_missing_model_dir(tmp_path):
     asyncio.run(user_cls.__del__(half))
 
 
-# ---- item 11: Ray is sized for the engine; a cluster without room fails fast --------------
+# ---- Ray is sized for the engine; a cluster without room fails fast --------------
 
 def test_library_started_ray_fits_the_requested_world(monkeypatch):
     import executors.ray_executor as rx
@@ -256,7 +257,7 @@ def test_placement_on_a_full_cluster_fails_fast(tmp_path):
         ray.shutdown()
 
 
-# ---- item 12: profile, warm-up, block sizes, visible devices, collective timeout ---------
+# ---- profile, warm-up, block sizes, visible devices, collective timeout ---------
 
 def _stage_runner(path: str, monkeypatch, rank: int, size: int, cfg):
     from parallel import state
@@ -408,7 +409,7 @@ def test_collective_timeout_is_a_config_field(monkeypatch, tmp_path):
     assert got == {"timeout_s": 42.0}
 
 
-# ---- item 13: the parity rule the TP/PP tests use can fail ---------------------------------
+# ---- the parity rule the TP/PP tests use can fail ---------------------------------
 
 def test_parity_rule_compares_lengths_and_both_top5s():
     from llm_utils import close_or_why
@@ -425,7 +426,7 @@ def test_parity_rule_compares_lengths_and_both_top5s():
     assert "first divergence at 1" in close_or_why([1, 4, 3], ours, [1, 2, 3], top)
 
 
-# ---- issue 31, item 8: setup mistakes are one line and exit code 2, before any deploy ------
+# ---- setup mistakes are one line and exit code 2, before any deploy ------
 
 def _cli(capsys, *argv: str) -> tuple[int, str]:
     from cluster.cli.main import main
