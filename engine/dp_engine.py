@@ -28,6 +28,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest
+from engine.dp_handover import WarmHandover
 from engine.errors import EngineDeadError
 from engine.frontend import resolved_max_tokens
 from engine.migration import MigrationLog
@@ -66,7 +67,7 @@ def make_engine_clients(config: EngineConfig,
     return clients
 
 
-class DataParallelClient:
+class DataParallelClient(WarmHandover):
     takes_session = True  # add_request(request, session=...) (AsyncLLM checks)
 
     def __init__(self, config: EngineConfig, clients: list[Any] | None = None,
@@ -93,6 +94,7 @@ class DataParallelClient:
         # The one record of what each live request delivered (migrations resubmit from it).
         self.ledger = ResumeLedger()
         self.migrations = MigrationLog(len(self.clients))
+        self._warming = {}  # warm-up request id -> its request's move (engine/dp_handover.py)
         self.states = [UP] * len(self.clients)
         self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
         self._prefix = [[0, 0] for _ in self.clients]  # per engine: queried, hit tokens
@@ -148,7 +150,7 @@ class DataParallelClient:
         records them before the frontend sees them."""
         live = self._live
         if outs.outputs:
-            outs.outputs = [o for o in outs.outputs if live.get(o.request_id) == i]
+            outs.outputs = [o for o in self._warm_outputs(i, outs.outputs) if live.get(o.request_id) == i]
             now = time.monotonic()
             self.migrations.observe(i, outs.outputs, now)
             self.ledger.absorb(outs, now)
@@ -169,11 +171,13 @@ class DataParallelClient:
                 self.ledger.drop([request.request_id])
                 raise
 
-    def _place(self, request: EngineCoreRequest, session: str | None = None) -> int:
+    def _place(self, request: EngineCoreRequest, session: str | None = None,
+               prefer: int | None = None) -> int:
         """Route the request (prompt + the tokens it already has) and send it;
         an engine found dead on the way is lost and the next one is tried.
-        Sending under the lock: a drain or loss that moves it can never be
-        overtaken by this add (it would run twice)."""
+        `prefer`: that engine if it is up (a warmed one). Sending under the
+        lock: a drain or loss that moves it can never be overtaken by this
+        add (it would run twice)."""
         toks, lr = request.prompt_token_ids + request.output_token_ids, request.lora_request
         hashes = block_hashes_of(toks, self.kv_info.block_size, request.cache_salt,
                                  lr.lora_int_id if lr is not None else None) if self._hash else []
@@ -182,8 +186,12 @@ class DataParallelClient:
         while True:
             if UP not in self.states:
                 raise EngineDeadError("no engine is up to take the request")
-            d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,
-                                  lr.lora_name if lr is not None else None)
+            if prefer is not None and self.states[prefer] == UP:
+                d = self.router.assign(request.request_id, prefer, len(toks) + max(max_tokens, 0))
+                prefer = None
+            else:
+                d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,
+                                      lr.lora_name if lr is not None else None)
             self._live[request.request_id] = d.engine
             try:
                 self.clients[d.engine].add_request(request)
@@ -224,6 +232,7 @@ class DataParallelClient:
             idle.set()
         if UP not in self.states:
             return False
+        self._warm_engine_lost(i)
         log.warning("%s; moving its %d requests to the other engines", why,
                     sum(1 for e in self._live.values() if e == i))
         self._move_off(i, "lost")
@@ -286,7 +295,9 @@ class DataParallelClient:
             self.states[engine] = DRAINED
             self.router.engine_down(engine)
             idle = self._idle[engine] = threading.Event()
-            moved = self._move_off(engine, "drain")
+            # With prefix caching the new engines compute the contexts first (warm handover).
+            warm = self.config.cache.enable_prefix_caching
+            moved = self._warm_off(engine) if warm else self._move_off(engine, "drain")
             if not moved:
                 idle.set()
         log.info("draining engine %d: %d requests handed over", engine, moved)
