@@ -95,6 +95,7 @@ class DataParallelClient(WarmHandover):
         self.ledger = ResumeLedger()
         self.migrations = MigrationLog(len(self.clients))
         self._warming = {}  # warm-up request id -> its request's move (engine/dp_handover.py)
+        self._warm_queue = {}
         self.states = [UP] * len(self.clients)
         self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
         self._prefix = [[0, 0] for _ in self.clients]  # per engine: queried, hit tokens

@@ -14,6 +14,9 @@ is what the old engine generated meanwhile plus the last partial block.
 Moves thus spread over the steps the warm-ups finish in, and the old engine
 serves every stream until its own move.
 
+Warm-ups run a few at a time per engine (a quarter of its step's token budget
+of contexts), so that engine's own streams keep short steps.
+
 Invariants: at most one warm-up per request; a warm-up whose request has
 finished, moved or been aborted since is ignored when it ends; a warm-up's
 engine lost meanwhile moves its requests at once, the plain way; warm-ups
@@ -37,12 +40,31 @@ class _Warm:
     request_id: str
     src: int
     dst: int
+    tokens: int = 0  # its context length (what the warm engine prefills)
 
 
 class WarmHandover:
     """Mixin of DataParallelClient (uses its _live, ledger, router, clients, states)."""
 
-    _warming: dict[str, _Warm]
+    _warming: dict[str, _Warm]  # sent, not ended
+    _warm_queue: dict[int, list[tuple[EngineCoreRequest, _Warm]]]  # per warm engine: not yet sent
+
+    def _warm_budget(self: Any) -> int:
+        """Context tokens of warm-ups one engine computes at once: a quarter of
+        its step budget, so its own streams' steps stay short (at least one
+        warm-up is always in flight)."""
+        return max(1, self.config.scheduler.max_num_batched_tokens // 4)
+
+    def _send_warm(self: Any, dst: int) -> None:
+        queue = self._warm_queue.get(dst) or []
+        busy = sum(w.tokens for w in self._warming.values() if w.dst == dst)
+        while queue and (busy == 0 or busy + queue[0][1].tokens <= self._warm_budget()):
+            req, w = queue.pop(0)
+            if self._live.get(w.request_id) != w.src:
+                continue  # finished or moved while it queued
+            self._warming[req.request_id] = w
+            busy += w.tokens
+            self.clients[dst].add_request(req)
 
     def _warm_off(self: Any, i: int) -> int:
         """Send a warm-up of every request engine i owns to the engine the
@@ -57,8 +79,10 @@ class WarmHandover:
                 sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
                 arrival_time=r.arrival_time, priority=r.priority, eos_token_id=None,
                 lora_request=r.lora_request, cache_salt=r.cache_salt)
-            self._warming[warm.request_id] = _Warm(r.request_id, i, dst)
-            self.clients[dst].add_request(warm)
+            self._warm_queue.setdefault(dst, []).append(
+                (warm, _Warm(r.request_id, i, dst, len(warm.prompt_token_ids))))
+        for dst in list(self._warm_queue):
+            self._send_warm(dst)
         return len(ids)
 
     def _pick(self: Any, r: EngineCoreRequest) -> int | None:
@@ -85,6 +109,7 @@ class WarmHandover:
             elif o.finished:
                 del self._warming[o.request_id]
                 self._move_one(w, i)
+                self._send_warm(i)
         return rest
 
     def _move_one(self: Any, w: _Warm, dst: int | None) -> None:
@@ -102,9 +127,14 @@ class WarmHandover:
     def _warm_engine_lost(self: Any, i: int) -> None:
         """Engine i is lost: warm-ups on it will never end, their requests move now;
         warm-ups of requests that lived on it are void."""
+        waiting = [w for _, w in self._warm_queue.pop(i, [])]
         for wid, w in list(self._warming.items()):
             if w.dst == i:
                 del self._warming[wid]
-                self._move_one(w, None)
+                waiting.append(w)
             elif w.src == i:
                 del self._warming[wid]
+        for w in waiting:
+            self._move_one(w, None)
+        for queue in self._warm_queue.values():  # the lost engine's own requests move plainly
+            queue[:] = [(r, w) for r, w in queue if w.src != i]

@@ -95,7 +95,8 @@ async def _kv_idle(llm, engines: list[int]) -> list[float]:
 
 
 def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_path):
-    """Then, on the same engines (engine 0 replaced after its loss), issue 26's
+    """Then, on the same engines (engine 0 replaced after its loss), a rollout
+    of another scheduler.max_num_seqs under load (token-exact), and issue 26's
     batch cases (tests/cpu/migration_batch.py): an engine lost mid-job, and
     the whole job lost and run again from its token journal."""
     import migration_batch as mb
@@ -108,9 +109,19 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
         runner = LineRunner(config, str(tmp_path / "warmup.tokens"))
         dp = runner.llm.client.inner
         try:
-            await _scenario(runner.llm, caplog)
-            await asyncio.get_running_loop().run_in_executor(None, dp.replace_engine, 0)
+            params = await _scenario(runner.llm, caplog)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, dp.replace_engine, 0)  # the dead engine comes back
             assert dp.states == ["up", "up"]
+            # A rollout of another max_num_seqs under load: engine by engine, no request lost.
+            new = msgspec.structs.replace(config, scheduler=msgspec.structs.replace(config.scheduler,
+                                                                                    max_num_seqs=8))
+
+            async def rollout() -> None:
+                await loop.run_in_executor(None, dp.rollout, new)
+
+            assert _diff(await _run(runner.llm, params[0], rollout), params[1]) is None
+            assert [c.core.config.scheduler.max_num_seqs for c in dp.clients] == [8, 8]
             ref = await mb.reference(runner)
             await mb.engine_lost_mid_job(runner, dp, str(tmp_path / "lost.jsonl"), ref)
             single = msgspec.structs.replace(config, parallel=msgspec.structs.replace(
@@ -122,7 +133,7 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
     asyncio.run(scenario())
 
 
-async def _scenario(llm, caplog) -> None:
+async def _scenario(llm, caplog) -> tuple[list[SamplingParams], list[dict]]:
     dp = llm.client.inner  # under the batch's token journal (engine/token_journal.py)
     # A stop string child 1 of the n=2 request meets mid-way: from a run without one.
     probe = (await _run(llm, _params([])))[4][1]["text"]
@@ -156,6 +167,7 @@ async def _scenario(llm, caplog) -> None:
     assert m['conveyor:migration_reprefill_tokens_total{engine="1"}'] > 0
     logged = [r.getMessage() for r in caplog.records if "migrated from engine 0 to engine 1" in r.getMessage()]
     assert len(logged) >= moved[0] and "largest gap between tokens" in logged[0]
+    return _params([stop]), ref
 
 
 # ---- the client's bookkeeping, without engines ---------------------------------------
