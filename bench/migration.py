@@ -22,8 +22,8 @@ stream --max-tokens long (ignore_eos).
    streams that stayed (engine 1's own, which share its steps with the moved
    contexts' prefill).
 
-With prefix caching on (the default) a drain hands over warm
-(engine/dp_handover.py); --no-prefix-caching shows the plain move.
+--warm-drain: parallel.warm_drain (warm handover, engine/dp_handover.py);
+by default the plain move.
 
   .venv/bin/python bench/migration.py                 # 64 streams
   .venv/bin/python bench/migration.py --streams 16 --max-tokens 64
@@ -119,7 +119,7 @@ async def main_async(a: argparse.Namespace) -> dict:
 
     path = build_model(os.path.join(a.model_dir, "llama30m_v512"))
     cfg = build_config(model=path, max_model_len=1024, data_parallel_size=2, max_num_seqs=a.streams,
-                       num_gpu_blocks=a.streams * 24, enable_prefix_caching=a.prefix_caching)
+                       num_gpu_blocks=a.streams * 24, **{"parallel.warm_drain": a.warm_drain})
     t0 = time.monotonic()
     llm = AsyncLLM(cfg)
     start_s = (time.monotonic() - t0) / 2
@@ -154,7 +154,7 @@ async def main_async(a: argparse.Namespace) -> dict:
         "goal_bound_ms": round((2 * tpot_med + prefill_s) * 1e3, 1),
         "goal_met": max_gap <= 2 * tpot_med + prefill_s,
         "stayed_streams_largest_gap_during_drain_ms": round(stayed_gap * 1e3, 1),
-        "prefix_caching": a.prefix_caching,
+        "warm_drain": a.warm_drain,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }
 
@@ -165,8 +165,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--warm", type=int, default=8, help="tokens every stream has before the drain")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="on: warm handover (engine/dp_handover.py); off: the plain move")
+    p.add_argument("--warm-drain", action=argparse.BooleanOptionalAction, default=False,
+                   help="parallel.warm_drain: warm handover (engine/dp_handover.py); off: the plain move")
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "conveyor-bench-models"))
     a = p.parse_args()
     res = asyncio.run(main_async(a))

@@ -297,7 +297,7 @@ class DataParallelClient(WarmHandover):
             self.router.engine_down(engine)
             idle = self._idle[engine] = threading.Event()
             # With prefix caching the new engines compute the contexts first (warm handover).
-            warm = self.config.cache.enable_prefix_caching
+            warm = self.config.cache.enable_prefix_caching and self.config.parallel.warm_drain
             moved = self._warm_off(engine) if warm else self._move_off(engine, "drain")
             if not moved:
                 idle.set()

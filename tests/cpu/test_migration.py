@@ -95,9 +95,9 @@ async def _kv_idle(llm, engines: list[int]) -> list[float]:
 
 
 def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_path):
-    """Then, on the same engines (engine 0 replaced after its loss), a rollout
-    of another scheduler.max_num_seqs under load (token-exact), and issue 26's
-    batch cases (tests/cpu/migration_batch.py): an engine lost mid-job, and
+    """Then a rollout of another scheduler.max_num_seqs under load (dead
+    engine 0 replaced, then engine 1 drained and replaced; token-exact), and
+    on those engines issue 26's batch cases (tests/cpu/migration_batch.py): an engine lost mid-job, and
     the whole job lost and run again from its token journal."""
     import migration_batch as mb
 
@@ -111,9 +111,8 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
         try:
             params = await _scenario(runner.llm, caplog)
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, dp.replace_engine, 0)  # the dead engine comes back
-            assert dp.states == ["up", "up"]
-            # A rollout of another max_num_seqs under load: engine by engine, no request lost.
+            # A rollout of another max_num_seqs under load, engine by engine, no request lost:
+            # dead engine 0 comes back first, then engine 1 is drained and replaced.
             new = msgspec.structs.replace(config, scheduler=msgspec.structs.replace(config.scheduler,
                                                                                     max_num_seqs=8))
 
@@ -122,6 +121,7 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
 
             assert _diff(await _run(runner.llm, params[0], rollout), params[1]) is None
             assert [c.core.config.scheduler.max_num_seqs for c in dp.clients] == [8, 8]
+            assert dp.states == ["up", "up"]
             ref = await mb.reference(runner)
             await mb.engine_lost_mid_job(runner, dp, str(tmp_path / "lost.jsonl"), ref)
             single = msgspec.structs.replace(config, parallel=msgspec.structs.replace(
@@ -208,9 +208,9 @@ def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False):
     if ray_like:
         for e in engines:
             e.hand_over_losses = lambda lost, back, e=e: setattr(e, "hooks", (lost, back))
-    # warm: prefix caching on, so a drain hands over through warm-ups (engine/dp_handover.py).
+    # warm: parallel.warm_drain, so a drain hands over through warm-ups (engine/dp_handover.py).
     dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin",
-                                         enable_prefix_caching=warm), engines)
+                                         **{"parallel.warm_drain": warm}), engines)
     got: list = []
     dp.start(got.append)
     return dp, engines, got
