@@ -15,9 +15,15 @@ The generated ids are compared by digest: equal digests = identical tokens.
 
 The peer venv: ``bash ../shared/peers/vllm_cpu/make_venv.sh`` (``/tmp/vllmpeer``).
 
+``--model 0.5b`` / ``1b`` run the Qwen2-0.5B- / Llama-1B-shaped random
+checkpoints of bench/bench_models.py (``--num-prompts`` shrinks the batch64
+workload for them), ``--dtype bfloat16`` casts both engines' weights at load.
+Both engines get a 1 GiB KV cache (vLLM through bench/vllm_offline_peer.py).
+
 Usage:
   .venv/bin/python bench/compare_vllm.py --repeats 3 --json bench/out/compare_vllm.json
   .venv/bin/python bench/compare_vllm.py --workloads batch1 --repeats 1
+  .venv/bin/python bench/compare_vllm.py --model 0.5b --workloads batch64 --num-prompts 32 --repeats 1
 """
 from __future__ import annotations
 
@@ -34,10 +40,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.offline_throughput import DEFAULT_MODEL_DIR, build_model  # noqa: E402
+from bench.bench_models import model_dir as bench_model_dir  # noqa: E402
 
 PEER_PY = os.environ.get("VLLM_PEER", "/tmp/vllmpeer") + "/bin/python"
-PEER_SCRIPT = os.path.join(os.path.dirname(REPO), "shared", "peers", "vllm_cpu", "offline.py")
+PEER_SCRIPT = os.path.join(REPO, "bench", "vllm_offline_peer.py")
 WORKLOADS = {
     "batch64": dict(num_prompts=64, output_len=64, max_num_seqs=64),
     "batch1": dict(num_prompts=8, output_len=64, max_num_seqs=1),
@@ -46,6 +52,12 @@ WORKLOADS = {
 
 def _digest(ids: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+def _prompt_range(wl: dict) -> tuple[int, int]:
+    """Prompt lengths: 16..256 (the bench's mix) unless ``prompt_len`` fixes them."""
+    n = wl.get("prompt_len")
+    return (16, 256) if n is None else (n, n)
 
 
 def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
@@ -57,13 +69,15 @@ def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
     from engine import LLM, SamplingParams
 
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
-    prompts = make_prompts(wl["num_prompts"], 0, cfg["vocab_size"])
-    llm = LLM(model=model_dir, max_num_seqs=wl["max_num_seqs"], enable_prefix_caching=False)
+    lo, hi = _prompt_range(wl)
+    prompts = make_prompts(wl["num_prompts"], 0, cfg["vocab_size"], lo, hi)
+    llm = LLM(model=model_dir, max_num_seqs=wl["max_num_seqs"], enable_prefix_caching=False,
+              dtype=wl.get("dtype", "float32"), max_model_len=wl.get("max_model_len", 2048))
     sp = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
     best, outs = None, None
-    for _ in range(2):
+    for _ in range(wl.get("gen_repeats", 2)):
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         wall = time.perf_counter() - t
@@ -75,19 +89,35 @@ def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
             "tok_per_s": round(ntok / best, 1), "ids_sha": _digest(ids)}
 
 
+# --isa avx2: both engines as on an AVX2-only CPU. oneDNN (both engines' linears)
+# and ATen's kernels are capped at AVX2; ours takes its avx2 kernel table, vLLM
+# its _C_AVX2 build and vec attention (bench/vllm_offline_peer.force_avx2).
+AVX2_ENV = {"DNNL_MAX_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def _isa_env(wl: dict) -> dict:
+    if wl.get("isa", "auto") != "avx2":
+        return {}
+    return {**AVX2_ENV, "CONVEYOR_CPU_ISA": "avx2", "PEER_FORCE_AVX2": "1"}
+
+
 def _run_ours(model_dir: str, wl: dict, threads: int) -> dict:
+    env = dict(os.environ, **_isa_env(wl))
     cmd = [sys.executable, os.path.abspath(__file__), "--_ours", json.dumps(wl),
            "--model-dir", model_dir, "--threads", str(threads)]
-    return _last_json(subprocess.run(cmd, capture_output=True, text=True, cwd=REPO), "conveyor")
+    return _last_json(subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env), "conveyor")
 
 
 def _run_vllm(model_dir: str, wl: dict, threads: int) -> dict:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1")
+               TRANSFORMERS_OFFLINE="1", **_isa_env(wl))
     cmd = [PEER_PY, PEER_SCRIPT, model_dir, "--num-prompts", str(wl["num_prompts"]),
            "--output-len", str(wl["output_len"]), "--max-num-seqs", str(wl["max_num_seqs"]),
-           "--repeats", "2"]
+           "--repeats", str(wl.get("gen_repeats", 2)), "--dtype", wl.get("dtype", "float32"),
+           "--max-model-len", str(wl.get("max_model_len", 2048))]
+    lo, hi = _prompt_range(wl)
+    cmd += ["--prompt-len-range", f"{lo},{hi}"]
     return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env), "vllm")
 
 
@@ -98,8 +128,8 @@ def _last_json(proc: subprocess.CompletedProcess, who: str) -> dict:
     raise RuntimeError(f"{who} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def measure(model_dir: str, name: str, repeats: int, threads: int) -> dict:
-    wl = WORKLOADS[name]
+def measure(model_dir: str, name: str, repeats: int, threads: int, extra: dict | None = None) -> dict:
+    wl = {**WORKLOADS[name], **(extra or {})}
     runs: dict[str, list[dict]] = {"conveyor": [], "vllm": []}
     sides = [("conveyor", _run_ours), ("vllm", _run_vllm)]
     for rep in range(repeats):
@@ -125,7 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="batch64,batch1")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
+    ap.add_argument("--model", default="30m", help="30m, 0.5b or 1b (bench/bench_models.py)")
+    ap.add_argument("--model-dir", default=None, help="another checkpoint (overrides --model)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--isa", default="auto", choices=("auto", "avx2"),
+                    help="avx2: both engines as on an AVX2-only CPU (see AVX2_ENV)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="override the workloads' prompt count")
+    ap.add_argument("--gen-repeats", type=int, default=2,
+                    help="timed generate calls per process (the faster counts); 1 for the large models")
     ap.add_argument("--json", default=None)
     ap.add_argument("--_ours", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -135,17 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(PEER_PY):
         print(f"no vLLM peer at {PEER_PY}: run ../shared/peers/vllm_cpu/make_venv.sh", file=sys.stderr)
         return 2
-    build_model(args.model_dir)
+    model_dir = args.model_dir or bench_model_dir(args.model)
+    extra = {"dtype": args.dtype, "isa": args.isa, "gen_repeats": args.gen_repeats, **({"num_prompts": args.num_prompts} if args.num_prompts else {})}
     results = []
     for name in args.workloads.split(","):
-        res = measure(args.model_dir, name, args.repeats, args.threads)
+        res = measure(model_dir, name, args.repeats, args.threads, extra)
         results.append(res)
         print(f"{name}: conveyor {res['conveyor']['best']:.1f} / vLLM {res['vllm']['best']:.1f} tok/s "
               f"(best) -> {res['ratio_best']:.2f}x; medians -> {res['ratio_median']:.2f}x; "
               f"tokens identical: {res['tokens_identical']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": model_dir,
                        "threads": args.threads, "results": results}, f, indent=1)
     return 0
 

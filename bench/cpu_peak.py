@@ -65,6 +65,16 @@ __attribute__((target("avx512f"))) float fma512(long iters) {
 __attribute__((target("avx2,fma"))) float fma256(long iters) {
   CHAINS(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_storeu_ps)
 }
+/* Streaming read of n floats with 4 independent AVX2 sums (memory-bound, not
+   add-latency-bound as torch's sum can be): the read bandwidth a GEMV could use. */
+__attribute__((target("avx2,fma"))) float read256(const float* p, long n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (long i = 0; i + 32 <= n; i += 32) {
+    s0 = _mm256_add_ps(s0, _mm256_loadu_ps(p + i)); s1 = _mm256_add_ps(s1, _mm256_loadu_ps(p + i + 8));
+    s2 = _mm256_add_ps(s2, _mm256_loadu_ps(p + i + 16)); s3 = _mm256_add_ps(s3, _mm256_loadu_ps(p + i + 24)); }
+  float out[8]; _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+  return out[0];
+}
 """
 
 
@@ -78,6 +88,8 @@ def _fma_lib() -> ctypes.CDLL:
     for name in ("fma512", "fma256"):
         getattr(dll, name).argtypes = [ctypes.c_long]
         getattr(dll, name).restype = ctypes.c_float
+    dll.read256.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    dll.read256.restype = ctypes.c_float
     return dll
 
 
@@ -136,14 +148,31 @@ def _median_s(fn: Callable[[], object], rounds: int) -> float:
 
 
 def bandwidth(cores: int) -> dict[str, float]:
-    """GB/s: read (sum) and copy (read + write bytes) of 1 GiB, 1 thread and all."""
+    """GB/s: read (torch sum, and a 4-chain AVX2 read loop per thread on its own
+    slice) and copy (read + write bytes) of 1 GiB, 1 thread and all."""
     x = torch.ones(2**28)
     y = torch.empty_like(x)
     nbytes, out = x.numel() * 4, {}
+    dll = _fma_lib() if "avx2" in _cpu_flags() else None
     for threads in sorted({1, cores}):
         torch.set_num_threads(threads)
         out[f"read x{threads}"] = nbytes / _median_s(lambda: x.sum(), 5) / 1e9
         out[f"copy x{threads}"] = 2 * nbytes / _median_s(lambda: y.copy_(x), 5) / 1e9
+        if dll is not None:
+            part = x.numel() // threads
+            ptrs = iter([x.data_ptr() + i * part * 4 for i in range(threads)])
+            lock = threading.Lock()
+
+            def one() -> None:
+                with lock:
+                    ptr = next(ptrs)
+                dll.read256(ptr, part)
+
+            def run() -> None:
+                nonlocal ptrs
+                ptrs = iter([x.data_ptr() + i * part * 4 for i in range(threads)])
+                _parallel_s(one, threads)
+            out[f"stream-read x{threads}"] = nbytes / _median_s(run, 5) / 1e9
     torch.set_num_threads(cores)
     return out
 
@@ -234,8 +263,9 @@ def main() -> None:
     bw = bandwidth(a.cores)
     print("memory bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()))
     best = next(iter(peaks.values()), (0.0, 0.0))
+    read_bw = max(bw[f"read x{a.cores}"], bw.get(f"stream-read x{a.cores}", 0.0))
     linears([m.strip() for m in a.models.split(",")], [int(r) for r in a.rows.split(",")],
-            best[1] * a.cores, bw[f"read x{a.cores}"])
+            best[1] * a.cores, read_bw)
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ def serve(model: str, port: int) -> None:
     """The child: one uvicorn server, one event loop, the uniproc engine."""
     import uvicorn
 
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 

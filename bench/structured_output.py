@@ -89,7 +89,7 @@ def build_model(path: str) -> str:
     sys.path.insert(0, REPO)
     from bench.offline_throughput import MODEL_SPEC
     from bench.offline_throughput import build_model as build_llama
-    from cluster.demo_model import train_tiny_tokenizer
+    from cluster.demo.model import train_tiny_tokenizer
 
     build_llama(path, dict(MODEL_SPEC, vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=3))
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):

@@ -35,10 +35,10 @@ from typing import Any
 from ray import serve
 from ray.serve import Application
 
-from cluster import cpu_layout
-from cluster.engine_actor import CoreActorPlacement
-from cluster.ray_core_client import RayCoreClient
-from cluster.response_store import RayResponseStore
+from cluster.engine_actor import cpu_layout
+from cluster.engine_actor.actor import CoreActorPlacement
+from cluster.engine_actor.client import RayCoreClient
+from cluster.openai.responses_api.store import RayResponseStore
 from engine.config import EngineConfig, check_model_dir, load_config
 from executors.ray_placement import worker_bundle
 
@@ -115,6 +115,9 @@ def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:
     placement group; otherwise the model in the actor, with its GPUs)."""
     from engine.dp_engine import DataParallelClient, make_engine_clients
 
+    if config.serve.replicas > 1:  # the engines are the app's, not this replica's
+        from cluster.engine_pool import pooled_client
+        return pooled_client(config, use_gpu)
     p = config.parallel
     place = (CoreActorPlacement() if p.executor == "ray" else
              CoreActorPlacement(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
@@ -155,8 +158,8 @@ class OpenAIDeployment:
     """One replica: an AsyncLLM plus the OpenAI FastAPI app built on it."""
 
     def __init__(self, config_path: str, overrides: dict[str, Any], use_gpu: bool) -> None:
-        from cluster.metrics import ServeMetrics
-        from cluster.openai_server import OpenAIServer, model_name_of
+        from cluster.openai.metrics import ServeMetrics
+        from cluster.openai.server import OpenAIServer, model_name_of
         from engine.async_client import AsyncLLM
 
         self.config = load_config(config_path, **overrides)
@@ -189,7 +192,7 @@ class OpenAIDeployment:
                                                       sc.responses_ttl_s)
 
     def __serve_build_asgi_app__(self) -> Any:
-        from cluster.openai_app import build_api
+        from cluster.openai.app import build_api
 
         env = self.config.serve.api_key_env
         key = os.environ.get(env) if env else None
@@ -261,7 +264,7 @@ def replica_cpus(config: EngineConfig, use_gpu: bool) -> float:
     if p.data_parallel_size > 1:
         per_engine = (p.num_cpus_per_worker * config.world_size if p.executor == "ray" else
                       (0.0 if use_gpu else p.num_cpus_per_worker) + (1.0 if use_gpu else 0.0))
-        return 1.0 + p.data_parallel_size * per_engine
+        return 1.0 + p.data_parallel_size * per_engine / config.serve.replicas  # engine_pool: shared
     opts = replica_resources(config, use_gpu)
     bundles = opts.get("placement_group_bundles")
     if bundles:

@@ -13,3 +13,16 @@ class UnsendableRequestError(ValueError):
     """One request could not be encoded for the engine (a value the edge's
     checks should have refused). It fails alone, as the client's mistake
     (HTTP 400): the engine and every other request go on."""
+
+
+class ParamError(ValueError):
+    """An invalid request field: `param` names it (a SamplingParams field), so
+    the HTTP layer sets the OpenAI error's `param` from it, never from the text."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def __reduce__(self) -> tuple[type[ParamError], tuple[str, str]]:
+        # Pickled as (param, message): Ray and multiprocessing rebuild it whole.
+        return ParamError, (self.param, str(self))

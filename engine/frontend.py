@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreRequest
+from engine.errors import ParamError
 from engine.json_limits import utf8_problem
 from engine.lora import LoRARequest, ModelDims, check_adapter
 from engine.sampling_params import SamplingFields, child_seed
@@ -56,18 +57,19 @@ def check_engine_limits(ids: list[int], sp: SamplingFields, config: EngineConfig
     if n == 0:
         raise ValueError("prompt must not be empty")
     if sp.n > config.model.max_n:
-        raise ValueError(f"n must be <= {config.model.max_n}, got {sp.n}")
+        raise ParamError("n", f"n must be <= {config.model.max_n}, got {sp.n}")
     max_tokens = resolved_max_tokens(sp, n, max_len)
     if n + max(max_tokens, 1) > max_len:
         raise ContextLengthError(n, max(max_tokens, 1), max_len)
     if sp.min_tokens > max_tokens:
-        raise ValueError(
-            f"min_tokens ({sp.min_tokens}) must be <= the {max_tokens} tokens the completion may "
+        raise ParamError(
+            "min_tokens", f"min_tokens ({sp.min_tokens}) must be <= the {max_tokens} tokens the completion may "
             f"have (max_tokens, or max_model_len {max_len} minus the {n}-token prompt)")
     if vocab_size and (min(ids) < 0 or max(ids) >= vocab_size):
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
     if vocab_size and sp.stop_token_ids and max(sp.stop_token_ids) >= vocab_size:
-        raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {max(sp.stop_token_ids)}")
+        raise ParamError("stop_token_ids",
+                         f"stop_token_ids must be in [0, {vocab_size}), got {max(sp.stop_token_ids)}")
     _check_token_ids(sp, vocab_size)
 
 
@@ -76,14 +78,14 @@ def _check_token_ids(sp: SamplingFields, vocab_size: int) -> None:
     if not vocab_size:
         return
     if sp.logit_bias and max(sp.logit_bias) >= vocab_size:
-        raise ValueError(f"logit_bias token ids must be < the vocab size {vocab_size}, "
-                         f"got {max(sp.logit_bias)}")
+        raise ParamError("logit_bias", f"logit_bias token ids must be < the vocab size {vocab_size}, "
+                                       f"got {max(sp.logit_bias)}")
     if sp.allowed_token_ids is not None:
         if max(sp.allowed_token_ids) >= vocab_size:
-            raise ValueError(f"allowed_token_ids must be < the vocab size {vocab_size}, "
-                             f"got {max(sp.allowed_token_ids)}")
+            raise ParamError("allowed_token_ids", f"allowed_token_ids must be < the vocab size {vocab_size}, "
+                                                  f"got {max(sp.allowed_token_ids)}")
         if len(sp.allowed_token_ids) > vocab_size:
-            raise ValueError(f"allowed_token_ids must hold at most {vocab_size} ids")
+            raise ParamError("allowed_token_ids", f"allowed_token_ids must hold at most {vocab_size} ids")
 
 
 class Frontend:

@@ -1,7 +1,7 @@
 """SamplingParams: the user-facing knobs of one request, validated at the edge.
 
-Ranges follow vLLM's. Every check raises ValueError naming the field, so the
-HTTP layer can turn it into an OpenAI error with `param` set.
+Ranges follow vLLM's. Every check raises ParamError (a ValueError) naming the field in its `param`,
+so the HTTP layer can turn it into an OpenAI error with `param` set.
 
 Validated once: constructing a SamplingParams checks its fields (the edge);
 the engine carries the result as SamplingFields, the same fields without the
@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from engine.errors import ParamError
 from engine.json_limits import utf8_problem
 from engine.structured_output.params import StructuredOutputsParams
 
@@ -124,8 +125,8 @@ class SamplingParams(SamplingFields):
             _int("max_tokens", self.max_tokens, lo=1, hi=_INT64 - 1)
         _int("min_tokens", self.min_tokens, lo=0, hi=_INT64 - 1)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+            raise ParamError(
+                "min_tokens", f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"> max_tokens={self.max_tokens}")
         _str_list("stop", self.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
         _int_list("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
@@ -140,42 +141,44 @@ class SamplingParams(SamplingFields):
         if self.allowed_token_ids is not None:
             _int_list("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
             if not self.allowed_token_ids:
-                raise ValueError("allowed_token_ids must not be empty")
+                raise ParamError("allowed_token_ids", "allowed_token_ids must not be empty")
         _float("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _float("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         _float("repetition_penalty", self.repetition_penalty, lo=0.0, hi=1e4, lo_open=True)
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
+            raise ParamError("structured_outputs",
+                             f"structured_outputs must be a StructuredOutputsParams, got {so!r}")
 
 
 def _int(name: str, v: object, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
+        raise ParamError(name, f"{name} must be an integer, got {v!r}")
     if lo is not None and v < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {v}")
+        raise ParamError(name, f"{name} must be >= {lo}, got {v}")
     if hi is not None and v > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {v}")
+        raise ParamError(name, f"{name} must be <= {hi}, got {v}")
 
 
 def _float(name: str, v: object, lo: float | None = None, hi: float | None = None,
            lo_open: bool = False) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"{name} must be a number, got {v!r}")
+        raise ParamError(name, f"{name} must be a number, got {v!r}")
     if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v!r}")
+        raise ParamError(name, f"{name} must be finite, got {v!r}")
     if lo is not None and (v <= lo if lo_open else v < lo):
-        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+        raise ParamError(name, f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
     if hi is not None and v > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {v}")
+        raise ParamError(name, f"{name} must be <= {hi}, got {v}")
 
 
 def _logit_bias(v: object) -> None:
     """Token ids >= 0 (the vocab bound is the engine's: frontend), biases finite in [-100, 100]."""
     if not isinstance(v, dict):
-        raise ValueError(f"logit_bias must be a map of token id to bias, got {v!r}")
+        raise ParamError("logit_bias", f"logit_bias must be a map of token id to bias, got {v!r}")
     if len(v) > MAX_LOGIT_BIAS_ENTRIES:
-        raise ValueError(f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(v)}")
+        raise ParamError("logit_bias",
+                         f"logit_bias must hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(v)}")
     for tid, bias in v.items():
         _int("logit_bias", tid, lo=0)
         _float("logit_bias", bias, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
@@ -183,30 +186,30 @@ def _logit_bias(v: object) -> None:
 
 def _bool(name: str, v: object) -> None:
     if not isinstance(v, bool):
-        raise ValueError(f"{name} must be a boolean, got {v!r}")
+        raise ParamError(name, f"{name} must be a boolean, got {v!r}")
 
 
 def _str_list(name: str, v: object, max_items: int, max_chars: int) -> None:
     if not isinstance(v, list):
-        raise ValueError(f"{name} must be a string or a list of strings, got {v!r}")
+        raise ParamError(name, f"{name} must be a string or a list of strings, got {v!r}")
     if len(v) > max_items:
-        raise ValueError(f"{name} must hold at most {max_items} strings, got {len(v)}")
+        raise ParamError(name, f"{name} must hold at most {max_items} strings, got {len(v)}")
     for s in v:
         if not isinstance(s, str):
-            raise ValueError(f"{name} entries must be strings, got {s!r}")
+            raise ParamError(name, f"{name} entries must be strings, got {s!r}")
         if s == "":
-            raise ValueError(f"{name} must not contain empty strings")
+            raise ParamError(name, f"{name} must not contain empty strings")
         if len(s) > max_chars:
-            raise ValueError(f"{name} strings must be at most {max_chars} characters, got {len(s)}")
+            raise ParamError(name, f"{name} strings must be at most {max_chars} characters, got {len(s)}")
         problem = utf8_problem(s)
         if problem is not None:  # it could never be sent to the engine (msgpack is UTF-8)
-            raise ValueError(f"{name} entry {problem}")
+            raise ParamError(name, f"{name} entry {problem}")
 
 
 def _int_list(name: str, v: object, max_items: int) -> None:
     if not isinstance(v, list):
-        raise ValueError(f"{name} must be a list of integers, got {v!r}")
+        raise ParamError(name, f"{name} must be a list of integers, got {v!r}")
     if len(v) > max_items:
-        raise ValueError(f"{name} must hold at most {max_items} token ids, got {len(v)}")
+        raise ParamError(name, f"{name} must hold at most {max_items} token ids, got {len(v)}")
     for t in v:
         _int(name, t, lo=0, hi=_INT64 - 1)  # the engine's own check: < vocab size

@@ -17,8 +17,10 @@ and Xeon) and ``portable`` (plain C++ loops, any CPU). The build has no
 ``-march``: each ISA file raises its own target (``#pragma GCC target``), so an
 extension built on one machine runs on another. ``model.cpu_isa``
 (``CONVEYOR_CPU_ISA``) or ``select_isa`` forces one table. The same extension
-holds the model's CPU-native ops: fused residual + RMSNorm and in-place neox
-rotary (AVX-512/AVX2 in the vector tables). Everything is compiled with
+holds the model's CPU-native ops: fused residual + RMSNorm, in-place neox
+rotary and the fused SiLU-and-mul of the gate_up output (AVX-512/AVX2 in the
+vector tables). bf16/fp16 caches take the same vector attention kernels, rows
+widened to fp32 in registers (the AVX2 table needs F16C, which every AVX2 CPU has). Everything is compiled with
 ``-ffp-contract=off``: no product is fused into an FMA behind the source's back,
 so the rotary rounds exactly as its torch form on every table.
 

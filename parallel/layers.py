@@ -81,6 +81,14 @@ class _LinearBase(nn.Module):
 
 
 _ONEDNN = torch.backends.mkldnn.is_available()
+# Dtypes whose linears run oneDNN with a packed weight: fp32 always, bf16 where
+# oneDNN has native bf16 kernels (AVX512_BF16 / AMX: bf16 math, fp32 accumulation).
+_PACKED_DTYPES = (torch.float32,) + (
+    (torch.bfloat16,) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
+# Above this many rows a bf16 linear goes to F.linear (oneDNN's own matmul,
+# weight reordered per call): at M = 2048 it ran 1.2-1.9x the packed primitive
+# (AMX; /tmp microbench in BENCHMARKS "bf16"), which wins below (1.1-1.4x at M <= 256).
+_BF16_PACKED_ROWS = 256
 
 
 def onednn_rows(m: int) -> int:
@@ -97,14 +105,16 @@ def onednn_rows(m: int) -> int:
 
 def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
            b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except fp32 on CPU runs oneDNN with the weight packed once
-    (MKL's sgemm takes a slow path on some CPUs; oneDNN measured ~2x here).
+    """F.linear, except fp32 (and bf16 where oneDNN has bf16 kernels) on CPU
+    runs oneDNN with the weight packed once (MKL's sgemm takes a slow path on
+    some CPUs; oneDNN measured ~2x here).
     The packed copy is keyed by the weight's version, so reloading refreshes it.
     A quantized layer (``workers/layers/quant.py``) runs its own forward."""
     quantized = module.__dict__.get("_quantized_forward")
     if quantized is not None:
         return quantized(x, b)
-    if not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2:
+    if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
+            or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and x.shape[0] > _BF16_PACKED_ROWS):
         return F.linear(x, w, b)
     cached = module.__dict__.get("_packed_weight")
     key = (w.data_ptr(), w._version)

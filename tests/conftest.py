@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
+
 # Under pytest-xdist (make test runs two workers) each worker's Ray instances
 # live in a temp root of their own, inherited by the processes it starts: a
 # `ray.init()` that joins "the latest cluster on this machine" (conveyor
@@ -30,3 +32,48 @@ _SLOW_FILES = {
 def pytest_collection_modifyitems(items: list) -> None:
     """Slowest files first; tests keep their order within a file (stable sort)."""
     items.sort(key=lambda item: -_SLOW_FILES.get(os.path.basename(str(item.fspath)), 0))
+
+
+# ---- one local Ray instance per test process, for modules that only need "a Ray" ----------
+# Starting and stopping Ray costs several seconds a module under load. Modules
+# that ask for `ray_local` share one instance, started by the first and kept up
+# for the next; a module that does not ask for it (it starts Ray its own way:
+# a Serve app, a multi-node cluster, a CPU count of its own) finds none
+# running. Modules that share it clean up their engines and Serve apps, which
+# the per-module actor checks in those tests already assert.
+_SHARED_RAY_CPUS = 8
+
+
+def _module_uses_shared_ray(request) -> bool:
+    return any("ray_local" in item.fixturenames for item in request.session.items
+               if item.module is request.module)
+
+
+def _stop_ray() -> None:
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_only_where_shared(request):
+    if not _module_uses_shared_ray(request):
+        _stop_ray()
+    yield
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=_SHARED_RAY_CPUS, include_dashboard=False)
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ray_stops_at_the_end():
+    yield
+    _stop_ray()

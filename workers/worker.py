@@ -2,6 +2,7 @@
 pipeline-parallel bridge around ModelRunner.execute_model."""
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Any
@@ -16,6 +17,8 @@ from parallel.ports import free_port
 from workers.model_loader import load_hf_config, load_model
 from workers.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -26,6 +29,18 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     dt = dt if isinstance(dt, torch.dtype) else _DTYPES.get(str(dt).replace("torch.", ""), torch.float32)
     # CPU matmuls in half precision are slow and inexact: run fp32 there.
     return dt if device.type == "cuda" else torch.float32
+
+
+def cpu_bf16_math() -> str:
+    """What ``dtype: bfloat16`` computes in on this CPU: with AMX or AVX512_BF16
+    oneDNN's linears multiply in bf16 (fp32 accumulation); without, they keep
+    bf16 storage and widen to fp32 for the math. Attention always runs fp32
+    math over the bf16 cache (kernels/csrc widens rows in registers)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "bf16 math (AMX tiles; fp32 accumulation)"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "bf16 math (AVX512_BF16; fp32 accumulation)"
+    return "bf16 storage, fp32 math (this CPU has neither AVX512_BF16 nor AMX)"
 
 
 class Worker:
@@ -64,6 +79,8 @@ class Worker:
         cfg = self.config
         hf = load_hf_config(cfg.model.path)
         self.dtype = resolve_dtype(cfg.model.dtype, hf, self.device)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            logger.info("dtype bfloat16 on CPU: linears in %s", cpu_bf16_math())
         model = load_model(cfg.model.path, hf, self.dtype, self.device,
                            pp_layer_partition=cfg.parallel.pp_layer_partition)
         self.model_runner = ModelRunner(cfg, model, self.device, hf.vocab_size, ps.is_last_pp_rank(),

@@ -207,7 +207,7 @@ _KWARG_MAP: dict[str, tuple[str, str]] = {
 
 
 def cli_knobs() -> list[KnobInfo]:
-    """The knobs with a CLI flag, in declaration order (cluster/options.py builds its options from them)."""
+    """The knobs with a CLI flag, in declaration order (cluster/cli/options.py builds its options from them)."""
     return [i for i in _KNOBS.values() if i.flag]
 
 

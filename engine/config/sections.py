@@ -15,7 +15,7 @@ EXECUTORS = ("uniproc", "ray", "mp")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 ROUTER_POLICIES = ("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # == cluster.tool_parsers.TOOL_PARSERS (a test checks)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # == cluster.openai.tools.parsers.TOOL_PARSERS (a test checks)
 # The Triton kernels' tile shapes (kernels/paged_attention.py asserts the same
 # set; a test keeps the two in step).
 TRITON_BLOCK_SIZES = (16, 32, 64)
@@ -123,7 +123,7 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     host: Annotated[str, knob("a host name or IP address", bool, flag=True,
                               help="HTTP bind address")] = "127.0.0.1"
     port: Annotated[int, int_in(1, 65535, flag=True, help="HTTP port")] = 8000
-    replicas: Annotated[int, at_least(1, flag=True, help="Serve replicas (one engine each)")] = 1
+    replicas: Annotated[int, at_least(1, flag=True, help="Serve ingress replicas (one engine each; with data_parallel_size > 1 all share the N engines)")] = 1
     api_key_env: Annotated[str | None, knob("null or an environment variable name", flag=True,
                                             help="environment variable holding the API key")] = None
     # None: sized from max_num_seqs
@@ -160,12 +160,12 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # CPU replicas (engine_actor, executor not "ray", no GPU): the last this
     # many cores of the node run the replica's threads (HTTP, Serve, output
     # processing), the others the engine's step thread, as vLLM's CPU backend
-    # reserves a core for its frontend (cluster/cpu_layout.py). 0: no pinning.
+    # reserves a core for its frontend (cluster/engine_actor/cpu_layout.py). 0: no pinning.
     # None (the default): 1 for a single CPU replica, else 0.
     frontend_cpus: Annotated[int | None, knob("null (auto) or an int in 0..64",
                                               lambda v: v is None or 0 <= v <= 64)] = None
     # How "auto" tool_choice finds calls in generated text, and the format
-    # "required"/named tool_choice constrain output to (cluster/tool_parsers/):
+    # "required"/named tool_choice constrain output to (cluster/openai/tools/parsers/):
     # hermes (<tool_call>{...}</tool_call>, Qwen) or llama3_json (bare JSON).
     tool_call_parser: Annotated[str, one_of(TOOL_CALL_PARSERS)] = "hermes"
     # Whether the `priority` request field (policy "priority") is honoured:

@@ -81,6 +81,14 @@ struct Int8LinearArgs {
 };
 using Int8LinearFn = void (*)(const Int8LinearArgs&, int64_t lo, int64_t hi);
 
+// silu(gate) * up over rows [lo, hi) of fp32 x [T, 2d] = [gate | up] -> out [T, d].
+struct SiluMulArgs {
+  const float* x;
+  float* out;
+  int64_t d;
+};
+using SiluMulRowsFn = void (*)(const SiluMulArgs&, int64_t lo, int64_t hi);
+
 struct KernelTable {
   const char* name;
   AttendFn<float> (*attend_f32)(int64_t dim);  // the fastest fp32 kernel for this head size
@@ -91,6 +99,7 @@ struct KernelTable {
   RmsRowsFn<c10::Half> rms_f16;
   RmsRowsFn<c10::BFloat16> rms_bf16;
   Int8LinearFn int8_linear;
+  SiluMulRowsFn silu_mul;
 };
 
 const KernelTable* table_portable();

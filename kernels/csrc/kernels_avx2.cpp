@@ -11,7 +11,7 @@
 #include <immintrin.h>
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 
 namespace {
 #include "generic_kernels.inc"
@@ -81,12 +81,42 @@ inline float softmax_row(float* sc, int64_t last, int64_t seq_len) {
 // Software prefetch of the row kAhead positions on, into L2 (see kernels_avx512.cpp).
 constexpr int64_t kAhead = 8;
 
-inline void prefetch_row(const float* row, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T1);
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {  // n elements, one request per 64-byte line
+  const char* b = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) _mm_prefetch(b + i, _MM_HINT_T1);
 }
 
+// 8 values of a K/V/query row as fp32 (bf16 by a shift, fp16 by vcvtph2ps:
+// both exact), and the output row rounded as static_cast does.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline void store8(float* dst, __m256 v) { _mm256_storeu_ps(dst, v); }
+template <typename T>
+inline void store8(T* dst, __m256 v) {
+  alignas(32) float tmp[8];
+  _mm256_store_ps(tmp, v);
+  for (int l = 0; l < 8; ++l) dst[l] = static_cast<T>(tmp[l]);
+}
+
+// A head's row as fp32: a float cache is read in place; bf16/fp16 rows are
+// widened once into buf (L1) and then used by every query row of the group.
 template <int NV>
-void attend_avx2(const AttnBatch<float>& a, const Req& rq, float* scratch) {
+inline const float* widen_row(const float* src, float*) { return src; }
+template <int NV, typename T>
+inline const float* widen_row(const T* src, float* buf) {
+  for (int j = 0; j < NV; ++j) _mm256_store_ps(buf + 8 * j, load8(src + 8 * j));
+  return buf;
+}
+
+template <typename T, int NV>
+void attend_avx2(const AttnBatch<T>& a, const Req& rq, float* scratch) {
   constexpr int64_t D = NV * 8;
   const Shape& s = a.s;
   const int64_t hkv = s.hkv, g = s.group, hq = hkv * g, rows = rq.q_len * hq, n = rq.seq_len;
@@ -96,18 +126,19 @@ void attend_avx2(const AttnBatch<float>& a, const Req& rq, float* scratch) {
   float* score = acc + rows * D;
   float* denom = score + rows * n;
   const __m256 sv = _mm256_set1_ps(a.scale);
+  alignas(32) float row_buf[NV * 8];
   for (int64_t r = 0; r < rows; ++r) {  // row r = query token r / hq, head r % hq
-    const float* src = a.query + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
+    const T* src = a.query + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
     for (int j = 0; j < NV; ++j) {
-      _mm256_storeu_ps(q + r * D + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(src + 8 * j), sv));
+      _mm256_storeu_ps(q + r * D + 8 * j, _mm256_mul_ps(load8(src + 8 * j), sv));
       _mm256_storeu_ps(acc + r * D + 8 * j, _mm256_setzero_ps());
     }
   }
   for (int64_t p = 0; p < n; ++p) {
-    const float* kp = k_row(a.cache, rq.blocks, p, s);
+    const T* kp = k_row(a.cache, rq.blocks, p, s);
     if (p + kAhead < n) prefetch_row(k_row(a.cache, rq.blocks, p + kAhead, s), off_stride);
     for (int64_t h = 0; h < hkv; ++h) {
-      const float* kh = kp + h * D;  // L1-resident after the first row of the group
+      const float* kh = widen_row<NV>(kp + h * D, row_buf);  // L1-resident after the group's first row
       for (int64_t i = 0; i < rq.q_len; ++i)
         for (int64_t x = 0; x < g; ++x) {
           const int64_t r = i * hq + h * g + x;
@@ -124,10 +155,10 @@ void attend_avx2(const AttnBatch<float>& a, const Req& rq, float* scratch) {
   }
   for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_row(score + r * n, n - rq.q_len + r / hq, n);
   for (int64_t p = 0; p < n; ++p) {  // weights past a row's last position are 0
-    const float* vp = k_row(a.cache, rq.blocks, p, s) + vs;
+    const T* vp = k_row(a.cache, rq.blocks, p, s) + vs;
     if (p + kAhead < n) prefetch_row(k_row(a.cache, rq.blocks, p + kAhead, s) + vs, off_stride);
     for (int64_t h = 0; h < hkv; ++h) {
-      const float* vh = vp + h * D;
+      const float* vh = widen_row<NV>(vp + h * D, row_buf);
       for (int64_t i = 0; i < rq.q_len; ++i)
         for (int64_t x = 0; x < g; ++x) {
           const int64_t r = i * hq + h * g + x;
@@ -139,18 +170,28 @@ void attend_avx2(const AttnBatch<float>& a, const Req& rq, float* scratch) {
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = a.out + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
+    T* dst = a.out + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
     const __m256 inv = _mm256_set1_ps(1.f / denom[r]);
-    for (int j = 0; j < NV; ++j)
-      _mm256_storeu_ps(dst + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + 8 * j), inv));
+    for (int j = 0; j < NV; ++j) store8(dst + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + 8 * j), inv));
   }
 }
 
 conveyor_cpu::AttendFn<float> attend_f32(int64_t dim) {
-  if (dim == 64) return &attend_avx2<8>;
-  if (dim == 128) return &attend_avx2<16>;
-  if (dim == 32) return &attend_avx2<4>;
+  if (dim == 64) return &attend_avx2<float, 8>;
+  if (dim == 128) return &attend_avx2<float, 16>;
+  if (dim == 32) return &attend_avx2<float, 4>;
   return &attend_generic<float>;
+}
+
+// bf16 / fp16 caches: the same kernel over rows widened to fp32 (widen_row).
+template <typename T>
+void attend_half(const AttnBatch<T>& a, const Req& rq, float* scratch) {
+  switch (a.s.dim) {
+    case 64: attend_avx2<T, 8>(a, rq, scratch); return;
+    case 128: attend_avx2<T, 16>(a, rq, scratch); return;
+    case 32: attend_avx2<T, 4>(a, rq, scratch); return;
+    default: attend_generic<T>(a, rq, scratch);
+  }
 }
 
 // 8 dims at a time; mul, mul, sub (add) each rounded, as the scalar form.
@@ -164,6 +205,23 @@ void rotary_rows(const RotaryArgs& args, int64_t lo, int64_t hi) {
       _mm256_storeu_ps(x + i + half, _mm256_add_ps(_mm256_mul_ps(b, cv), _mm256_mul_ps(a, sv)));
     }
     rotate_tail(x, c, sn, i, half);
+  });
+}
+
+// silu(g) * u, 8 at a time, as the AVX-512 one (exp of -|g| only).
+void silu_mul_rows(const conveyor_cpu::SiluMulArgs& a, int64_t lo, int64_t hi) {
+  silu_mul_rows_with(a, lo, hi, [](const float* g, const float* u, float* o, int64_t d) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+      const __m256 x = _mm256_loadu_ps(g + i);
+      const __m256 e = exp256(_mm256_or_ps(x, sign));  // -|x|
+      const __m256 r = _mm256_div_ps(one, _mm256_add_ps(one, e));
+      const __m256 sig = _mm256_blendv_ps(r, _mm256_mul_ps(e, r), _mm256_cmp_ps(x, zero, _CMP_LT_OQ));
+      _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+    }
+    silu_mul_tail(g, u, o, i, d);
   });
 }
 
@@ -213,9 +271,10 @@ void int8_linear(const conveyor_cpu::Int8LinearArgs& a, int64_t lo, int64_t hi) 
 namespace conveyor_cpu {
 
 const KernelTable* table_avx2() {
-  static const KernelTable t{"avx2", &attend_f32, &attend_generic<c10::Half>,
-                             &attend_generic<c10::BFloat16>, &rotary_rows, &rms_rows<float>,
-                             &rms_rows<c10::Half>, &rms_rows<c10::BFloat16>, &int8_linear};
+  static const KernelTable t{"avx2", &attend_f32, &attend_half<c10::Half>,
+                             &attend_half<c10::BFloat16>, &rotary_rows, &rms_rows<float>,
+                             &rms_rows<c10::Half>, &rms_rows<c10::BFloat16>, &int8_linear,
+                             &silu_mul_rows};
   return &t;
 }
 

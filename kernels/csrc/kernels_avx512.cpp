@@ -71,12 +71,35 @@ inline float softmax_row(float* sc, int64_t last, int64_t seq_len) {
 // requests queue behind its few miss buffers and gained nothing).
 constexpr int64_t kAhead = 8;
 
-inline void prefetch_row(const float* row, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T1);
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {  // n elements, one request per 64-byte line
+  const char* b = reinterpret_cast<const char*>(row);
+  for (int64_t i = 0; i < n * int64_t(sizeof(T)); i += 64) _mm_prefetch(b + i, _MM_HINT_T1);
 }
 
-template <int NV>
-void attend_avx512(const AttnBatch<float>& a, const Req& rq, float* scratch) {
+// 16 values of a K/V/query row as fp32: bf16 widens by a shift (exact), fp16
+// by vcvtph2ps (exact), so every storage dtype runs the same fp32 math.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The output row: fp32 stored as is; bf16/fp16 rounded as static_cast does
+// (the generic kernel's rounding, so the paths agree bit for bit).
+inline void store16(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+template <typename T>
+inline void store16(T* dst, __m512 v) {
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int l = 0; l < 16; ++l) dst[l] = static_cast<T>(tmp[l]);
+}
+
+template <typename T, int NV>
+void attend_avx512(const AttnBatch<T>& a, const Req& rq, float* scratch) {
   constexpr int64_t D = NV * 16;
   const Shape& s = a.s;
   const int64_t hkv = s.hkv, g = s.group, hq = hkv * g, rows = rq.q_len * hq, n = rq.seq_len;
@@ -87,18 +110,18 @@ void attend_avx512(const AttnBatch<float>& a, const Req& rq, float* scratch) {
   float* denom = score + rows * n;
   const __m512 sv = _mm512_set1_ps(a.scale);
   for (int64_t r = 0; r < rows; ++r) {  // row r = query token r / hq, head r % hq
-    const float* src = a.query + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
+    const T* src = a.query + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
     for (int j = 0; j < NV; ++j) {
-      _mm512_storeu_ps(q + r * D + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(src + 16 * j), sv));
+      _mm512_storeu_ps(q + r * D + 16 * j, _mm512_mul_ps(load16(src + 16 * j), sv));
       _mm512_storeu_ps(acc + r * D + 16 * j, _mm512_setzero_ps());
     }
   }
   for (int64_t p = 0; p < n; ++p) {
-    const float* kp = k_row(a.cache, rq.blocks, p, s);
+    const T* kp = k_row(a.cache, rq.blocks, p, s);
     if (p + kAhead < n) prefetch_row(k_row(a.cache, rq.blocks, p + kAhead, s), off_stride);
     for (int64_t h = 0; h < hkv; ++h) {
       __m512 k[NV];
-      for (int j = 0; j < NV; ++j) k[j] = _mm512_loadu_ps(kp + h * D + 16 * j);
+      for (int j = 0; j < NV; ++j) k[j] = load16(kp + h * D + 16 * j);
       for (int64_t i = 0; i < rq.q_len; ++i)
         for (int64_t x = 0; x < g; ++x) {
           const int64_t r = i * hq + h * g + x;
@@ -111,11 +134,11 @@ void attend_avx512(const AttnBatch<float>& a, const Req& rq, float* scratch) {
   }
   for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_row(score + r * n, n - rq.q_len + r / hq, n);
   for (int64_t p = 0; p < n; ++p) {  // weights past a row's last position are 0
-    const float* vp = k_row(a.cache, rq.blocks, p, s) + vs;
+    const T* vp = k_row(a.cache, rq.blocks, p, s) + vs;
     if (p + kAhead < n) prefetch_row(k_row(a.cache, rq.blocks, p + kAhead, s) + vs, off_stride);
     for (int64_t h = 0; h < hkv; ++h) {
       __m512 v[NV];
-      for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vp + h * D + 16 * j);
+      for (int j = 0; j < NV; ++j) v[j] = load16(vp + h * D + 16 * j);
       for (int64_t i = 0; i < rq.q_len; ++i)
         for (int64_t x = 0; x < g; ++x) {
           const int64_t r = i * hq + h * g + x;
@@ -127,18 +150,29 @@ void attend_avx512(const AttnBatch<float>& a, const Req& rq, float* scratch) {
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = a.out + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
+    T* dst = a.out + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
     const __m512 inv = _mm512_set1_ps(1.f / denom[r]);
-    for (int j = 0; j < NV; ++j)
-      _mm512_storeu_ps(dst + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), inv));
+    for (int j = 0; j < NV; ++j) store16(dst + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * j), inv));
   }
 }
 
 conveyor_cpu::AttendFn<float> attend_f32(int64_t dim) {
-  if (dim == 64) return &attend_avx512<4>;
-  if (dim == 128) return &attend_avx512<8>;
-  if (dim == 32) return &attend_avx512<2>;
+  if (dim == 64) return &attend_avx512<float, 4>;
+  if (dim == 128) return &attend_avx512<float, 8>;
+  if (dim == 32) return &attend_avx512<float, 2>;
   return &attend_generic<float>;
+}
+
+// bf16 / fp16 caches (dtype: bfloat16 / float16): the same kernel, rows
+// widened to fp32 in registers; other head sizes take the generic loop.
+template <typename T>
+void attend_half(const AttnBatch<T>& a, const Req& rq, float* scratch) {
+  switch (a.s.dim) {
+    case 64: attend_avx512<T, 4>(a, rq, scratch); return;
+    case 128: attend_avx512<T, 8>(a, rq, scratch); return;
+    case 32: attend_avx512<T, 2>(a, rq, scratch); return;
+    default: attend_generic<T>(a, rq, scratch);
+  }
 }
 
 // 16 dims at a time; mul, mul, sub (add) each rounded, as the scalar form.
@@ -152,6 +186,24 @@ void rotary_rows(const RotaryArgs& args, int64_t lo, int64_t hi) {
       _mm512_storeu_ps(x + i + half, _mm512_add_ps(_mm512_mul_ps(b, cv), _mm512_mul_ps(a, sv)));
     }
     rotate_tail(x, c, sn, i, half);
+  });
+}
+
+// silu(g) * u, 16 at a time: exp only ever sees -|g| <= 0 (exp512's
+// range); sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|).
+void silu_mul_rows(const conveyor_cpu::SiluMulArgs& a, int64_t lo, int64_t hi) {
+  silu_mul_rows_with(a, lo, hi, [](const float* g, const float* u, float* o, int64_t d) {
+    const __m512 one = _mm512_set1_ps(1.f);
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+      const __m512 x = _mm512_loadu_ps(g + i);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+      const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+      const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+      const __m512 sig = _mm512_mask_mul_ps(r, neg, e, r);
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(u + i)));
+    }
+    silu_mul_tail(g, u, o, i, d);
   });
 }
 
@@ -201,9 +253,10 @@ void int8_linear(const conveyor_cpu::Int8LinearArgs& a, int64_t lo, int64_t hi) 
 namespace conveyor_cpu {
 
 const KernelTable* table_avx512() {
-  static const KernelTable t{"avx512", &attend_f32, &attend_generic<c10::Half>,
-                             &attend_generic<c10::BFloat16>, &rotary_rows, &rms_rows<float>,
-                             &rms_rows<c10::Half>, &rms_rows<c10::BFloat16>, &int8_linear};
+  static const KernelTable t{"avx512", &attend_f32, &attend_half<c10::Half>,
+                             &attend_half<c10::BFloat16>, &rotary_rows, &rms_rows<float>,
+                             &rms_rows<c10::Half>, &rms_rows<c10::BFloat16>, &int8_linear,
+                             &silu_mul_rows};
   return &t;
 }
 

@@ -25,7 +25,7 @@ namespace {
 using conveyor_cpu::KernelTable;
 
 // Every table this CPU can run, best first: AVX-512 needs avx512f, AVX2 needs
-// avx2 and fma (cpuid, and the OS saving the wider registers: GCC's
+// avx2, fma and f16c (cpuid, and the OS saving the wider registers: GCC's
 // __builtin_cpu_supports checks both); the portable one runs anywhere.
 std::vector<const KernelTable*> supported_tables() {
   std::vector<const KernelTable*> out;
@@ -33,7 +33,8 @@ std::vector<const KernelTable*> supported_tables() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && conveyor_cpu::table_avx512())
     out.push_back(conveyor_cpu::table_avx512());
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && conveyor_cpu::table_avx2())
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+      conveyor_cpu::table_avx2())
     out.push_back(conveyor_cpu::table_avx2());
 #endif
   out.push_back(conveyor_cpu::table_portable());
@@ -209,6 +210,19 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   return y;
 }
 
+// silu(gate) * up for the fused gate_up output: x fp32 [T, 2d] contiguous ->
+// a new contiguous [T, d] (the down projection reads it without a copy).
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) % 2 == 0,
+              "x fp32 [T, 2d] contiguous");
+  const int64_t t = x.size(0), d = x.size(1) / 2;
+  torch::Tensor out = torch::empty({t, d}, x.options());
+  const conveyor_cpu::SiluMulArgs a{x.data_ptr<float>(), out.data_ptr<float>(), d};
+  const conveyor_cpu::SiluMulRowsFn fn = active().silu_mul;
+  at::parallel_for(0, t, 8, [&](int64_t lo, int64_t hi) { fn(a, lo, hi); });
+  return out;
+}
+
 // The kernel tables: which one runs, which this CPU supports, and choosing one.
 std::string isa() { return active().name; }
 
@@ -239,6 +253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with the fused residual add (CPU)");
   m.def("rotary_neox", &rotary_neox, "neox rotary embedding in place, fp32 (CPU)");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear, fp32 math (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output, fp32 (CPU)");
   m.def("isa", &isa, "the kernel table in use: avx512, avx2 or portable");
   m.def("supported_isas", &supported_isas, "the kernel tables this CPU runs, best first");
   m.def("set_isa", &set_isa, "use this kernel table ('auto': the best supported)");

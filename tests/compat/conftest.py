@@ -52,8 +52,8 @@ class _Server:
     async def _serve(self) -> None:
         import uvicorn
 
-        from cluster.openai_app import build_api
-        from cluster.openai_server import OpenAIServer
+        from cluster.openai.app import build_api
+        from cluster.openai.server import OpenAIServer
         from engine.async_client import AsyncLLM
         from engine.config import build_config
 

@@ -14,8 +14,8 @@ Api = tuple[asyncio.AbstractEventLoop, Any, Any]
 
 def in_process_api(ckpt: str, max_model_len: int) -> Iterator[Api]:
     """A module fixture's body: yields (loop, app, llm), shuts the engine down after."""
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 

@@ -21,7 +21,7 @@ N_LINES, KILL_AFTER = 24, 4
 
 
 def lines() -> list[Any]:
-    from cluster.batch import BatchLine
+    from cluster.batch.job import BatchLine
 
     out = []
     for i in range(N_LINES):
@@ -69,8 +69,8 @@ def _read(path: str) -> list[dict[str, Any]]:
 
 
 async def engine_lost_mid_job(runner, dp, out_path: str, ref: dict[str, tuple]) -> None:
-    from cluster.batch import OutputLog, drive
-    from cluster.batch_engines import LocalEngine
+    from cluster.batch.engines import LocalEngine
+    from cluster.batch.job import OutputLog, drive
 
     victim = dp.clients[1].worker_pids()[0]
     out = OutputLog(out_path)
@@ -90,8 +90,8 @@ async def engine_lost_mid_job(runner, dp, out_path: str, ref: dict[str, tuple]) 
 async def job_lost_and_resubmitted(runner, config, out_path: str, ref: dict[str, tuple]) -> None:
     """Run 1 on `runner` (journal swapped to this job's), lost after the
     KILL_AFTER-th record with its unflushed tail; run 2 on a new LineRunner."""
-    from cluster.batch import OutputLog, Progress, Summary, drive
-    from cluster.batch_engines import LineRunner, LocalEngine
+    from cluster.batch.engines import LineRunner, LocalEngine
+    from cluster.batch.job import OutputLog, Progress, Summary, drive
     from engine.token_journal import TokenJournal, journal_path
 
     jc = runner.journal

@@ -1,4 +1,4 @@
-"""The batch job (cluster/batch.py) end to end on a tiny checkpoint:
+"""The batch job (cluster/batch/job.py) end to end on a tiny checkpoint:
 
 - input mistakes that fail the job before any work (with the line number);
 - 20 lines (2 bad) through a local Ray instance with executor ray: 18 results
@@ -156,7 +156,7 @@ def _check_results(path: str, refs: dict[str, str]) -> None:
     ('[1, 2]\n', "in.jsonl:1: expected a JSON object"),
 ])
 def test_bad_input_fails_before_any_work(tmp_path, ckpt, capsys, content, message):
-    from cluster.batch import main
+    from cluster.batch.job import main
 
     (tmp_path / "in.jsonl").write_text(content)
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "uniproc")
@@ -167,7 +167,7 @@ def test_bad_input_fails_before_any_work(tmp_path, ckpt, capsys, content, messag
 
 
 def test_empty_input_gives_empty_output(tmp_path, ckpt):
-    from cluster.batch import main
+    from cluster.batch.job import main
 
     (tmp_path / "in.jsonl").write_text("\n")
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "ray")  # never started: nothing to do
@@ -177,7 +177,7 @@ def test_empty_input_gives_empty_output(tmp_path, ckpt):
 
 
 def test_bad_config_names_the_key(tmp_path, ckpt, capsys):
-    from cluster.batch import main
+    from cluster.batch.job import main
 
     _write_jsonl(str(tmp_path / "in.jsonl"), _twenty_lines()[:1])
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "uniproc")
@@ -191,7 +191,7 @@ def test_bad_config_names_the_key(tmp_path, ckpt, capsys):
 def test_batch_on_ray_executor_and_data_parallel(tmp_path, ckpt, refs):
     import ray
 
-    from cluster.batch import main
+    from cluster.batch.job import main
 
     inp = _write_jsonl(str(tmp_path / "in.jsonl"), _twenty_lines())
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "ray")
@@ -215,7 +215,7 @@ def test_batch_on_ray_executor_and_data_parallel(tmp_path, ckpt, refs):
 # ---- kill -9 half-way, then resume ------------------------------------------------------------
 
 def test_killed_run_resumes_without_repeats(tmp_path, ckpt):
-    from cluster.batch import main
+    from cluster.batch.job import main
 
     lines = [_line(f"k{i}", "/v1/completions",
                    {"model": "tiny", "prompt": COMPLETION_PROMPTS[i % 12], "max_tokens": 200,

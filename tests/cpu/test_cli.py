@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from llm_utils import make_checkpoint
 
-from cluster.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
+from cluster.cli.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
 from parallel.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -137,8 +137,8 @@ def test_kuberay_rayservice():
 
 
 def test_kuberay_rayjob():
-    from cluster.batch import ENGINE_AND_NAME, build_parser
-    from cluster.options import collect_overrides
+    from cluster.batch.job import ENGINE_AND_NAME, build_parser
+    from cluster.cli.options import collect_overrides
 
     doc = _yaml(os.path.join(CONFIGS, "cluster", "rayjob.yaml"))
     _require(doc, {"apiVersion": str, "kind": str, "metadata": {"name": str},
@@ -259,7 +259,7 @@ def test_parallel_size_must_fit_the_cluster():
 def test_each_knob_is_declared_once_and_drives_kwargs_and_cli():
     """The LLM keywords and the CLI options come from the fields' own knobs,
     so they cannot drift from the struct (the old hand list omitted cpu)."""
-    from cluster.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
+    from cluster.cli.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
     from engine.config import EngineConfig
     from engine.config.build import _KNOBS, _KWARG_MAP
 

@@ -105,10 +105,10 @@ def test_import_rule_scanner_sees_lazy_and_dynamic_imports(tmp_path):
     f.write_text("import importlib\n"
                  "def a():\n    from cluster.engine_actor import X\n"
                  "def b():\n    import cluster.serve_app\n"
-                 "def c():\n    return importlib.import_module('cluster.ray_core_client')\n"
+                 "def c():\n    return importlib.import_module('cluster.engine_actor.client')\n"
                  "def d():\n    return __import__('cluster')\n")
     assert sorted(m for m in _imports(f) if m.startswith("cluster")) == [
-        "cluster", "cluster.engine_actor", "cluster.ray_core_client", "cluster.serve_app"]
+        "cluster", "cluster.engine_actor", "cluster.engine_actor.client", "cluster.serve_app"]
 
 
 def test_engine_reaches_the_ray_core_client_only_through_its_plugin():
@@ -120,7 +120,7 @@ def test_engine_reaches_the_ray_core_client_only_through_its_plugin():
             "assert not [m for m in sys.modules if m.split('.')[0] == 'cluster']; "
             "assert cc.remote_core_factory(build_config(executor='uniproc')) is None; "
             "f = cc.remote_core_factory(build_config(executor='ray')); "
-            "from cluster.ray_core_client import RayCoreClient; assert f is RayCoreClient, f")
+            "from cluster.engine_actor.client import RayCoreClient; assert f is RayCoreClient, f")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

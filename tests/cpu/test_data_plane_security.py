@@ -17,7 +17,7 @@ import zmq
 from llm_utils import make_checkpoint, random_prompts
 from zmq.utils.monitor import recv_monitor_message
 
-from cluster.engine_actor import TO_CORE, TO_FRONTEND, CoreInput
+from cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreInput
 from engine import LLM, SamplingParams
 from executors import frames as fr
 from executors.channel import DataPlane, PlaneKeys
@@ -252,13 +252,6 @@ def test_mp_engine_survives_foreign_peers(ckpt, prompts):
             if p is not None:
                 p.close()
         llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):

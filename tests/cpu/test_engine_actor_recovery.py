@@ -14,7 +14,6 @@ import signal
 
 import httpx
 import pytest
-import ray
 from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
 from ray_nodes import engine_actor_pids
 from recovery_utils import expect_fail_fast
@@ -60,13 +59,6 @@ def reference(ckpt, params):
         return llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
         llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 # ---- the contract underneath: a request resubmitted with its tokens goes on ----------------
@@ -117,8 +109,8 @@ def test_resubmitted_request_continues_where_it_was(ckpt):
 
 
 def test_resume_ledger_holds_exactly_what_was_delivered():
-    from cluster.resume_ledger import ResumeLedger
     from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+    from engine.resume_ledger import ResumeLedger
 
     def req(rid: str) -> EngineCoreRequest:
         return EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
@@ -369,3 +361,122 @@ def _serve_kill_scenario(url: str, refs, before: set[int]) -> None:
             name, value = line.rsplit(" ", 1)
             gauges[name.split("{", 1)[0]] = float(value)
     assert gauges == {"conveyor:kv_cache_usage_perc": 0.0, "conveyor:num_requests_running": 0.0}
+
+
+# ---- the ingress tier: several frontends over one engine pool (cluster/engine_pool.py) ------
+
+class _IngressLLM(LLM):
+    """An LLM whose engines are the pool's: one such LLM per ingress replica."""
+
+    @staticmethod
+    def _make_engine(config):  # noqa: ANN205 - SyncCoreEngine
+        from cluster.engine_pool import pooled_client
+        from engine.core_client import SyncCoreEngine
+
+        return SyncCoreEngine(pooled_client(config, use_gpu=False))
+
+
+def _wait(cond, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, reference):
+    """Two frontends (as two ingress replicas) attach to the same 2 pooled
+    engines: both get the one-engine tokens while engine 0's actor is killed
+    mid-generation (each moves its own requests, the pool rebuilds the actor,
+    both attach to the new one), and each router indexes the blocks cached
+    through the other. The last one out shuts the pool down."""
+    import threading
+
+    import ray
+
+    from engine.router.policy import block_hashes_of
+
+    cfg = build_config(model=ckpt, max_num_batched_tokens=64, data_parallel_size=2,
+                       **{"serve.replicas": 2, "parallel.num_cpus_per_worker": 0.5})
+    a = _IngressLLM(config=cfg)
+    b = _IngressLLM(config=cfg)
+    try:
+        pool = a.engine.client.pool
+        victim = ray.get(ray.get(pool.engine.remote(0))[0].pid.remote())
+        orig, calls = a.engine.step_fn, itertools.count()
+
+        def step():
+            if next(calls) == 10:
+                os.kill(victim, signal.SIGKILL)
+            return orig()
+        a.engine.step_fn = step
+        half = len(PROMPTS) // 2
+        got: dict[str, list] = {}
+        tb = threading.Thread(target=lambda: got.update(b=b.generate(PROMPTS[half:], params[half:],
+                                                                     use_tqdm=False)))
+        tb.start()
+        got["a"] = a.generate(PROMPTS[:half], params[:half], use_tqdm=False)
+        tb.join(timeout=240)
+        assert _choices(got["a"] + got["b"]) == _choices(reference)
+        assert not pid_alive(victim)
+        for llm in (a, b):  # both frontends attached to the rebuilt engine 0
+            _wait(lambda llm=llm: llm.engine.client.states == ["up", "up"])
+        assert ray.get(ray.get(pool.engine.remote(0))[0].pid.remote()) != victim
+
+        long_prompt = [7 + (i * 53) % 400 for i in range(70)]
+        sp = SamplingParams(max_tokens=2, temperature=0.0)
+        first = a.generate([long_prompt], sp, use_tqdm=False)[0]
+        hashes = block_hashes_of(long_prompt, a.engine.kv_info.block_size)
+        rb = b.engine.client.router
+        _wait(lambda: max(rb.index.match(hashes, 0b11).values(), default=0) == len(hashes))
+        again = b.generate([long_prompt], sp, use_tqdm=False)[0]
+        assert again.num_cached_tokens == len(hashes) * a.engine.kv_info.block_size
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert any(reason == "cache_hit" for (_, reason, _) in rb.decisions)
+    finally:
+        b.shutdown()
+        a.shutdown()
+    _wait(lambda: not [x for x in ray.util.list_named_actors(all_namespaces=True)
+                       if x["name"].startswith("conveyor-engines")])
+
+
+def _pools() -> list[dict]:
+    import ray
+
+    return [x for x in ray.util.list_named_actors(all_namespaces=True)
+            if x["name"].startswith("conveyor-engines")]
+
+
+def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
+    """serve.replicas: 2 with data_parallel_size 2: one engine pool for the app,
+    both replicas attached to it, 24 concurrent streams through Serve's proxy
+    (spread over both replicas) give the one-engine text; deleting the app
+    takes the pool and its engines with it."""
+    import ray
+    from ray import serve
+
+    from cluster.serve_app import run_serve
+
+    before = engine_actor_pids()
+    url = run_serve(serve_config, blocking=False, app_name="ingress2", route_prefix="/ingress2",
+                    overrides={"data_parallel_size": 2, "serve.replicas": 2,
+                               "parallel.num_cpus_per_worker": 0.5})
+    try:
+        assert len(engine_actor_pids() - before) == 2  # the pool's, not one pair per replica
+        (pool,) = _pools()
+        handle = ray.get_actor(pool["name"], namespace=pool["namespace"])
+        assert ray.get(handle.replicas.remote()) == 2  # both attached to it
+
+        async def scenario() -> list[list[dict | str]]:
+            started = [asyncio.Event() for _ in SERVE_PROMPTS]
+            async with httpx.AsyncClient(base_url=url, timeout=180) as c:
+                return await asyncio.gather(*(_stream(c, i, started) for i in range(len(SERVE_PROMPTS))))
+
+        streams = asyncio.run(asyncio.wait_for(scenario(), 240))
+        for i, (events, ref) in enumerate(zip(streams, serve_refs)):
+            text, finish, usage, errors = _summary(events)
+            assert (errors, finish, text) == ([], "length", ref.outputs[0].text), i
+    finally:
+        serve.delete("ingress2")
+    _wait(lambda: not _pools() and not engine_actor_pids() - before)

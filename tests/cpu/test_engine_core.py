@@ -135,7 +135,7 @@ def test_async_scheduling_auto_and_bounds():
         build_config(async_scheduling=True, pipeline_parallel_size=2)
     assert build_config(async_scheduling=False).scheduler.async_scheduling is False
     # The CLI flags reach the same keys (`--async-scheduling on`, `--enforce-eager true`).
-    from cluster.options import ENGINE_OVERRIDES
+    from cluster.cli.options import ENGINE_OVERRIDES
     keys = {o.flag: o.key for o in ENGINE_OVERRIDES}
     assert keys["--async-scheduling"] == "scheduler.async_scheduling"
     assert keys["--enforce-eager"] == "model.enforce_eager"

@@ -141,8 +141,8 @@ def _request(rid: str, **sampling: Any) -> EngineCoreRequest:
 
 
 def test_an_unencodable_request_fails_alone_and_the_sender_goes_on():
-    from cluster.core_link import InputSender
-    from cluster.engine_actor import CoreInput
+    from cluster.engine_actor.actor import CoreInput
+    from cluster.engine_actor.link import InputSender
 
     ch = _Channel()
     sender = InputSender(ch, lambda: None)
@@ -157,7 +157,7 @@ def test_an_unencodable_request_fails_alone_and_the_sender_goes_on():
 
 
 def test_a_dead_internal_thread_fails_health():
-    from cluster.ray_core_client import RayCoreClient
+    from cluster.engine_actor.client import RayCoreClient
     from engine.config import build_config
 
     sender = SimpleNamespace(alive=lambda: True)
@@ -267,7 +267,7 @@ def test_a_prompt_past_any_context_is_refused_without_tokenizing(ckpt, monkeypat
 def test_a_large_prompt_is_tokenized_off_the_event_loop(ckpt, monkeypatch):
     """The big prompt's tokenization waits until a small request has been
     answered: on the event loop it would deadlock (the wait_for fails)."""
-    import cluster.request_prep as S
+    import cluster.openai.request_prep as S
     from engine.tokenizer import Tokenizer
 
     monkeypatch.setattr(S, "INLINE_CHARS", 100)

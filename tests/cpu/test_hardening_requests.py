@@ -88,8 +88,8 @@ def _llm(core: FakeCore, model: str = "", **kw: Any):
 
 
 def _client(llm, **server_kw: Any) -> httpx.AsyncClient:
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
 
     srv = OpenAIServer(llm, llm.config, **server_kw)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv, api_key=None)),
@@ -217,8 +217,8 @@ def test_admission_counts_engine_requests():
     async def run() -> None:
         core = FakeCore(finish=False)
         llm = _llm(core)
-        from cluster.openai_app import build_api
-        from cluster.openai_server import OpenAIServer
+        from cluster.openai.app import build_api
+        from cluster.openai.server import OpenAIServer
 
         srv = OpenAIServer(llm, llm.config, max_admitted=6)
         transport = httpx.ASGITransport(app=build_api(srv, api_key=None))
@@ -279,9 +279,9 @@ async def _ws_connect(app: Any, headers: list[tuple[bytes, bytes]] | None = None
 
 
 def test_websocket_scopes_are_refused_unless_a_route_declares_them():
-    from cluster.middleware import AuthMiddleware
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.middleware import AuthMiddleware
+    from cluster.openai.server import OpenAIServer
 
     policy_violation = 1008  # the websocket close code for "not allowed"
 
@@ -360,9 +360,10 @@ def test_dead_engine_actor_is_503_not_500():
 
 
 def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
-    from cluster.batch import BatchLine, OutputLog, Progress, Summary, drive
-    from cluster.batch_engines import EngineFailure, LineRunner, LocalEngine
-    from cluster.openai_server import OpenAIServer
+    from cluster.batch.engines import LineRunner, LocalEngine
+    from cluster.batch.job import BatchLine, OutputLog, Progress, Summary, drive
+    from cluster.openai.server import OpenAIServer
+    from engine.errors import EngineDeadError
 
     async def run() -> None:
         runner = LineRunner.__new__(LineRunner)
@@ -373,7 +374,7 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
         out = OutputLog(str(tmp_path / "out.jsonl"))
         assert out.open() == set()
         try:
-            with pytest.raises(EngineFailure):
+            with pytest.raises(EngineDeadError):
                 await drive([LocalEngine(runner, 1)], [line], out, Progress(Summary(1), False))
         finally:
             out.close()
@@ -398,7 +399,7 @@ class GatedChannel:
         self.threads.add(threading.get_ident())
         if not self.open.is_set():
             return False
-        from cluster.engine_actor import CoreInput
+        from cluster.engine_actor.actor import CoreInput
 
         self.sent.append(msgspec.msgpack.decode(payload, type=CoreInput))
         if len(self.sent) == self.expect:
@@ -410,8 +411,8 @@ class GatedChannel:
 
 
 def test_ray_core_client_send_never_blocks_the_caller():
-    from cluster.core_link import CoreLink
-    from cluster.ray_core_client import RayCoreClient
+    from cluster.engine_actor.client import RayCoreClient
+    from cluster.engine_actor.link import CoreLink
     from engine.contracts import KVCacheInfo
 
     ch = GatedChannel(expect=2)

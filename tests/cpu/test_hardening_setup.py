@@ -118,8 +118,8 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
     the client replaces the actor, so health holds meanwhile."""
     import ray
 
-    from cluster.core_link import CoreLink
-    from cluster.ray_core_client import RayCoreClient
+    from cluster.engine_actor.client import RayCoreClient
+    from cluster.engine_actor.link import CoreLink
     from engine.recovery import RestartBudget
 
     def timeout(*_a, **_k):
@@ -428,7 +428,7 @@ def test_parity_rule_compares_lengths_and_both_top5s():
 # ---- issue 31, item 8: setup mistakes are one line and exit code 2, before any deploy ------
 
 def _cli(capsys, *argv: str) -> tuple[int, str]:
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     rc = main(list(argv))
     err = capsys.readouterr().err.strip()
@@ -497,7 +497,7 @@ def test_generate_on_a_broken_checkpoint_is_one_line(ckpt, tmp_path, capsys):
 def test_config_validate_refuses_an_empty_file(tmp_path, capsys):
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing here\n")
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     assert main(["config", "validate", str(empty)]) == 1
     assert "the file is empty" in capsys.readouterr().out

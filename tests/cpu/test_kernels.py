@@ -16,6 +16,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module impor
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -235,6 +236,7 @@ CPU_CASES = [
     (torch.float32, 4, 4, 64, 128),
     (torch.float32, 8, 2, 128, 16),  # the vector tables' other head sizes
     (torch.float32, 4, 1, 32, 16),
+    (torch.bfloat16, 8, 2, 64, 16),  # bf16 rows widened in registers (dtype: bfloat16)
 ]
 
 
@@ -424,6 +426,24 @@ def test_cpu_rms_norm_matches_torch(dtype, cpu_isa) -> None:
     for (out, carried), (ref_out, ref_carried) in zip(native, ref):
         assert torch.equal(carried, ref_carried)
         _check(out, ref_out, dtype, seed, "rms_norm")
+
+
+def test_cpu_silu_and_mul_matches_torch(cpu_isa) -> None:
+    """The fused gate_up activation against torch's silu(gate) * up: 1408
+    (the bench's width) and 37 (a scalar tail), with large |x| on both sides."""
+    from workers.layers.activation import SiluAndMul
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    for d in (1408, 37):
+        x = torch.randn(9, 2 * d, generator=gen) * 4
+        x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+        with torch.inference_mode():
+            cpu_attention.load_extension()
+            out = SiluAndMul()(x.clone())
+        ref = F.silu(x[:, :d]) * x[:, d:]
+        assert out.is_contiguous() and out.shape == (9, d)
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=f"seed {seed}, d {d}")
 
 
 @pytest.mark.parametrize("head,rotary_dim", [(64, 64), (40, 20), (128, 64)])

@@ -138,8 +138,8 @@ def test_http_adapter_addressing(models):
     import httpx
     import openai
 
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer, model_name_of
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer, model_name_of
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 
@@ -152,17 +152,34 @@ def test_http_adapter_addressing(models):
 
     async def run() -> None:
         llm = AsyncLLM(cfg)
-        app = build_api(OpenAIServer(llm, cfg), api_key="k")
+        server = OpenAIServer(llm, cfg)
+        app = build_api(server, api_key="k")
         http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
         client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http, max_retries=0)
         try:
             async with app.router.lifespan_context(app):
                 await _http_checks(client, http, llm, name, prompt, refs, adapters)
+                await _batch_line_check(server, llm, prompt, refs)
         finally:
             await http.aclose()
             await llm.shutdown()
 
     asyncio.run(asyncio.wait_for(run(), 120))
+
+
+async def _batch_line_check(server, llm, prompt, refs) -> None:
+    """A batch JSONL line's `model` names the adapter (the batch runner's
+    OpenAIServer on the same engine: no second engine start)."""
+    from cluster.batch_engines import LineRunner
+
+    runner = LineRunner.__new__(LineRunner)  # its __init__ would start another engine
+    runner.llm, runner.server = llm, server
+    body = {"model": "a0", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    rec = await runner.run({"custom_id": "c0", "method": "POST", "url": "/v1/completions", "body": body})
+    assert rec["response"]["status_code"] == 200
+    assert rec["response"]["body"]["choices"][0]["text"] == llm.tokenizer.decode(refs[0])
+    rec = await runner.run({"custom_id": "c1", "url": "/v1/completions", "body": {**body, "model": "nope"}})
+    assert rec["response"]["status_code"] == 404
 
 
 async def _http_checks(client, http, llm, name, prompt, refs, adapters) -> None:

@@ -161,7 +161,7 @@ def test_lora_requests_info_metrics() -> None:
     """Running and waiting requests per adapter (vLLM's lora_requests_info)."""
     from types import SimpleNamespace
 
-    from cluster.metrics import _lora_metrics
+    from cluster.openai.metrics import _lora_metrics
     from engine.contracts import SchedulerStats
     from engine.lora import lora_stats
 

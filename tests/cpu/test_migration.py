@@ -101,7 +101,7 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
     the whole job lost and run again from its token journal."""
     import migration_batch as mb
 
-    from cluster.batch_engines import LineRunner
+    from cluster.batch.engines import LineRunner
 
     caplog.set_level(logging.INFO, logger="engine.migration")
 
@@ -337,8 +337,8 @@ def test_drain_cli_and_admin_body_checks(capsys) -> None:
 
     from pydantic import ValidationError
 
-    from cluster.admin_routes import DrainRequest
-    from cluster.cli import main
+    from cluster.cli.main import main
+    from cluster.openai.routes.admin import DrainRequest
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))

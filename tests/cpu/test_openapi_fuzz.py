@@ -35,8 +35,8 @@ def served(tmp_path_factory):
     on uvicorn's loop (the app's lifespan starts it)."""
     import uvicorn
 
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 

@@ -88,15 +88,6 @@ def test_restart_budget_window():
     assert b.take() and not b.take()
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 # TP x PP covers a pipeline stage's loss; TP alone a lost tensor rank (PP alone is
 # the mp executor's case in test_killed_rank_costs_no_request).
 # TP x PP only: the rebuild is one path whatever the layout (test_ray_executor.py

@@ -62,9 +62,9 @@ class _Gate:
 
 
 def test_health_metrics_and_logs_during_and_after_recovery(ckpt, reference, monkeypatch, caplog):
-    import cluster.openai_server as server_mod
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    import cluster.openai.server as server_mod
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 

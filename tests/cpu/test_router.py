@@ -208,7 +208,7 @@ def test_unknown_policy_is_refused() -> None:
 def test_config_knobs_cli_flag_and_metrics_rows() -> None:
     import argparse
 
-    from cluster.options import add_override_options, collect_overrides
+    from cluster.cli.options import add_override_options, collect_overrides
     from engine.config import ConfigError, build_config
 
     cfg = build_config(data_parallel_size=2, router="session")

@@ -102,7 +102,7 @@ def _metric(m: dict[str, float], name: str) -> float:
 # ---- no Ray (first, before the module's Ray instance starts) -----------------------
 
 def test_replica_resources_and_sizing():
-    from cluster.engine_actor import CoreActorPlacement
+    from cluster.engine_actor.actor import CoreActorPlacement
     from cluster.serve_app import (
         SERVE_HEADROOM,
         core_actor_placement,
@@ -154,7 +154,7 @@ def test_direct_ingress_defaults_on_only_where_conveyor_starts_ray():
 
 
 def test_frontend_cpus_split_only_for_one_cpu_replica_running_its_model():
-    from cluster.cpu_layout import CpuSplit, frontend_cpus, split_cpus
+    from cluster.engine_actor.cpu_layout import CpuSplit, frontend_cpus, split_cpus
     from engine.config import ConfigError, build_config
 
     assert frontend_cpus(build_config(), use_gpu=False) == 1  # the default: auto
@@ -175,8 +175,8 @@ def test_frontend_cpus_split_only_for_one_cpu_replica_running_its_model():
 async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> list[int]:
     """Tokens per SSE event of one streamed completion from a server whose
     serve.* config has `serve_fields` replaced."""
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
 
     srv = OpenAIServer(llm, msgspec.structs.replace(
         cfg, serve=msgspec.structs.replace(cfg.serve, **serve_fields)))
@@ -189,8 +189,8 @@ async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> lis
 
 
 def test_in_process_503_500_and_in_band_error(ckpt):
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
     from engine.contracts import EngineCoreOutputs
@@ -246,13 +246,13 @@ def test_in_process_503_500_and_in_band_error(ckpt):
                 _assert_error(await c.post("/v1/completions", json=body), 503, "engine_unavailable")
                 srv.draining = False
 
-                async def broken(job):  # one of our bugs: generic 500, details only logged
+                async def broken(job, streams):  # one of our bugs: generic 500, details only logged
                     raise RuntimeError("secret detail")
-                srv._collect, orig = broken, srv._collect
+                srv.builder.collect, orig = broken, srv.builder.collect
                 r = await c.post("/v1/completions", json=body)
                 _assert_error(r, 500, "internal_error")
                 assert "secret" not in r.text
-                srv._collect = orig
+                srv.builder.collect = orig
 
                 # The engine dies mid-stream: the error goes in-band, then [DONE].
                 async def kill_soon() -> None:
@@ -568,7 +568,7 @@ def test_responses_live_in_the_cluster_store(server, client):
     continues after that actor is killed (recreated over the same file)."""
     import ray
 
-    from cluster.response_store import ACTOR_NAME, ACTOR_NAMESPACE
+    from cluster.openai.responses_api.store import ACTOR_NAME, ACTOR_NAMESPACE
 
     r = client.responses.create(model="tiny", input="Hello", max_output_tokens=4, temperature=0.0)
     assert client.responses.retrieve(r.id).output_text == r.output_text
@@ -965,7 +965,7 @@ def _drain_over_http(url: str, post) -> None:
               and 'engine="0"' in k and 'cause="drain"' in k]
     assert drains == [r.json()["moved_requests"]] and drains[0] > 0
     assert httpx.post(f"{url}/admin/drain", json={"engine": 0}).status_code == 401  # behind the key
-    from cluster.cli import main
+    from cluster.cli.main import main
 
     # `conveyor drain --undrain` takes it back; a second undrain is a 400 naming engine.
     assert main(["drain", "--url", url, "--engine", "0", "--undrain", "--api-key-env", KEY_ENV]) == 0
@@ -987,7 +987,7 @@ def _thread_cpus(pid: int) -> list[set[int]]:
 def test_cpu_replica_pins_engine_step_thread_and_replica_threads(server):
     """serve.frontend_cpus auto (1 here): the engine actor's step thread sits on
     all but the last core, every replica thread on the last one."""
-    from cluster.cpu_layout import split_cpus
+    from cluster.engine_actor.cpu_layout import split_cpus
 
     split = split_cpus(os.sched_getaffinity(0), 1)
     if split is None:

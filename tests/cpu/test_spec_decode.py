@@ -35,7 +35,7 @@ def test_config_section_and_kwarg():
     assert not build_config(model="").speculative.enabled
     assert build_config({"speculative": {"method": "ngram"}}).speculative.prompt_lookup_max == 4
     # CLI: --speculative-method / --num-speculative-tokens / --set become dotted keys.
-    from cluster.options import parse_set
+    from cluster.cli.options import parse_set
 
     cli = build_config(model="", **{"speculative.method": "ngram",
                                     **parse_set(["speculative.num_speculative_tokens=6"])})
@@ -236,15 +236,6 @@ def test_greedy_parity_tp2(ckpts, prompts, base, refs):
     _check("llama", ckpts, prompts, base, refs, got)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=6, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 def test_greedy_parity_ray_tp2(ray_local, ckpts, prompts, base, refs):
     """Drafts travel to both ranks in the SchedulerOutput; the core runs in its actor."""
     with LLM(model=ckpts["qwen3"], speculative_config=spec(3), executor="ray",
@@ -349,7 +340,7 @@ def test_distribution_at_drafted_positions(small_vocab, top_p):
 # ---- metrics on /metrics ------------------------------------------------------------------
 
 def test_prometheus_exposes_spec_counters():
-    from cluster.metrics import ServeMetrics
+    from cluster.openai.metrics import ServeMetrics
     from engine.async_client import EngineCounters
 
     class FakeLLM:
@@ -396,8 +387,8 @@ def test_async_llm_and_metrics_endpoint(ckpts, prompts, base):
 
     import httpx
 
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
     from engine.async_client import AsyncLLM, collect
 
     cfg = build_config({"model": {"path": ckpts["llama"]}, "speculative": spec(3),

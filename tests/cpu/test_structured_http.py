@@ -206,7 +206,7 @@ def test_errors_are_400_naming_the_field(api, body, param):
 
 
 def test_structured_metrics(api):
-    from cluster.metrics import ServeMetrics
+    from cluster.openai.metrics import ServeMetrics
 
     _, _, llm = api
     text = ServeMetrics(llm, "tiny").render().decode()
@@ -223,7 +223,7 @@ def test_structured_metrics(api):
 
 
 def test_batch_lines_with_structured_bodies(tmp_path, ckpt):
-    from cluster.batch import main
+    from cluster.batch.job import main
 
     schema = SCHEMAS[1]
     cfg = tmp_path / "engine.yaml"

@@ -226,15 +226,6 @@ def test_mp_tensor_parallel(ckpt, llm):
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=6, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_ray_tp_pp_batch_queue(ray_local, ckpt, tp, pp):
     params = _suite_params()

@@ -42,8 +42,8 @@ def api(ckpt):
     """(loop, {parser: FastAPI app}, AsyncLLM): one engine, one app per parser."""
     import msgspec
 
-    from cluster.openai_app import build_api
-    from cluster.openai_server import OpenAIServer
+    from cluster.openai.app import build_api
+    from cluster.openai.server import OpenAIServer
     from engine.async_client import AsyncLLM
     from engine.config import build_config
 
@@ -264,8 +264,8 @@ def test_auto_with_response_format_is_calls_or_the_answer(api, ckpt):
     or the schema-shaped answer, nothing else; every output is one of them."""
     import llguidance as llg
 
-    from cluster.openai_protocol import ChatRequest
-    from cluster.tools import tool_plan
+    from cluster.openai.protocol import ChatRequest
+    from cluster.openai.tools.request import tool_plan
     from engine.structured_output.llguidance_backend import LLGuidanceBackend
     from engine.tokenizer import load_tokenizer
 
@@ -384,8 +384,20 @@ def test_errors_are_400_naming_the_field(api, body, param):
     assert ok.status_code == 200 and llm.num_unfinished == 0
 
 
+def test_tools_are_typed_in_the_openapi_schema(api):
+    """FastAPI validates `tools` with the body (the errors above) and documents
+    their shape: a client generator sees ToolDef, not an untyped list."""
+    async def go(c):
+        return (await c.get("/openapi.json")).json()["components"]["schemas"]
+    schemas = _run(api, go)
+    tools = schemas["ChatRequest"]["properties"]["tools"]["anyOf"][0]
+    assert tools["items"] == {"$ref": "#/components/schemas/ToolDef"} and tools["maxItems"] == 128
+    assert schemas["ToolDef"]["properties"]["type"]["const"] == "function"
+    assert set(schemas["FunctionDef"]["required"]) == {"name"}
+
+
 def test_batch_lines_with_tools(tmp_path, ckpt):
-    from cluster.batch import main
+    from cluster.batch.job import main
 
     cfg = tmp_path / "engine.yaml"
     cfg.write_text(json.dumps({"model": {"path": ckpt, "max_model_len": 2048},

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cluster.tool_parsers import TOOL_PARSERS, ToolCall, ToolSpec, get_tool_parser
-from cluster.tool_parsers.base import fold
+from cluster.openai.tools.parsers import TOOL_PARSERS, ToolCall, ToolSpec, get_tool_parser
+from cluster.openai.tools.parsers.base import fold
 
 NAMES = frozenset({"get_weather", "add"})
 W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -113,7 +113,7 @@ def test_registry_matches_config():
 
 
 def _plan(parser: str = "hermes", max_calls: int = 8):
-    from cluster.tools import ToolPlan
+    from cluster.openai.tools.request import ToolPlan
 
     return ToolPlan("auto", get_tool_parser(parser), NAMES, None, max_calls)
 
@@ -147,16 +147,16 @@ def _accumulate(chunks: list[list[dict]]) -> dict:
 def test_session_deltas_assemble_to_the_final_message(parser, text, content, calls, max_calls):
     """Streamed one character a time, the deltas add up to the non-streamed
     message; parallel_tool_calls false (max_calls 1) keeps the first call only."""
-    from cluster import openai_protocol as P
-    from cluster.tool_response import ToolSession, rounds
+    from cluster.openai import bodies as B
+    from cluster.openai.tools.response import ToolSession, rounds
 
     calls = calls[:max_calls]
-    final = ToolSession(_plan(parser, max_calls)).finish_choice(P.chat_choice(0, text, None, "stop"), text)
+    final = ToolSession(_plan(parser, max_calls)).finish_choice(B.chat_choice(0, text, None, "stop"), text)
     s = ToolSession(_plan(parser, max_calls))
     chunks = []
     for i, ch in enumerate(text or " "):
         last = i == max(len(text), 1) - 1
-        base = P.chat_delta(0, {"content": ch}, None, "stop" if last else None, None)
+        base = B.chat_delta(0, {"content": ch}, None, "stop" if last else None, None)
         chunks += rounds([s.delta_choices(0, base, ch if text else "")])
     got = _accumulate(chunks)
     msg = final["message"]
@@ -198,9 +198,9 @@ def test_eager_reading_at_every_split(parser):
 
 @pytest.mark.parametrize("parser", sorted(GRAMMAR_TEXT))
 def test_eager_deltas_name_first_then_argument_fragments(parser):
-    from cluster import openai_protocol as P
-    from cluster.tool_response import ToolSession, rounds
-    from cluster.tools import ToolPlan
+    from cluster.openai import bodies as B
+    from cluster.openai.tools.request import ToolPlan
+    from cluster.openai.tools.response import ToolSession, rounds
     from engine.structured_output.params import StructuredOutputsParams
 
     plan = ToolPlan("required", get_tool_parser(parser), NAMES, StructuredOutputsParams(grammar='start: "x"'))
@@ -208,7 +208,7 @@ def test_eager_deltas_name_first_then_argument_fragments(parser):
     s, chunks = ToolSession(plan), []
     for i, ch in enumerate(text):
         reason = "stop" if i == len(text) - 1 else None
-        chunks += rounds([s.delta_choices(0, P.chat_delta(0, {"content": ch}, None, reason), ch)])
+        chunks += rounds([s.delta_choices(0, B.chat_delta(0, {"content": ch}, None, reason), ch)])
         if i == text.index('"a"') + 1:  # inside the first call's arguments: its name is out
             assert _accumulate(chunks)["calls"][0]["name"] == "add"
     got = _accumulate(chunks)
@@ -217,7 +217,7 @@ def test_eager_deltas_name_first_then_argument_fragments(parser):
     fragments = [tc for ch in chunks for c in ch for tc in c["delta"].get("tool_calls", [])
                  if "id" not in tc]
     assert len(fragments) > len(EAGER_CALLS)  # the arguments arrive piece by piece
-    final = ToolSession(plan).finish_choice(P.chat_choice(0, text, None, "stop"), text)
+    final = ToolSession(plan).finish_choice(B.chat_choice(0, text, None, "stop"), text)
     assert [c["function"]["arguments"] for c in final["message"]["tool_calls"]] == \
         [c.arguments for c in EAGER_CALLS]
 

