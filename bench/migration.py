@@ -16,6 +16,14 @@ stream --max-tokens long (ignore_eos).
    each moved stream's largest gap between tokens against its own TPOT, and
    one engine's start time (what a rebuild costs at least) for comparison.
    Passes when every stream's tokens equal the reference.
+3. The goal's bound: 2 x TPOT + the prefill time of the longest moved context
+   (prompt + tokens it had), that prefill timed alone on an idle engine
+   (a fresh prompt of that length, one token). Also the largest gap of the
+   streams that stayed (engine 1's own, which share its steps with the moved
+   contexts' prefill).
+
+--warm-drain: parallel.warm_drain (warm handover, engine/dp_handover.py);
+by default the plain move.
 
   .venv/bin/python bench/migration.py                 # 64 streams
   .venv/bin/python bench/migration.py --streams 16 --max-tokens 64
@@ -77,12 +85,27 @@ async def _run(llm, prompts, params, warm_n: int, drain: bool) -> dict:
         t0 = time.monotonic()
         out["moved"] = await llm.drain(0, timeout_s=300)
         out["handover_s"] = time.monotonic() - t0
+        out["drain_end"] = time.monotonic()
         out["drain_at"] = t0
         # Engine request ids are "<stream id>-<child>-<suffix>".
         out["moved_idx"] = sorted({int(rid.split("-")[0][1:]) for rid, e in owners.items() if e == 0})
     await asyncio.gather(*tasks)
     out["times"], out["toks"] = times, toks
     return out
+
+
+async def _prefill_time(llm, n: int, seed: int) -> float:
+    """Time to the first token of a fresh n-token prompt on the idle engines (median of 3)."""
+    from engine import SamplingParams
+
+    rng, times = random.Random(seed + 1), []
+    for k in range(3):
+        prompt = [rng.randrange(4, 512) for _ in range(n)]
+        t0 = time.monotonic()
+        async for _ in llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"p{k}"):
+            pass
+        times.append(time.monotonic() - t0)
+    return statistics.median(times)
 
 
 def _gaps(ts: list[float]) -> list[float]:
@@ -96,7 +119,7 @@ async def main_async(a: argparse.Namespace) -> dict:
 
     path = build_model(os.path.join(a.model_dir, "llama30m_v512"))
     cfg = build_config(model=path, max_model_len=1024, data_parallel_size=2, max_num_seqs=a.streams,
-                       num_gpu_blocks=a.streams * 24)
+                       num_gpu_blocks=a.streams * 24, **{"parallel.warm_drain": a.warm_drain})
     t0 = time.monotonic()
     llm = AsyncLLM(cfg)
     start_s = (time.monotonic() - t0) / 2
@@ -105,12 +128,19 @@ async def main_async(a: argparse.Namespace) -> dict:
         ref = await _run(llm, prompts, params, a.warm, drain=False)
         got = await _run(llm, prompts, params, a.warm, drain=True)
         m = llm.client.metrics()
+        longest = max(len(prompts[i]) + a.warm for i in got["moved_idx"])
+        prefill_s = await _prefill_time(llm, longest, a.seed)
     finally:
         await llm.shutdown()
     tpot = [statistics.median(_gaps(t)) for t in ref["times"]]
     moved_idx = got["moved_idx"]
     ratios = sorted(max(_gaps(got["times"][i])) / tpot[i] for i in moved_idx)
     max_gap = max(max(_gaps(got["times"][i])) for i in moved_idx)
+    stayed = [i for i in range(a.streams) if i not in set(moved_idx)]
+    t0, t1 = got["drain_at"], got["drain_end"]
+    stayed_gap = max((b - x for i in stayed for x, b in zip(got["times"][i], got["times"][i][1:])
+                      if b >= t0 and x <= t1), default=0.0)
+    tpot_med = statistics.median(tpot)
     return {
         "streams": a.streams, "max_tokens": a.max_tokens, "moved_streams": got["moved"],
         "identical": got["toks"] == ref["toks"],
@@ -120,6 +150,11 @@ async def main_async(a: argparse.Namespace) -> dict:
         "largest_gap_ms": round(max_gap * 1e3, 1),
         "largest_gap_over_tpot": {"p50": round(ratios[len(ratios) // 2], 1), "max": round(ratios[-1], 1)}
         if ratios else None,
+        "longest_moved_context": longest, "its_prefill_ms": round(prefill_s * 1e3, 1),
+        "goal_bound_ms": round((2 * tpot_med + prefill_s) * 1e3, 1),
+        "goal_met": max_gap <= 2 * tpot_med + prefill_s,
+        "stayed_streams_largest_gap_during_drain_ms": round(stayed_gap * 1e3, 1),
+        "warm_drain": a.warm_drain,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }
 
@@ -130,6 +165,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--warm", type=int, default=8, help="tokens every stream has before the drain")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warm-drain", action=argparse.BooleanOptionalAction, default=False,
+                   help="parallel.warm_drain: warm handover (engine/dp_handover.py); off: the plain move")
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "conveyor-bench-models"))
     a = p.parse_args()
     res = asyncio.run(main_async(a))

@@ -123,7 +123,8 @@ def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:
     place = (CoreActorPlacement() if p.executor == "ray" else
              CoreActorPlacement(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
                                 num_gpus=float(config.world_size) if use_gpu else 0.0))
-    return DataParallelClient(config, make_engine_clients(config, lambda c: RayCoreClient(c, place)))
+    spawn = lambda c: RayCoreClient(c, place)  # noqa: E731 - replace_engine starts one more the same way
+    return DataParallelClient(config, make_engine_clients(config, spawn), spawn)
 
 
 def max_admitted(config: EngineConfig) -> int:

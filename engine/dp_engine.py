@@ -28,6 +28,7 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest
+from engine.dp_handover import WarmHandover
 from engine.errors import DeadFlag, EngineDeadError
 from engine.frontend import resolved_max_tokens
 from engine.migration import MigrationLog
@@ -66,12 +67,21 @@ def make_engine_clients(config: EngineConfig,
     return clients
 
 
-class DataParallelClient:
+class DataParallelClient(WarmHandover):
     takes_session = True  # add_request(request, session=...) (AsyncLLM checks)
 
-    def __init__(self, config: EngineConfig, clients: list[Any] | None = None) -> None:
+    def __init__(self, config: EngineConfig, clients: list[Any] | None = None,
+                 spawn: Callable[[EngineConfig], Any] | None = None) -> None:
+        """spawn(config) makes one engine's client (replace_engine uses it);
+        by default an in-process core, or the executor's remote client."""
         self.config = config
-        self.clients = clients if clients is not None else make_engine_clients(config)
+        if spawn is None:
+            from engine.core_client import make_single_core_client
+
+            spawn = lambda c: make_single_core_client(engine_config(c))  # noqa: E731
+        self._spawn = spawn
+        self.clients = clients if clients is not None else make_engine_clients(config, spawn)
+        self._on_outputs: OutputHandler | None = None
         self.kv_info = self.clients[0].kv_info
         self.router = Router(RouterSettings(policy=config.serve.router, block_size=self.kv_info.block_size,
                                             seed=config.model.seed), len(self.clients))
@@ -85,14 +95,21 @@ class DataParallelClient:
         self.ledger = ResumeLedger()
         self.dead = DeadFlag()  # the frontend's record (AsyncLLM shares it)
         self.migrations = MigrationLog(len(self.clients))
+        self._warming = {}  # warm-up request id -> its request's move (engine/dp_handover.py)
+        self._warm_queue = {}
         self.states = [UP] * len(self.clients)
         self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
         self._prefix = [[0, 0] for _ in self.clients]  # per engine: queried, hit tokens
+        self._stats: list[Any] = [None] * len(self.clients)  # per engine: its last SchedulerStats
         for i, c in enumerate(self.clients):
-            if hasattr(c, "hand_over_losses"):  # a RayCoreClient: its requests move instead of waiting
-                c.hand_over_losses(self._on_lost(i), self._on_back(i))
+            self._hook(i, c)
+
+    def _hook(self, i: int, c: Any) -> None:
+        if hasattr(c, "hand_over_losses"):  # a RayCoreClient: its requests move instead of waiting
+            c.hand_over_losses(self._on_lost(i), self._on_back(i))
 
     def start(self, on_outputs: OutputHandler) -> None:
+        self._on_outputs = on_outputs
         for i, c in enumerate(self.clients):
             c.start(self._sink(i, on_outputs))
 
@@ -120,6 +137,7 @@ class DataParallelClient:
         """Index events and prefix stats of engine i; True: ask it for a snapshot."""
         if outs.scheduler_stats is not None:
             st, acc = outs.scheduler_stats, self._prefix[i]
+            self._stats[i] = st
             acc[0] += st.prefix_cache_stats.queries
             acc[1] += st.prefix_cache_stats.hits
             idle = self._idle.get(i)
@@ -135,7 +153,7 @@ class DataParallelClient:
         records them before the frontend sees them."""
         live = self._live
         if outs.outputs:
-            outs.outputs = [o for o in outs.outputs if live.get(o.request_id) == i]
+            outs.outputs = [o for o in self._warm_outputs(i, outs.outputs) if live.get(o.request_id) == i]
             now = time.monotonic()
             self.migrations.observe(i, outs.outputs, now)
             self.ledger.absorb(outs, now)
@@ -156,11 +174,13 @@ class DataParallelClient:
                 self.ledger.drop([request.request_id])
                 raise
 
-    def _place(self, request: EngineCoreRequest, session: str | None = None) -> int:
+    def _place(self, request: EngineCoreRequest, session: str | None = None,
+               prefer: int | None = None) -> int:
         """Route the request (prompt + the tokens it already has) and send it;
         an engine found dead on the way is lost and the next one is tried.
-        Sending under the lock: a drain or loss that moves it can never be
-        overtaken by this add (it would run twice)."""
+        `prefer`: that engine if it is up (a warmed one). Sending under the
+        lock: a drain or loss that moves it can never be overtaken by this
+        add (it would run twice)."""
         toks, lr = request.prompt_token_ids + request.output_token_ids, request.lora_request
         hashes = block_hashes_of(toks, self.kv_info.block_size, request.cache_salt,
                                  lr.lora_int_id if lr is not None else None) if self._hash else []
@@ -169,8 +189,12 @@ class DataParallelClient:
         while True:
             if UP not in self.states:
                 raise EngineDeadError("no engine is up to take the request")
-            d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,
-                                  lr.lora_name if lr is not None else None)
+            if prefer is not None and self.states[prefer] == UP:
+                d = self.router.assign(request.request_id, prefer, len(toks) + max(max_tokens, 0))
+                prefer = None
+            else:
+                d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,
+                                      lr.lora_name if lr is not None else None)
             self._live[request.request_id] = d.engine
             try:
                 self.clients[d.engine].add_request(request)
@@ -211,6 +235,7 @@ class DataParallelClient:
             idle.set()
         if UP not in self.states:
             return False
+        self._warm_engine_lost(i)
         log.warning("%s; moving its %d requests to the other engines", why,
                     sum(1 for e in self._live.values() if e == i))
         self._move_off(i, "lost")
@@ -273,7 +298,9 @@ class DataParallelClient:
             self.states[engine] = DRAINED
             self.router.engine_down(engine)
             idle = self._idle[engine] = threading.Event()
-            moved = self._move_off(engine, "drain")
+            # With prefix caching the new engines compute the contexts first (warm handover).
+            warm = self.config.cache.enable_prefix_caching and self.config.parallel.warm_drain
+            moved = self._warm_off(engine) if warm else self._move_off(engine, "drain")
             if not moved:
                 idle.set()
         log.info("draining engine %d: %d requests handed over", engine, moved)
@@ -292,6 +319,66 @@ class DataParallelClient:
             self.router.engine_up(engine)
         if self._hash:
             self.clients[engine].request_kv_snapshot()
+
+    def replace_engine(self, engine: int, config: EngineConfig | None = None,
+                       timeout_s: float = 60.0) -> int:
+        """Put a new engine in slot `engine` (built from `config`: the same
+        model, other engine settings, e.g. scheduler.max_num_seqs, for a
+        rollout; by default the client's config). An engine still up is
+        drained first (its requests move, none is lost); a drained or dead
+        one is shut down. Returns how many requests moved. While the new one
+        starts the others serve everything; it takes requests once it runs."""
+        with self._lock:
+            if not 0 <= engine < len(self.clients):
+                raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
+            state = self.states[engine]
+            if state == LOST:
+                raise ValueError(f"engine {engine} is being rebuilt; replace it once it is up or dead")
+        moved = self.drain(engine, timeout_s) if state == UP else 0
+        with self._lock:
+            self.states[engine] = DEAD  # late outputs of the old one are dropped from here on
+            old = self.clients[engine]
+        old.shutdown()
+        new = self._spawn(config if config is not None else self.config)
+        with self._lock:
+            self.clients[engine] = new
+            self._prefix[engine], self._stats[engine] = [0, 0], None
+            self._hook(engine, new)
+            if self._on_outputs is not None:
+                new.start(self._sink(engine, self._on_outputs))
+            self.states[engine] = UP
+            self.router.engine_up(engine)
+            # Requests that waited for an engine (every one was lost) go on now.
+            for j, st in enumerate(self.states):
+                if st == LOST:
+                    self._move_off(j, "lost")
+        log.info("engine %d replaced (%d requests moved off it first)", engine, moved)
+        return moved
+
+    def rollout(self, config: EngineConfig, timeout_s: float = 60.0) -> int:
+        """Replace the engines one at a time with engines of `config` (same
+        model), each drained through migration first: no request is lost and
+        every stream continues token-exact. Returns the requests moved."""
+        if config.model != self.config.model or config.max_model_len != self.config.max_model_len:
+            raise ValueError("a rollout keeps the model and max_model_len; start a new server for another")
+        moved = sum(self.replace_engine(i, config, timeout_s) for i in range(len(self.clients)))
+        self.config = config
+        return moved
+
+    def engines(self) -> list[dict[str, Any]]:
+        """Each engine's slot, state and process ids (admin view; tests pick a victim here)."""
+        out: list[dict[str, Any]] = []
+        for i, c in enumerate(list(self.clients)):
+            st = self._stats[i]
+            info: dict[str, Any] = {"engine": i, "state": self.states[i], "kv_cache_usage": (
+                st.kv_cache_usage if st is not None else 0.0), "requests": (
+                st.num_running_reqs + st.num_waiting_reqs if st is not None else 0)}
+            if self.states[i] in (UP, DRAINED):
+                info["worker_pids"] = c.worker_pids()
+                if hasattr(c, "engine_pid"):
+                    info["actor_pid"] = c.engine_pid()
+            out.append(info)
+        return out
 
     def check_health(self) -> str:
         """"ok" when every engine still in service is; "recovering" when one

@@ -46,12 +46,15 @@ def make_record(custom_id: str, request_id: str, status: int, body: dict[str, An
 class LineRunner:
     """One AsyncLLM and the OpenAI request handling on top of it."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, journal_path: str | None = None) -> None:
         # Here, not at the top: `conveyor --help` and the job's parser never load the engine.
         from cluster.openai.server import OpenAIServer
         from engine.async_client import AsyncLLM
+        from engine.token_journal import journaled_client
 
-        self.llm = AsyncLLM(config)
+        # journal_path: generated tokens survive a lost job (engine/token_journal.py).
+        self.journal = journaled_client(config, journal_path) if journal_path else None
+        self.llm = AsyncLLM(config, self.journal)
         self.server = OpenAIServer(self.llm, config)
 
     def _check_line(self, obj: dict[str, Any]) -> str:
@@ -72,7 +75,7 @@ class LineRunner:
         """The output record of one input line; raises EngineDeadError if the engine died (the job
         stops; finished lines stay in the output)."""
         await self.server.start()
-        rid = f"batch-{uuid.uuid4().hex}"
+        rid = f"batch-{uuid.uuid4().hex}" if self.journal is None else self.journal.line_id(obj)
         try:
             problem = utf8_problem(obj["custom_id"])
             if problem is not None:  # the line's error record still names it (escaped)
@@ -90,6 +93,8 @@ class LineRunner:
         # 503 is the server's "engine unavailable": a dead engine, not this line.
         if status == 503 or self.llm.dead_error is not None:
             raise EngineDeadError(f"engine failed: {self.llm.dead_error or body}")
+        if self.journal is not None:  # written next: its tokens need no journal any more
+            self.journal.forget_line(rid)
         return make_record(obj["custom_id"], rid, status, body)
 
     async def _body(self, kind: str, body: dict[str, Any], meta: RequestMeta) -> dict[str, Any]:

@@ -51,6 +51,7 @@ from cluster.cli.options import (
 from engine.config import ConfigError, EngineConfig, check_cluster_fits, load_config
 from engine.core_client import core_in_actor
 from engine.errors import EngineDeadError
+from engine.token_journal import journal_path
 
 log = logging.getLogger("conveyor.batch")
 
@@ -277,9 +278,10 @@ def init_ray(address: str | None, local_cpus: int = 1) -> bool:
     return True
 
 
-async def _start_engines(config: EngineConfig, data_parallel: int, max_in_flight: int) -> list[Engine]:
+async def _start_engines(config: EngineConfig, data_parallel: int, max_in_flight: int,
+                         journal: str | None = None) -> list[Engine]:
     if data_parallel == 1:
-        runner = await asyncio.get_running_loop().run_in_executor(None, LineRunner, config)
+        runner = await asyncio.get_running_loop().run_in_executor(None, LineRunner, config, journal)
         return [LocalEngine(runner, max_in_flight)]
     engines = [ActorEngine(config, i, max_in_flight) for i in range(data_parallel)]
     try:
@@ -305,7 +307,11 @@ async def run_batch(config: EngineConfig, input_path: str, output_path: str, *,
         if not pending:
             return summary
         engines = await _start_engines(config, data_parallel,
-                                       max_in_flight or 2 * config.scheduler.max_num_seqs)
+                                       max_in_flight or 2 * config.scheduler.max_num_seqs,
+                                       journal_path(output_path))
+        journal = getattr(engines[0], "runner", None) and engines[0].runner.journal
+        if journal is not None:  # written lines need no tokens kept (engine/token_journal.py)
+            journal.forget_lines([ln.obj for ln in lines if ln.custom_id in done])
         bar = Progress(summary, progress)
         summary.started = time.monotonic()  # engine start-up is not in the rate
         try:

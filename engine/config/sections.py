@@ -93,6 +93,10 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # max_restarts times per restart_window_s; a rebuild that finds no
     # capacity within recovery_timeout_s fails the engine as before.
     max_restarts: Annotated[int, int_in(0, 100)] = 3
+    # data_parallel_size > 1, prefix caching on: a drain first computes each
+    # request's context on its new engine (engine/dp_handover.py). Off by
+    # default: slower on the 2-core CPU box (BENCHMARKS.md "Live migration").
+    warm_drain: Annotated[bool, knob("bool")] = False
     restart_window_s: Annotated[float, finite_in(1.0, 86400.0)] = 600.0
     recovery_timeout_s: Annotated[float, finite_in(1.0, 86400.0)] = 120.0
 

@@ -43,7 +43,7 @@ from engine.router.index import PrefixIndex
 log = logging.getLogger(__name__)
 
 POLICIES = ("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")
-REASONS = ("cache_hit", "load_spill", "session", "fallback")
+REASONS = ("cache_hit", "load_spill", "session", "fallback", "migration")
 
 
 @dataclass(frozen=True)
@@ -156,9 +156,10 @@ class Router:
     # ---- decisions -----------------------------------------------------------------
 
     def route(self, request_id: str, hashes: list[bytes], num_tokens: int, max_tokens: int = 0,
-              session: str | None = None, adapter: str | None = None) -> Decision:
+              session: str | None = None, adapter: str | None = None, count: bool = True) -> Decision:
         """Pick an engine and count the request on it now (before any other decision).
-        `adapter`: the request's LoRA adapter name (None: the base model)."""
+        `adapter`: the request's LoRA adapter name (None: the base model).
+        count=False: only say where it would go (a migration's warm-up)."""
         p = self.s.policy
         if p == "kv_aware":
             d = self._kv_aware(hashes, num_tokens, session, adapter)
@@ -167,11 +168,20 @@ class Router:
         else:
             e = self._by_load(p)
             d = Decision(e, "fallback", self._cached_on(e, hashes, num_tokens))
+        if not count:
+            return d
         if session is not None:
             self._remember_session(session, d.engine)
         if adapter is not None:
             self.adapter_loaded(d.engine, adapter)
         self._count(request_id, d, num_tokens + max_tokens, p)
+        return d
+
+    def assign(self, request_id: str, engine: int, tokens: int) -> Decision:
+        """Count the request on `engine`, chosen by the caller (a migration to
+        an engine that already computed its context)."""
+        d = Decision(engine, "migration", 0)
+        self._count(request_id, d, tokens, self.s.policy)
         return d
 
     def finish(self, request_id: str) -> None:

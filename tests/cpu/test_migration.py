@@ -12,6 +12,7 @@ import os
 import signal
 
 import jsonschema
+import msgspec
 import pytest
 from llm_utils import make_checkpoint
 
@@ -41,7 +42,7 @@ def config(tmp_path_factory):
 
     ckpt = make_checkpoint("llama", str(tmp_path_factory.mktemp("mig") / "llama"))
     return build_config(model=ckpt, max_model_len=512, data_parallel_size=2, router="round_robin",
-                        **{"parallel.max_restarts": 0})
+                        **{"parallel.max_restarts": 0, "serve.served_model_name": "tiny"})
 
 
 async def _run(llm, params: list[SamplingParams], disrupt=None) -> list[dict]:
@@ -85,7 +86,7 @@ def _diff(got: list[dict], ref: list[dict]) -> str | None:
 async def _kv_idle(llm, engines: list[int]) -> list[float]:
     """Each engine's KV usage once it has no request (an abort for a stop
     string may still be on its way when the stream ends)."""
-    cores = [llm.client.clients[e].core for e in engines]
+    cores = [llm.client.inner.clients[e].core for e in engines]
     for _ in range(500):
         if not any(c.scheduler.has_requests() for c in cores):
             break
@@ -93,23 +94,47 @@ async def _kv_idle(llm, engines: list[int]) -> list[float]:
     return [c.scheduler.make_stats().kv_cache_usage for c in cores]
 
 
-def test_drain_and_engine_loss_move_requests_token_exact(config, caplog):
-    from engine.async_client import AsyncLLM
+def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_path):
+    """Then a rollout of another scheduler.max_num_seqs under load (dead
+    engine 0 replaced, then engine 1 drained and replaced; token-exact), and
+    on those engines issue 26's batch cases (tests/cpu/migration_batch.py): an engine lost mid-job, and
+    the whole job lost and run again from its token journal."""
+    import migration_batch as mb
+
+    from cluster.batch.engines import LineRunner
 
     caplog.set_level(logging.INFO, logger="engine.migration")
 
     async def scenario() -> None:  # one event loop: AsyncLLM binds to the first it runs on
-        llm = AsyncLLM(config)
+        runner = LineRunner(config, str(tmp_path / "warmup.tokens"))
+        dp = runner.llm.client.inner
         try:
-            await _scenario(llm, caplog)
+            params = await _scenario(runner.llm, caplog)
+            loop = asyncio.get_running_loop()
+            # A rollout of another max_num_seqs under load, engine by engine, no request lost:
+            # dead engine 0 comes back first, then engine 1 is drained and replaced.
+            new = msgspec.structs.replace(config, scheduler=msgspec.structs.replace(config.scheduler,
+                                                                                    max_num_seqs=8))
+
+            async def rollout() -> None:
+                await loop.run_in_executor(None, dp.rollout, new)
+
+            assert _diff(await _run(runner.llm, params[0], rollout), params[1]) is None
+            assert [c.core.config.scheduler.max_num_seqs for c in dp.clients] == [8, 8]
+            assert dp.states == ["up", "up"]
+            ref = await mb.reference(runner)
+            await mb.engine_lost_mid_job(runner, dp, str(tmp_path / "lost.jsonl"), ref)
+            single = msgspec.structs.replace(config, parallel=msgspec.structs.replace(
+                config.parallel, data_parallel_size=1))
+            await mb.job_lost_and_resubmitted(runner, single, str(tmp_path / "crash.jsonl"), ref)
         finally:
-            await llm.shutdown()
+            await runner.close()
 
     asyncio.run(scenario())
 
 
-async def _scenario(llm, caplog) -> None:
-    dp = llm.client
+async def _scenario(llm, caplog) -> tuple[list[SamplingParams], list[dict]]:
+    dp = llm.client.inner  # under the batch's token journal (engine/token_journal.py)
     # A stop string child 1 of the n=2 request meets mid-way: from a run without one.
     probe = (await _run(llm, _params([])))[4][1]["text"]
     stop = probe[len(probe) // 2:len(probe) // 2 + 3]
@@ -142,6 +167,7 @@ async def _scenario(llm, caplog) -> None:
     assert m['conveyor:migration_reprefill_tokens_total{engine="1"}'] > 0
     logged = [r.getMessage() for r in caplog.records if "migrated from engine 0 to engine 1" in r.getMessage()]
     assert len(logged) >= moved[0] and "largest gap between tokens" in logged[0]
+    return _params([stop]), ref
 
 
 # ---- the client's bookkeeping, without engines ---------------------------------------
@@ -174,7 +200,7 @@ class _Fake:
         return "ok"
 
 
-def _fake_dp(n: int = 2, ray_like: bool = False):
+def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False):
     from engine.config import build_config
     from engine.dp_engine import DataParallelClient
 
@@ -182,7 +208,9 @@ def _fake_dp(n: int = 2, ray_like: bool = False):
     if ray_like:
         for e in engines:
             e.hand_over_losses = lambda lost, back, e=e: setattr(e, "hooks", (lost, back))
-    dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin"), engines)
+    # warm: parallel.warm_drain, so a drain hands over through warm-ups (engine/dp_handover.py).
+    dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin",
+                                         **{"parallel.warm_drain": warm}), engines)
     got: list = []
     dp.start(got.append)
     return dp, engines, got
@@ -242,6 +270,47 @@ def test_loss_moves_delivered_tokens_as_output_tokens_and_drops_late_outputs() -
     dp2.add_request(_req("q5"))
     dp2.add_request(_req("q6"))
     assert len(c.added) == 3  # it takes requests again
+
+
+def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
+    """A drain with prefix caching: each request's context goes to its new
+    engine as a one-token warm-up first; the request moves (aborted on the
+    drained engine, resubmitted with its delivered tokens) when its warm-up
+    ends, and not before; a warm-up's output never reaches the frontend; a
+    request that finished meanwhile does not move; losing the warm engine
+    moves the rest at once."""
+    import threading
+
+    from engine.contracts import EngineCoreOutputs, SchedulerStats
+
+    dp, engines, got = _fake_dp(warm=True)
+    for i in range(6):
+        dp.add_request(_req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
+    ia = 0 if engines[0].added[0].request_id == "w0" else 1
+    a, b = engines[ia], engines[1 - ia]
+    a.emit(_out("w0", [7, 8]))
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (dp.drain(ia, timeout_s=10), done.set()))
+    t.start()
+    for _ in range(500):
+        if len(b.added) == 6:
+            break
+        threading.Event().wait(0.01)
+    warms = [r for r in b.added if r.request_id.endswith("~warm")]
+    assert [r.request_id for r in warms] == ["w0~warm", "w2~warm", "w4~warm"] and not a.aborted
+    assert warms[0].prompt_token_ids == list(range(5, 25)) + [7, 8] and warms[0].sampling_params.max_tokens == 1
+    a.emit(_out("w0", [9]))  # still a's: delivered
+    b.emit(_out("w0~warm", [1], finished=True))  # warmed: w0 moves now, with 7, 8, 9
+    assert a.aborted == ["w0"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w0", [7, 8, 9])
+    a.emit(_out("w2", [3], finished=True))  # finished before its warm-up: stays done
+    b.emit(_out("w2~warm", [1], finished=True))
+    assert a.aborted == ["w0"]
+    assert not any(x.request_id.endswith("~warm") for o in got for x in o.outputs)
+    b.emit(EngineCoreOutputs(engine_error="gone"))  # lost: no engine is up, w4 stays on a
+    a.emit(_out("w4", [5], finished=True))
+    a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
+    t.join(10)
+    assert done.is_set() and sorted(dp.states) == ["dead", "drained"]
 
 
 def test_actor_loss_moves_at_once_and_the_rebuilt_engine_comes_back() -> None:

@@ -932,43 +932,113 @@ def test_ray_executor_inside_the_replica_placement_group(server, ckpt, refs, tmp
         serve.delete("rayexec")
 
 
-def test_data_parallel_app_matches_one_engine_over_http(server, client, ckpt, refs, tmp_path):
-    """data_parallel_size=2 behind one ingress replica: two EngineCoreActors and
-    the kv_aware router give the single engine's tokens (greedy = LLM.generate,
-    seeded = the module's one-engine app), a repeated prompt is routed to its
-    cached blocks (usage.cached_tokens), and /metrics has per-engine series."""
+@pytest.fixture(scope="module")
+def dp_url(server, ckpt, tmp_path_factory):
+    """A second app: data_parallel_size=2, each engine an EngineCoreActor
+    driving one `mp` worker process, restart budget 0 (a lost engine's
+    requests can only go on by migration)."""
     from ray import serve
 
     from cluster.serve_app import build_app
 
-    cfg = _write_config(str(tmp_path / "dp.yaml"), ckpt, 1)
+    cfg = _write_config(str(tmp_path_factory.mktemp("dp") / "dp.yaml"), ckpt, 1)
     serve.run(build_app({"config": cfg, "name": "DP", "overrides": {
-        "data_parallel_size": 2, "parallel.num_cpus_per_worker": 0.5}}),
-        name="dp", route_prefix="/dp", blocking=False)
+        "data_parallel_size": 2, "parallel.num_cpus_per_worker": 0.5, "executor": "mp",
+        "parallel.max_restarts": 0}}), name="dp", route_prefix="/dp", blocking=False)
     try:
-        def post(body: dict) -> dict:
-            r = httpx.post(f"{server}/dp/v1/completions", headers=AUTH, timeout=120,
-                           json={"model": "tiny", **body})
-            assert r.status_code == 200, r.text
-            return r.json()
-
-        for prompt, ref in zip(PROMPTS, refs["completion"]):
-            out = post({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0})
-            assert out["choices"][0]["text"] == ref.text
-        seeded = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.9, "seed": 5}
-        one = client.completions.create(model="tiny", **seeded).choices[0].text
-        assert post(seeded)["choices"][0]["text"] == one
-        long_prompt = [7 + (i * 53) % 400 for i in range(70)]
-        post({"prompt": long_prompt, "max_tokens": 2, "temperature": 0.0})
-        again = post({"prompt": long_prompt, "max_tokens": 2, "temperature": 0.0})
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
-        m = _metrics(f"{server}/dp")
-        engines = {k.split('engine="')[1].split('"')[0] for k in m if k.startswith("conveyor:router_decisions")}
-        assert engines == {"0", "1"}, m
-        assert any('reason="cache_hit"' in k for k in m if k.startswith("conveyor:router_decisions"))
-        _drain_over_http(f"{server}/dp", post)
+        yield f"{server}/dp"
     finally:
         serve.delete("dp")
+
+
+def test_data_parallel_app_matches_one_engine_over_http(client, refs, dp_url):
+    """data_parallel_size=2 behind one ingress replica: two EngineCoreActors and
+    the kv_aware router give the single engine's tokens (greedy = LLM.generate,
+    seeded = the module's one-engine app), a repeated prompt is routed to its
+    cached blocks (usage.cached_tokens), and /metrics has per-engine series."""
+    def post(body: dict) -> dict:
+        r = httpx.post(f"{dp_url}/v1/completions", headers=AUTH, timeout=120,
+                       json={"model": "tiny", **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    for prompt, ref in zip(PROMPTS, refs["completion"]):
+        out = post({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0})
+        assert out["choices"][0]["text"] == ref.text
+    seeded = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0.9, "seed": 5}
+    one = client.completions.create(model="tiny", **seeded).choices[0].text
+    assert post(seeded)["choices"][0]["text"] == one
+    long_prompt = [7 + (i * 53) % 400 for i in range(70)]
+    post({"prompt": long_prompt, "max_tokens": 2, "temperature": 0.0})
+    again = post({"prompt": long_prompt, "max_tokens": 2, "temperature": 0.0})
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    m = _metrics(dp_url)
+    engines = {k.split('engine="')[1].split('"')[0] for k in m if k.startswith("conveyor:router_decisions")}
+    assert engines == {"0", "1"}, m
+    assert any('reason="cache_hit"' in k for k in m if k.startswith("conveyor:router_decisions"))
+    _drain_over_http(dp_url, post)
+
+
+def test_32_streams_survive_engine_loss_and_drain(dp_url):
+    """Issue 26 over HTTP: 32 concurrent streams (tests/cpu/migration_streams.py)
+    on the 2-engine app, disrupted separately by SIGKILL of engine 0's
+    EngineCoreActor, SIGKILL of its worker (restart budget 0), and a drain of
+    engine 0. Every stream ends [DONE], no error event, with the undisturbed
+    run's text, tool calls, finish reasons and logprob tokens; the engines end
+    with no request and KV usage 0; /admin/replace brings a dead engine back."""
+    import signal
+
+    from migration_streams import bodies, diff, run_streams
+
+    def engines() -> list[dict]:
+        r = httpx.get(f"{dp_url}/admin/engines", headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["engines"]
+
+    def idle_kv() -> list[float]:
+        for _ in range(200):  # an abort for a stop string may still be on its way
+            up = [e for e in engines() if e["state"] in ("up", "drained")]
+            if not any(e["requests"] for e in up):
+                break
+            time.sleep(0.05)
+        return [e["kv_cache_usage"] for e in up]
+
+    def replace0() -> None:
+        r = httpx.post(f"{dp_url}/admin/replace", headers=AUTH, json={"engine": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert [e["state"] for e in engines()] == ["up", "up"]
+
+    probe = asyncio.run(run_streams(dp_url, AUTH, bodies("\x00")[27:]))[0]["choices"][1]["text"]
+    stop = probe[len(probe) // 2:len(probe) // 2 + 2]
+    assert stop.strip(), probe
+    pairs = bodies(stop)
+    ref = asyncio.run(run_streams(dp_url, AUTH, pairs))
+    assert any(c["finish"] == "stop" for r in ref[27:] for c in r["choices"].values())
+    assert all(r["choices"][0]["tools"][0]["name"] == "get_weather" for r in ref[22:27])
+
+    async def drain(c: httpx.AsyncClient) -> None:
+        r = await c.post("/admin/drain", json={"engine": 0})
+        assert r.status_code == 200 and r.json()["moved_requests"] > 0, r.text
+
+    def kill(pid: int):
+        async def go(c: httpx.AsyncClient) -> None:
+            os.kill(pid, signal.SIGKILL)
+        return go
+
+    assert diff(asyncio.run(run_streams(dp_url, AUTH, pairs, drain)), ref) is None
+    assert idle_kv() == [0.0, 0.0]
+    assert httpx.post(f"{dp_url}/admin/undrain", headers=AUTH, json={"engine": 0}).status_code == 200
+    for victim in ("worker_pids", "actor_pid"):
+        e0 = engines()[0]
+        pid = e0[victim][0] if victim == "worker_pids" else e0[victim]
+        assert diff(asyncio.run(run_streams(dp_url, AUTH, pairs, kill(pid))), ref) is None, victim
+        assert [e["state"] for e in engines()] == ["dead", "up"], victim
+        assert idle_kv() == [0.0], victim
+        replace0()
+    m = _metrics(dp_url)
+    for cause in ("drain", "lost"):
+        assert sum(v for k, v in m.items() if k.startswith("conveyor:migrations_total{")
+                   and 'engine="0"' in k and f'cause="{cause}"' in k) > 0, (cause, m)
 
 
 def _drain_over_http(url: str, post) -> None:

@@ -60,3 +60,7 @@ def add_admin_routes(app: FastAPI, server: OpenAIServer, guarded: Callable[[Any]
     @app.post("/admin/undrain", responses=responses)
     async def undrain(body: UndrainRequest) -> Response:
         return await guarded(undrain_call(body))
+
+    from cluster.openai.routes.engines import add_engine_routes
+
+    add_engine_routes(app, server, guarded, responses)
