@@ -10,11 +10,12 @@ $(VPY):
 	$(PY) -m venv $(VENV)
 
 # torch first, so pip takes the local CPU build instead of a CUDA one.
-# --no-compile: pip byte-compiling every file of torch, ray and transformers
-# costs ~45 s of one core; Python compiles the modules it imports on first use.
+# pip byte-compiles at install on purpose: with PYTHONDONTWRITEBYTECODE set (as
+# on the CI machines) Python would otherwise compile torch in every process
+# (+1 s an import, in hundreds of test processes).
 venv: $(VPY)
-	$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q --no-compile torch==2.13.0
-	$(PIP) install -q --no-compile -e ".[test]"
+	$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
 
 # The gate: lint everything, type-check the engine side (config in pyproject.toml),
 # and the code's shape (files <= 500 lines, functions <= 60, no import cycle).
