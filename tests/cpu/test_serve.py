@@ -71,7 +71,9 @@ def server(ckpt, refs, tmp_path_factory):  # refs first: no in-process engine be
     os.environ[KEY_ENV] = KEY  # before ray.init: replicas inherit the environment
     cfg = _write_config(str(tmp_path_factory.mktemp("cfg") / "engine.yaml"), ckpt, free_port(),
                         responses_store_dir=str(tmp_path_factory.mktemp("responses")))
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    # Logical CPUs for every app the module deploys while the data-parallel
+    # app (module-scoped) is still up; 4 left a later app waiting forever.
+    ray.init(address="local", num_cpus=8, include_dashboard=False)
     try:
         yield run_serve(cfg, blocking=False)
     finally:
