@@ -96,7 +96,7 @@ class EnginePool:
     def engine(self, i: int) -> tuple[Any, str | None]:
         """Engine i's current actor and, once it cannot come back, why."""
         c = self.clients[i]
-        return c.link.actor, c.dead
+        return c.link.actor, c.dead.cause
 
     def release(self) -> int:
         """One replica fewer; the last one out shuts the engines down."""

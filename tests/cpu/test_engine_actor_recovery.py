@@ -396,9 +396,9 @@ class _IngressLLM(LLM):
     """An LLM whose engines are the pool's: one such LLM per ingress replica."""
 
     @staticmethod
-    def _make_engine(config):  # noqa: ANN205 - SyncCoreEngine
+    def _make_engine(config, actor_factory=None):  # noqa: ANN205 - SyncCoreEngine
         from cluster.engine_pool import pooled_client
-        from engine.core_client import SyncCoreEngine
+        from engine.sync_engine import SyncCoreEngine
 
         return SyncCoreEngine(pooled_client(config, use_gpu=False))
 

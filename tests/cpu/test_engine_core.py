@@ -80,13 +80,13 @@ def test_abort_mid_flight_with_batch_queue():
 
 
 def test_add_request_validation():
+    # An empty prompt and the context length are checked once, at the edge
+    # (engine/frontend.py, test_malformed_requests_fail_alone); the core checks
+    # what it alone knows: the request fits its KV pool, and its id is new.
     core = _core(1)
-    with pytest.raises(ValueError, match="max_model_len"):
-        core.add_request(EngineCoreRequest(request_id="x", prompt_token_ids=[1] * 510,
-                                           sampling_params=SamplingParams(max_tokens=16)))
-    with pytest.raises(ValueError, match="empty"):
-        core.add_request(EngineCoreRequest(request_id="y", prompt_token_ids=[],
-                                           sampling_params=SamplingParams()))
+    with pytest.raises(ValueError, match="KV blocks"):
+        core.add_request(EngineCoreRequest(request_id="y", prompt_token_ids=[1] * (
+            core.kv_info.num_blocks * core.kv_info.block_size), sampling_params=SamplingParams()))
     assert not core.scheduler.has_requests()
     core.add_request(_requests(1)[0])
     with pytest.raises(ValueError, match="already"):
