@@ -200,7 +200,7 @@ class _Fake:
         return "ok"
 
 
-def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False):
+def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False, paced: bool = False):
     from engine.config import build_config
     from engine.dp_engine import DataParallelClient
 
@@ -210,7 +210,8 @@ def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False):
             e.hand_over_losses = lambda lost, back, e=e: setattr(e, "hooks", (lost, back))
     # warm: parallel.warm_drain, so a drain hands over through warm-ups (engine/dp_handover.py).
     dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin",
-                                         **{"parallel.warm_drain": warm}), engines)
+                                         **{"parallel.warm_drain": warm, "parallel.paced_drain": paced}),
+                             engines)
     got: list = []
     dp.start(got.append)
     return dp, engines, got
@@ -311,6 +312,47 @@ def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
     a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
     t.join(10)
     assert done.is_set() and sorted(dp.states) == ["dead", "drained"]
+
+
+def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine() -> None:
+    """parallel.paced_drain: waves of at most the longest moved context's
+    tokens (here one request each); the drained engine keeps delivering the
+    requests not yet moved; the next wave moves on the first output of the
+    last one from its new engine; a request that finished before its wave
+    does not move."""
+    import threading
+
+    from engine.contracts import EngineCoreOutputs, SchedulerStats
+
+    dp, engines, got = _fake_dp(paced=True)
+    for i in range(6):
+        dp.add_request(_req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
+    ia = 0 if engines[0].added[0].request_id == "w0" else 1
+    a, b = engines[ia], engines[1 - ia]
+    a.emit(_out("w0", [7, 8]))  # the longest context (22 tokens): the wave budget
+    done: list[int] = []
+    t = threading.Thread(target=lambda: done.append(dp.drain(ia, timeout_s=10)))
+    t.start()
+    for _ in range(500):
+        if len(b.added) == 4:
+            break
+        threading.Event().wait(0.01)
+    assert a.aborted == ["w0"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w0", [7, 8])
+    a.emit(_out("w2", [3]))  # not moved yet: still a's, delivered
+    assert len(b.added) == 4
+    b.emit(_out("w0", [9]))  # w0 produced on b: the next wave (w2, with its token) moves
+    assert a.aborted == ["w0", "w2"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w2", [3])
+    a.emit(_out("w4", [5], finished=True))  # finished before its wave: never moves
+    b.emit(_out("w2", [4]))
+    assert a.aborted == ["w0", "w2"] and len(b.added) == 5
+    a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
+    t.join(10)
+    assert done == [3] and dp.metrics()[f'conveyor:migrations_total{{engine="{ia}",cause="drain"}}'] == 2
+    toks = {x.request_id: [] for o in got for x in o.outputs}
+    for o in got:
+        for x in o.outputs:
+            toks[x.request_id] += x.new_token_ids
+    assert (toks["w0"], toks["w2"], toks["w4"]) == ([7, 8, 9], [3, 4], [5])
 
 
 def test_actor_loss_moves_at_once_and_the_rebuilt_engine_comes_back() -> None:
