@@ -199,6 +199,9 @@ class _Fake:
     def check_health(self) -> str:
         return "ok"
 
+    def shutdown(self) -> None:
+        pass
+
 
 def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False, paced: bool = False):
     from engine.config import build_config
@@ -391,3 +394,57 @@ def test_drain_cli_and_admin_body_checks(capsys) -> None:
                 {"engine": 0, "timeout_s": 0}, {"engine": 0, "extra": 1}):
         with pytest.raises(ValidationError):
             DrainRequest.model_validate(bad)
+
+
+def test_data_parallel_batch_journals_merge_and_resume_on_any_engine(tmp_path) -> None:
+    """`--data-parallel N` batch jobs: engine i journals to `<journal>.i` and
+    resumes from the job's merged journal, whichever engine a line lands on in
+    the next run; the driver's merge keeps each key's longest entry and drops
+    written lines; a finished job leaves no journal file."""
+    from engine.token_journal import LineJournal, TokenJournal, engine_journals, load_entries, merge_journals
+
+    base = str(tmp_path / "out.jsonl.tokens")
+    la, lb = LineJournal.line_id({"custom_id": "a"}), LineJournal.line_id({"custom_id": "b"})
+    ka, kb = f"cmpl-{la}-0", f"cmpl-{lb}-0"
+    assert LineJournal.line_of(ka) == la
+
+    def engine(i: int) -> tuple[LineJournal, _Fake, list]:
+        fake, got = _Fake(), []
+        j = LineJournal(fake, TokenJournal(f"{base}.{i}", min_flush_tokens=1, restore_from=base))
+        j.start(got.append)
+        return j, fake, got
+
+    def lost(*js: LineJournal) -> None:  # the job's process is gone (flushed lines stay)
+        for j in js:
+            os.close(j.journal._fd)
+
+    (j0, f0, _), (j1, f1, _) = engine(0), engine(1)
+    j0.add_request(_req(ka + "-r1"))
+    j1.add_request(_req(kb + "-r1"))
+    f0.emit(_out(ka + "-r1", [1, 2, 3]))
+    f1.emit(_out(kb + "-r1", [7, 8]))
+    lost(j0, j1)
+    merge_journals(base, lambda k: True)
+    assert engine_journals(base) == [] and {k: e.tokens for k, e in load_entries(base).items()} == {
+        ka: [1, 2, 3], kb: [7, 8]}
+    # Run 2 deals the lines the other way round: each resumes from the merged journal.
+    (j0, f0, got0), (j1, f1, got1) = engine(0), engine(1)
+    j1.add_request(_req(ka + "-r2"))
+    j0.add_request(_req(kb + "-r2"))
+    assert [o.outputs[0].new_token_ids for o in got1] == [[1, 2, 3]] and f1.added[0].output_token_ids == [1, 2, 3]
+    assert f0.added[0].output_token_ids == [7, 8] and j0.resumed_tokens == 2
+    f1.emit(_out(ka + "-r2", [4]))
+    f0.emit(_out(kb + "-r2", [9], finished=True))
+    j0.forget_line(lb)  # line b written
+    lost(j0, j1)
+    merge_journals(base, lambda k: LineJournal.line_of(k) != lb)
+    assert {k: e.tokens for k, e in load_entries(base).items()} == {ka: [1, 2, 3, 4]}
+    # Run 3: a finishes on engine 0; its own file empties and goes, then the merged one.
+    j0, f0, _ = engine(0)
+    j0.add_request(_req(ka + "-r3"))
+    assert f0.added[0].output_token_ids == [1, 2, 3, 4]
+    f0.emit(_out(ka + "-r3", [5], finished=True))
+    j0.forget_line(la)
+    j0.shutdown()
+    merge_journals(base, lambda k: False)
+    assert os.listdir(tmp_path) == []
