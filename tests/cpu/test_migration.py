@@ -317,16 +317,20 @@ def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
     assert done.is_set() and sorted(dp.states) == ["dead", "drained"]
 
 
-def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine() -> None:
+def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplog) -> None:
     """parallel.paced_drain: waves of at most the longest moved context's
     tokens (here one request each); the drained engine keeps delivering the
     requests not yet moved; the next wave moves on the first output of the
     last one from its new engine; a request that finished before its wave
-    does not move."""
+    does not move. Each moved stream's largest gap is logged (info) when it
+    ends, with its request id and both engines; the tokens its new engine
+    computed again are counted."""
+    import re
     import threading
 
     from engine.contracts import EngineCoreOutputs, SchedulerStats
 
+    caplog.set_level(logging.INFO, logger="engine.migration")
     dp, engines, got = _fake_dp(paced=True)
     for i in range(6):
         dp.add_request(_req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
@@ -350,12 +354,19 @@ def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine() -> 
     assert a.aborted == ["w0", "w2"] and len(b.added) == 5
     a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
     t.join(10)
-    assert done == [3] and dp.metrics()[f'conveyor:migrations_total{{engine="{ia}",cause="drain"}}'] == 2
+    m = dp.metrics()
+    assert done == [3] and m[f'conveyor:migrations_total{{engine="{ia}",cause="drain"}}'] == 2
+    assert m[f'conveyor:migration_reprefill_tokens_total{{engine="{1 - ia}"}}'] == 22 + 21  # nothing cached
+    b.emit(_out("w0", [10], finished=True))
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request w0 ")]
+    assert len(logged) == 1 and re.fullmatch(
+        rf"request w0 migrated from engine {ia} to engine {1 - ia} \(drain\): largest gap between tokens "
+        r"\d+\.\d ms, 22 context tokens, 0 cached on the new engine", logged[0]), logged
     toks = {x.request_id: [] for o in got for x in o.outputs}
     for o in got:
         for x in o.outputs:
             toks[x.request_id] += x.new_token_ids
-    assert (toks["w0"], toks["w2"], toks["w4"]) == ([7, 8, 9], [3, 4], [5])
+    assert (toks["w0"], toks["w2"], toks["w4"]) == ([7, 8, 9, 10], [3, 4], [5])
 
 
 def test_actor_loss_moves_at_once_and_the_rebuilt_engine_comes_back() -> None:
@@ -432,7 +443,7 @@ def test_data_parallel_batch_journals_merge_and_resume_on_any_engine(tmp_path) -
     j1.add_request(_req(ka + "-r2"))
     j0.add_request(_req(kb + "-r2"))
     assert [o.outputs[0].new_token_ids for o in got1] == [[1, 2, 3]] and f1.added[0].output_token_ids == [1, 2, 3]
-    assert f0.added[0].output_token_ids == [7, 8] and j0.resumed_tokens == 2
+    assert [o.outputs[0].new_token_ids for o in got0] == [[7, 8]] and f0.added[0].output_token_ids == [7, 8]
     f1.emit(_out(ka + "-r2", [4]))
     f0.emit(_out(kb + "-r2", [9], finished=True))
     j0.forget_line(lb)  # line b written
