@@ -181,7 +181,8 @@ class PacedDrain:
     def _next_wave(self: Any, i: int) -> None:
         pace = self._paces[i]
         pace.queue = [rid for rid in pace.queue if self._live.get(rid) == i]
-        wave, tokens = [], 0
+        wave: list[str] = []
+        tokens = 0
         for r in self.ledger.resubmissions(pace.queue):
             size = len(r.prompt_token_ids) + len(r.output_token_ids)
             if wave and tokens + size > pace.budget:
