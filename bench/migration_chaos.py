@@ -165,7 +165,7 @@ def main() -> None:
     p.add_argument("--every", type=float, default=30.0)
     p.add_argument("--unique", type=int, default=48, help="distinct request bodies")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--load", type=float, default=0.5, help="fraction of the saturated request rate")
+    p.add_argument("--load", type=float, default=0.8, help="fraction of the saturated request rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "conveyor-bench-models"))
     p.add_argument("--out-json", default=os.path.join(OUT, "migration_chaos.json"))
