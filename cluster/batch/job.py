@@ -309,7 +309,9 @@ async def run_batch(config: EngineConfig, input_path: str, output_path: str, *,
         jpath = journal_path(output_path)
         if data_parallel > 1:  # one merged journal for every engine to resume from
             written = {LineJournal.line_id(ln.obj) for ln in lines if ln.custom_id in done}
-            merge_journals(jpath, lambda k: LineJournal.line_of(k) not in written)
+            kept = merge_journals(jpath, lambda k: LineJournal.line_of(k) not in written)
+            if kept:
+                log.info("%s: %d tokens of unfinished lines journaled by an earlier run", jpath, kept)
         engines = await _start_engines(config, data_parallel,
                                        max_in_flight or 2 * config.scheduler.max_num_seqs, jpath)
         journal = getattr(engines[0], "runner", None) and engines[0].runner.journal
