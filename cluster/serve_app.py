@@ -177,6 +177,8 @@ class OpenAIDeployment:
         client = RayCoreClient(self.config, place) if place is not None else None
         if self.config.parallel.data_parallel_size > 1:
             client = data_parallel_client(self.config, use_gpu)
+            # /admin/reload and SIGHUP read the file again (engine/dp_scale.py).
+            client.config_source = lambda: load_config(config_path, **overrides)
         try:
             self.llm = AsyncLLM(self.config, client)
         except BaseException:
@@ -200,6 +202,19 @@ class OpenAIDeployment:
         if env and not key:
             raise RuntimeError(f"serve.api_key_env names {env!r}, which is not set in the replica")
         return build_api(self.server, api_key=key, echo_request_id=False)
+
+    async def reload(self) -> dict[str, Any]:
+        """Read the config file again and roll the engines over to it
+        (`conveyor serve` calls this on SIGHUP); {"error": ...} when refused."""
+        import asyncio
+
+        reload = getattr(self.llm.client, "reload", None)
+        if reload is None:
+            return {"error": "reload needs parallel.data_parallel_size > 1"}
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, reload)
+        except (ValueError, TimeoutError) as e:
+            return {"error": str(e)}
 
     async def check_health(self) -> None:
         """Serve's replica health check: raising makes Serve replace us."""
@@ -336,9 +351,27 @@ def run_serve(config_path: str, *, blocking: bool = True, app_name: str = "conve
         for d_url in direct_ingress_urls(app_name, config.serve.host):
             log.info("replica direct ingress at %s/v1", d_url)
     if blocking:
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            serve.delete(app_name)
+        _serve_until_interrupted(app_name)
     return url
+
+
+def _serve_until_interrupted(app_name: str) -> None:
+    """Block until Ctrl-C; each SIGHUP reloads the config file in the app's
+    replica (OpenAIDeployment.reload: a rollout of the changed engine settings)."""
+    import signal
+    import threading
+
+    hup = threading.Event()
+    signal.signal(signal.SIGHUP, lambda *_: hup.set())
+    try:
+        while True:
+            if hup.wait(3600):
+                hup.clear()
+                log.info("SIGHUP: reloading the config")
+                try:
+                    result = serve.get_app_handle(app_name).reload.remote().result()
+                except Exception as e:  # noqa: BLE001 - the server keeps serving the old config
+                    result = {"error": repr(e)}
+                log.log(logging.ERROR if "error" in result else logging.INFO, "reload: %s", result)
+    except KeyboardInterrupt:
+        serve.delete(app_name)
