@@ -7,10 +7,10 @@ engine/dp_scale.py, engine/reload_plan.py, POST /admin/reload).
 - The mechanism without engines: a new slot the router routes to, an emptied
   slot shown "off" and reused, a rollout of one engine that starts its
   successor first, the autoscaler acting on the policy's clock.
-- Two in-process engines with greedy and seeded streams in flight: scale
-  2 -> 1, then a reload over HTTP of a changed scheduler.max_num_seqs (the
-  lone engine's successor starts first). Every stream ends normally with the
-  tokens and text of an undisturbed run.
+- Two in-process engines with greedy and seeded streams in flight: a reload
+  over HTTP of a changed scheduler.max_num_seqs (engine by engine, each
+  drained through migration first), then scale 2 -> 1. Every stream ends
+  normally with the tokens and text of an undisturbed run.
 """
 from __future__ import annotations
 
@@ -216,14 +216,9 @@ def test_scale_down_and_reload_under_load_lose_no_request(tmp_path) -> None:
             ref = await _run(llm)
             assert [f for _, _, f in ref] == ["length"] * 4 and all(len(t) == 48 for t, _, _ in ref)
 
-            async def scale_down() -> None:
-                assert await loop.run_in_executor(None, dp.scale_to, 1) > 0
-
-            assert await _run(llm, scale_down) == ref
-            assert sorted(e["state"] for e in dp.engines()) == ["off", "up"]
             replies = []
 
-            async def reload() -> None:
+            async def reload() -> None:  # engine 0 drains at once, its successor starts, then engine 1's turn
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                              timeout=120) as c:
                     replies.append(await c.post("/admin/reload"))
@@ -231,9 +226,15 @@ def test_scale_down_and_reload_under_load_lose_no_request(tmp_path) -> None:
 
             assert await _run(llm, reload) == ref
             assert replies[0].status_code == 401 and replies[1].status_code == 200, replies[1].text
-            assert replies[1].json()["changed"] == ["scheduler.max_num_seqs"]
-            up = [c for i, c in enumerate(dp.clients) if dp.states[i] == "up"]
-            assert [c.core.config.scheduler.max_num_seqs for c in up] == [8]
+            got = replies[1].json()
+            assert got["changed"] == ["scheduler.max_num_seqs"] and got["moved_requests"] > 0, got
+            assert [c.core.config.scheduler.max_num_seqs for c in dp.clients] == [8, 8]
+
+            async def scale_down() -> None:
+                assert await loop.run_in_executor(None, dp.scale_to, 1) > 0
+
+            assert await _run(llm, scale_down) == ref
+            assert sorted(e["state"] for e in dp.engines()) == ["off", "up"]
             assert not dp._live and dp.router.inflight.sum() == 0
         finally:
             await llm.shutdown()
