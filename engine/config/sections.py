@@ -199,9 +199,9 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # max_engines (None: parallel.data_parallel_size, the count it starts
     # with) on a load signal, one engine at a time, each move held for its
     # delay first; a scale-down drains the engine through migration.
-    min_engines: Annotated[int | None, int_in(1, 1024, nullable=True, kwarg=True, flag=True, cli_group="engine",
+    min_engines: Annotated[int | None, int_in(1, 1024, nullable=True, kwarg=True, flag=True,
                                               help="fewest engines autoscaling keeps")] = None
-    max_engines: Annotated[int | None, int_in(1, 1024, nullable=True, kwarg=True, flag=True, cli_group="engine",
+    max_engines: Annotated[int | None, int_in(1, 1024, nullable=True, kwarg=True, flag=True,
                                               help="most engines autoscaling starts")] = None
     # waiting: requests queued in the engines (scale up past the target per
     # engine); kv_usage: the fraction of KV blocks in use (past the target).
