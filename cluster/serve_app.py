@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -275,12 +277,14 @@ def build_app(args: dict[str, Any]) -> Application:
 
 def replica_cpus(config: EngineConfig, use_gpu: bool) -> float:
     """Logical CPUs one replica reserves (its placement group, or its actor;
-    with data parallel, its engines' actors and their workers too)."""
+    with data parallel, its engines' actors and their workers too, as many
+    engines as autoscaling may start)."""
     p = config.parallel
     if p.data_parallel_size > 1:
         per_engine = (p.num_cpus_per_worker * config.world_size if p.executor == "ray" else
                       (0.0 if use_gpu else p.num_cpus_per_worker) + (1.0 if use_gpu else 0.0))
-        return 1.0 + p.data_parallel_size * per_engine / config.serve.replicas  # engine_pool: shared
+        engines = max(p.data_parallel_size, config.serve.max_engines or 0)
+        return 1.0 + engines * per_engine / config.serve.replicas  # engine_pool: shared
     opts = replica_resources(config, use_gpu)
     bundles = opts.get("placement_group_bundles")
     if bundles:
@@ -355,23 +359,32 @@ def run_serve(config_path: str, *, blocking: bool = True, app_name: str = "conve
     return url
 
 
-def _serve_until_interrupted(app_name: str) -> None:
-    """Block until Ctrl-C; each SIGHUP reloads the config file in the app's
-    replica (OpenAIDeployment.reload: a rollout of the changed engine settings)."""
-    import signal
-    import threading
+def reload_app(app_name: str = "conveyor") -> dict[str, Any]:
+    """Ask the app's replica to read its config file again and roll its
+    engines over to it (OpenAIDeployment.reload); {"error": ...} when refused.
+    Logged either way."""
+    log.info("reloading the config of %s", app_name)
+    try:
+        result = serve.get_app_handle(app_name).reload.remote().result()
+    except Exception as e:  # noqa: BLE001 - the server keeps serving the old config
+        result = {"error": repr(e)}
+    log.log(logging.ERROR if "error" in result else logging.INFO, "reload: %s", result)
+    return result
 
+
+def wait_reloading_on_sighup(app_name: str, stop: threading.Event) -> None:
+    """Block until `stop` is set; each SIGHUP meanwhile reloads the app's config."""
     hup = threading.Event()
     signal.signal(signal.SIGHUP, lambda *_: hup.set())
+    while not stop.is_set():
+        if hup.wait(1.0):
+            hup.clear()
+            reload_app(app_name)
+
+
+def _serve_until_interrupted(app_name: str) -> None:
+    """Block until Ctrl-C; each SIGHUP reloads the config (reload_app)."""
     try:
-        while True:
-            if hup.wait(3600):
-                hup.clear()
-                log.info("SIGHUP: reloading the config")
-                try:
-                    result = serve.get_app_handle(app_name).reload.remote().result()
-                except Exception as e:  # noqa: BLE001 - the server keeps serving the old config
-                    result = {"error": repr(e)}
-                log.log(logging.ERROR if "error" in result else logging.INFO, "reload: %s", result)
+        wait_reloading_on_sighup(app_name, threading.Event())
     except KeyboardInterrupt:
         serve.delete(app_name)
