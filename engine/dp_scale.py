@@ -70,6 +70,15 @@ class EngineScaling:
     """Mixin of DataParallelClient (uses its _lock, states, clients, router,
     _spawn, _stats, _live, drain and _install's bookkeeping)."""
 
+    # False where the engines are not this client's to start or stop (the
+    # engine pool of several ingress replicas, cluster/engine_pool.py).
+    can_scale = True
+
+    def _check_can_scale(self: Any) -> None:
+        if not self.can_scale:
+            raise ValueError("these engines belong to the app's engine pool (serve.replicas > 1): they are "
+                             "not added, removed or rolled out from one replica")
+
     def _init_scaling(self: Any) -> None:
         self._removed: set[int] = set()
         self._scale_lock = threading.RLock()
@@ -111,6 +120,7 @@ class EngineScaling:
     def add_engine(self: Any, config: EngineConfig | None = None) -> int:
         """Start one more engine (of `config`, default the client's) and
         route to it once it runs; returns its slot."""
+        self._check_can_scale()
         with self._scale_lock:
             new = self._spawn(config if config is not None else self.config)
             with self._lock:
@@ -150,10 +160,12 @@ class EngineScaling:
         """Drain `engine` (default: the up engine holding the fewest
         requests) through migration, then shut it down; returns how many
         requests moved. ValueError when it is the only engine up."""
+        self._check_can_scale()
         with self._scale_lock:
             if engine is None:
                 engine = self._victim()
-            moved = self.drain(engine, timeout_s)
+            # A dead engine (restart budget spent) holds nothing: only its slot is emptied.
+            moved = 0 if self.states[engine] == DEAD else self.drain(engine, timeout_s)
             with self._lock:
                 self.states[engine] = DEAD  # late outputs of the old one are dropped from here on
                 self._removed.add(engine)
@@ -203,6 +215,7 @@ class EngineScaling:
         successor starts first. Returns the requests moved."""
         if config.model != self.config.model or config.max_model_len != self.config.max_model_len:
             raise ValueError("a rollout keeps the model and max_model_len; start a new server for another")
+        self._check_can_scale()
         moved = 0
         with self._scale_lock:
             for i in [i for i in range(len(self.clients)) if i not in self._removed]:
@@ -229,6 +242,9 @@ class EngineScaling:
             self.config = config
             if plan.scale_keys:
                 self._set_autoscaling(config)
+                s = ScaleSettings.from_config(config)  # a count now out of bounds moves to them at once
+                if not s.min_engines <= self.engine_count() <= s.max_engines:
+                    moved += self.scale_to(min(max(self.engine_count(), s.min_engines), s.max_engines), timeout_s)
         log.info("config reloaded: %s changed; %d requests moved", ", ".join(plan.keys) or "nothing", moved)
         return {"changed": list(plan.keys), "rolled_out": bool(plan.engine_keys), "moved_requests": moved}
 

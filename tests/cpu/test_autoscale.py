@@ -162,6 +162,13 @@ def test_engines_added_removed_and_rolled_over_without_engines() -> None:
         assert len(up) == 1 and up[0].config.scheduler.max_num_seqs == 8
         with pytest.raises(ValueError, match="the model changed"):
             dp.reload(msgspec.structs.replace(cfg, model=msgspec.structs.replace(cfg.model, seed=3)))
+        # Autoscaling knobs apply at once: a raised floor adds an engine, no rollout.
+        got = dp.reload(msgspec.structs.replace(new_cfg, serve=msgspec.structs.replace(cfg.serve, min_engines=2)))
+        assert got == {"changed": ["serve.min_engines"], "rolled_out": False, "moved_requests": 0}
+        assert dp.engine_count() == 2 and dp.autoscaler.policy.settings.min_engines == 2
+        dp.can_scale = False  # an engine pool's client (several ingress replicas)
+        with pytest.raises(ValueError, match="engine pool"):
+            dp.add_engine()
     finally:
         dp.shutdown()
 
