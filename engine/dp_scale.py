@@ -37,6 +37,7 @@ from engine.scale_policy import EngineLoad, LoadSnapshot, ScalePolicy, ScaleSett
 log = logging.getLogger(__name__)
 UP, LOST, DEAD = "up", "lost", "dead"  # == engine/dp_engine.py's states
 OFF = "off"  # how engines() shows a slot emptied by a scale-down
+SHUTDOWN_WAIT_S = 120.0  # the longest shutdown waits for an engine being started or drained
 
 
 class _Vacant:
@@ -96,8 +97,13 @@ class EngineScaling:
             self.autoscaler = Autoscaler(self, settings, config.serve.autoscale_interval_s)
 
     def _stop_scaling(self: Any) -> None:
+        """Before shutdown: no more looks, and a scale operation under way
+        finishes first (an engine it starts must not outlive the client)."""
         if getattr(self, "autoscaler", None) is not None:
             self.autoscaler.stop()
+        lock = getattr(self, "_scale_lock", None)
+        if lock is not None and lock.acquire(timeout=SHUTDOWN_WAIT_S):
+            lock.release()
 
     def slot_state(self: Any, i: int) -> str:
         return OFF if i in self._removed else self.states[i]
