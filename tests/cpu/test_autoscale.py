@@ -9,8 +9,8 @@ engine/dp_scale.py, engine/reload_plan.py, POST /admin/reload).
   successor first, the autoscaler acting on the policy's clock.
 - Two in-process engines with greedy and seeded streams in flight: a reload
   over HTTP of a changed scheduler.max_num_seqs (engine by engine, each
-  drained through migration first), then scale 2 -> 1. Every stream ends
-  normally with the tokens and text of an undisturbed run.
+  drained through migration first), then scale 2 -> 1 and back to 2. Every
+  stream ends normally with the tokens and text of an undisturbed run.
 """
 from __future__ import annotations
 
@@ -242,6 +242,10 @@ def test_scale_down_and_reload_under_load_lose_no_request(tmp_path) -> None:
 
             assert await _run(llm, scale_down) == ref
             assert sorted(e["state"] for e in dp.engines()) == ["off", "up"]
+            slot = await loop.run_in_executor(None, dp.add_engine)  # scale 1 -> 2: the router routes to it
+            before = dict(dp.router.decisions)
+            assert await _run(llm) == ref
+            assert sum(n - before.get(k, 0) for k, n in dp.router.decisions.items() if k[2] == slot) == 2
             assert not dp._live and dp.router.inflight.sum() == 0
         finally:
             await llm.shutdown()
