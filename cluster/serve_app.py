@@ -375,7 +375,8 @@ def reload_app(app_name: str = "conveyor") -> dict[str, Any]:
 def wait_reloading_on_sighup(app_name: str, stop: threading.Event) -> None:
     """Block until `stop` is set; each SIGHUP meanwhile reloads the app's config."""
     hup = threading.Event()
-    signal.signal(signal.SIGHUP, lambda *_: hup.set())
+    if threading.current_thread() is threading.main_thread():  # only there can a handler be set
+        signal.signal(signal.SIGHUP, lambda *_: hup.set())
     while not stop.is_set():
         if hup.wait(1.0):
             hup.clear()
