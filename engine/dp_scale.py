@@ -170,6 +170,8 @@ class EngineScaling:
         with self._scale_lock:
             if engine is None:
                 engine = self._victim()
+            elif not 0 <= engine < len(self.clients) or engine in self._removed:
+                raise ValueError(f"engine {engine} is not an engine in service")
             # A dead engine (restart budget spent) holds nothing: only its slot is emptied.
             moved = 0 if self.states[engine] == DEAD else self.drain(engine, timeout_s)
             with self._lock:
