@@ -409,10 +409,8 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
     from engine.errors import EngineDeadError
 
     async def run() -> None:
-        runner = LineRunner.__new__(LineRunner)
-        runner.llm = _llm(FakeCore(fail_after=0))
-        runner.server = OpenAIServer(runner.llm, runner.llm.config)
-        runner.journal = None
+        llm = _llm(FakeCore(fail_after=0))
+        runner = LineRunner(llm, OpenAIServer(llm, llm.config))
         line = BatchLine(1, "a", {"custom_id": "a", "url": "/v1/completions",
                                   "body": {"prompt": PROMPT, "max_tokens": 2}})
         out = OutputLog(str(tmp_path / "out.jsonl"))
