@@ -454,12 +454,12 @@ class GatedChannel:
 
 def test_ray_core_client_send_never_blocks_the_caller():
     from cluster.engine_actor.client import RayCoreClient
-    from cluster.engine_actor.link import CoreLink
+    from cluster.engine_actor.link import CoreActorSpec, CoreLink
     from engine.contracts import KVCacheInfo
 
     ch = GatedChannel(expect=2)
-    client = RayCoreClient.__new__(RayCoreClient)  # no actor: only the input path
-    client._init_state(build_config(), CoreLink(None, None, ch, ch, KVCacheInfo(8, 16)))
+    # No actor: only the input path.
+    client = RayCoreClient(CoreActorSpec(build_config()), CoreLink(None, None, ch, ch, KVCacheInfo(8, 16)))
     try:
         req = EngineCoreRequest(request_id="r-0", prompt_token_ids=PROMPT,
                                 sampling_params=SamplingParams(max_tokens=2).trusted_copy())
