@@ -224,6 +224,8 @@ class AttachedCoreClient(RayCoreClient):
 class PooledClient(DataParallelClient):
     """A replica's DataParallelClient over the pool's engines."""
 
+    can_scale = False  # the pool owns the engines (engine/dp_scale.py)
+
     def __init__(self, config: EngineConfig, pool: Any) -> None:
         self.pool = pool
         n = ray.get(pool.register.remote(), timeout=STARTUP_TIMEOUT_S)

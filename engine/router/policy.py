@@ -138,6 +138,17 @@ class Router:
         self._all_mask |= 1 << engine
         self.index.add_engine(engine)
 
+    def add_engine(self) -> int:
+        """One more engine slot (autoscaling), down until engine_up; its index."""
+        e = self.n
+        self.n += 1
+        self.live = np.append(self.live, False)
+        self.load_tokens = np.append(self.load_tokens, 0.0)
+        self.inflight = np.append(self.inflight, 0)
+        self.reported = np.append(self.reported, 0)
+        self._adapters.append(OrderedDict())
+        return e
+
     def adapter_loaded(self, engine: int, adapter: str) -> None:
         """The engine holds `adapter` (preloaded, or sent a request for it)."""
         held = self._adapters[engine]
