@@ -463,11 +463,37 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
         assert again.num_cached_tokens == len(hashes) * a.engine.kv_info.block_size
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         assert any(reason == "cache_hit" for (_, reason, _) in rb.decisions)
+        _admin_acts_on_the_pool(a, b, pool, params, reference)
     finally:
         b.shutdown()
         a.shutdown()
     _wait(lambda: not [x for x in ray.util.list_named_actors(all_namespaces=True)
                        if x["name"].startswith("conveyor-engines")])
+
+
+def _admin_acts_on_the_pool(a, b, pool, params, reference) -> None:
+    """Drain, undrain and replace on one frontend act for both: b's router
+    drops the engine a drained; a's replace puts a new actor in the slot and
+    b attaches to it (b then drains engine 0: the new engine alone gives the
+    one-engine tokens to a)."""
+    import ray
+
+    ca, cb = a.engine.client, b.engine.client
+    assert ca.drain(1, 60) == 0
+    _wait(lambda: cb.states == ["up", "drained"])
+    assert not cb.router.live[1] and cb.router.index_size(1) == 0
+    ca.undrain(1)
+    _wait(lambda: cb.states == ["up", "up"] and cb.router.live[1])
+    old = ray.get(ray.get(pool.engine.remote(1))[0].pid.remote())
+    ca.replace_engine(1)
+    assert ray.get(ray.get(pool.engine.remote(1))[0].pid.remote()) != old
+    _wait(lambda: ca.states == ["up", "up"] and cb.states == ["up", "up"]
+          and cb.clients[1].link.actor._actor_id == ca.clients[1].link.actor._actor_id)
+    cb.drain(0, 60)
+    _wait(lambda: ca.states == ["drained", "up"])
+    assert _choices(a.generate(PROMPTS[:4], params[:4], use_tqdm=False)) == _choices(reference[:4])
+    cb.undrain(0)
+    _wait(lambda: ca.states == ["up", "up"])
 
 
 def _pools() -> list[dict]:
