@@ -325,8 +325,12 @@ class PooledClient(DataParallelClient):
         finally:
             self._leading.discard(engine)
         # Ours are off; the other replicas move theirs as they see the pool's
-        # state. The engine's stats (broadcast to every replica) count them all.
-        while (st := self._stats[engine]) is not None and st.num_running_reqs + st.num_waiting_reqs:
+        # state. The engine's stats (broadcast to every replica) count them
+        # all; an empty abort makes an idle engine send fresh ones (the last
+        # we hold may predate a rebuild), a busy one sends them every step.
+        stale = self._stats[engine]
+        self.clients[engine].abort_requests([])
+        while (st := self._stats[engine]) is stale or st.num_running_reqs + st.num_waiting_reqs:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {engine} still holds requests after {timeout_s:g}s")
             time.sleep(0.02)
@@ -336,8 +340,12 @@ class PooledClient(DataParallelClient):
         with self._lock:
             if not 0 <= engine < len(self.clients) or self.states[engine] != DRAINED:
                 raise ValueError(f"engine {engine} is not drained")
-        ray.get(self.pool.set_state.remote(engine, UP), timeout=CALL_TIMEOUT_S)
-        super().undrain(engine)
+        self._leading.add(engine)  # this replica's watcher leaves it to this call
+        try:
+            ray.get(self.pool.set_state.remote(engine, UP), timeout=CALL_TIMEOUT_S)
+            super().undrain(engine)
+        finally:
+            self._leading.discard(engine)
 
     def replace_engine(self, engine: int, config: EngineConfig | None = None,
                        timeout_s: float = 60.0) -> int:
