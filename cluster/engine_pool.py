@@ -46,7 +46,7 @@ import ray
 
 from cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreActorPlacement, CoreInput
 from cluster.engine_actor.client import RayCoreClient
-from cluster.engine_actor.link import STARTUP_TIMEOUT_S, CoreLink
+from cluster.engine_actor.link import STARTUP_TIMEOUT_S, CoreActorSpec, CoreLink
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from engine.core_client import OutputHandler
@@ -86,7 +86,7 @@ class EnginePool:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         self._place = engine_placement(config, use_gpu)
         self._config = config
-        self.clients = make_engine_clients(config, lambda c: RayCoreClient(c, self._place))
+        self.clients = make_engine_clients(config, lambda c: RayCoreClient.launch(c, self._place))
         for c in self.clients:
             # The pool is frontend 0 of each engine: it owns no request, so it
             # gets only the broadcast stats and events, and reads them to keep
@@ -165,7 +165,7 @@ class EnginePool:
         config = (msgspec.msgpack.decode(config_bytes, type=EngineConfig)
                   if config_bytes is not None else self._config)
         self.clients[i].shutdown()
-        new = RayCoreClient(config, self._place)
+        new = RayCoreClient.launch(config, self._place)
         new.start(lambda outs: None)
         self.clients[i] = new
         with self._changed:
@@ -233,14 +233,13 @@ class AttachedCoreClient(RayCoreClient):
     rebuilt here (the pool does it); this client attaches to the new one."""
 
     def __init__(self, config: EngineConfig, pool: Any, index: int) -> None:
-        self.started_ray = False
-        self.spec = None
         self._pool, self._index = pool, index
         self._tag = f"{uuid.uuid4().hex[:12]}/"
         link = self._attach(None, STARTUP_TIMEOUT_S)
         if link is None:
             raise EngineDeadError(f"engine {index} of the pool did not come up")
-        self._init_state(config, link)
+        # The spec is never started from: _start_new_link attaches to the pool's new actor.
+        super().__init__(CoreActorSpec(config), link)
 
     def _attach(self, old: Any, timeout_s: float) -> AttachedLink | None:
         """Attach to the pool's current actor for this engine, waiting for one

@@ -123,7 +123,7 @@ def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:
     place = (CoreActorPlacement() if p.executor == "ray" else
              CoreActorPlacement(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
                                 num_gpus=float(config.world_size) if use_gpu else 0.0))
-    spawn = lambda c: RayCoreClient(c, place)  # noqa: E731 - replace_engine starts one more the same way
+    spawn = lambda c: RayCoreClient.launch(c, place)  # noqa: E731 - replace_engine starts one more the same way
     return DataParallelClient(config, make_engine_clients(config, spawn), spawn)
 
 
@@ -174,7 +174,7 @@ class OpenAIDeployment:
             cpu_layout.pin_process(split.frontend)
             log.info("replica threads on cores %s, engine step thread on %s",
                      split.frontend, split.engine)
-        client = RayCoreClient(self.config, place) if place is not None else None
+        client = RayCoreClient.launch(self.config, place) if place is not None else None
         if self.config.parallel.data_parallel_size > 1:
             client = data_parallel_client(self.config, use_gpu)
         try:

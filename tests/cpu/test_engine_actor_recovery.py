@@ -7,7 +7,6 @@ One module-scoped local Ray instance for every test here."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ import httpx
 import pytest
 from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
 from ray_nodes import engine_actor_pids
-from recovery_utils import expect_fail_fast
+from recovery_utils import before_step, expect_fail_fast
 
 from engine import LLM, SamplingParams
 from engine.async_client import AsyncLLM
@@ -191,14 +190,12 @@ def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference
     try:
         victim, workers_before = client.engine_pid(), llm.worker_pids()
         assert b"ray::EngineCoreActor" in _cmdline(victim)
-        orig, calls, delivered = llm.engine.step_fn, itertools.count(), []
+        delivered = []
 
-        def step():
-            if next(calls) == 12:  # about a third of the way through
-                delivered.append(sum(len(r.output_token_ids) for r in client._ledger.resubmissions()))
-                os.kill(victim, signal.SIGKILL)
-            return orig()
-        llm.engine.step_fn = step
+        def kill() -> None:
+            delivered.append(sum(len(r.output_token_ids) for r in client._ledger.resubmissions()))
+            os.kill(victim, signal.SIGKILL)
+        restore = before_step(llm, 12, kill)  # about a third of the way through
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert client.num_restarts == 1
         assert delivered and delivered[0] > 0  # the kill came mid-generation
@@ -207,7 +204,7 @@ def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference
         assert b"ray::EngineCoreActor" in _cmdline(new)
         assert not set(llm.worker_pids()) & set(workers_before)  # its workers went with it
         assert _live_placement_groups() == 1  # the dead engine's workers' group was removed
-        llm.engine.step_fn = orig
+        restore()
         again = llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)  # it keeps serving
     finally:
         llm.shutdown()
@@ -227,13 +224,7 @@ def test_wedged_engine_actor_is_replaced(ray_local, ckpt, params, reference):
     client = llm.engine.client
     try:
         victim = client.engine_pid()
-        orig, calls = llm.engine.step_fn, itertools.count()
-
-        def step():
-            if next(calls) == 8:
-                os.kill(victim, signal.SIGSTOP)
-            return orig()
-        llm.engine.step_fn = step
+        before_step(llm, 8, lambda: os.kill(victim, signal.SIGSTOP))
         outs = llm.generate(PROMPTS[:4], params[:4], use_tqdm=False)
         assert client.num_restarts == 1 and client.engine_pid() != victim
         assert wait_pids_gone([victim], timeout_s=30) == []  # killed, not left stopped
@@ -433,13 +424,7 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
     try:
         pool = a.engine.client.pool
         victim = ray.get(ray.get(pool.engine.remote(0))[0].pid.remote())
-        orig, calls = a.engine.step_fn, itertools.count()
-
-        def step():
-            if next(calls) == 10:
-                os.kill(victim, signal.SIGKILL)
-            return orig()
-        a.engine.step_fn = step
+        before_step(a, 10, lambda: os.kill(victim, signal.SIGKILL))
         half = len(PROMPTS) // 2
         got: dict[str, list] = {}
         tb = threading.Thread(target=lambda: got.update(b=b.generate(PROMPTS[half:], params[half:],
