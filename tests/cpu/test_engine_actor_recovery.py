@@ -491,7 +491,8 @@ def _pools() -> list[dict]:
 def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
     """serve.replicas: 2 with data_parallel_size 2: one engine pool for the app,
     both replicas attached to it, 24 concurrent streams through Serve's proxy
-    (spread over both replicas) give the one-engine text; deleting the app
+    (spread over both replicas) give the one-engine text; /admin/drain and
+    /admin/undrain through the proxy set the pool's state; deleting the app
     takes the pool and its engines with it."""
     import ray
     from ray import serve
@@ -517,6 +518,13 @@ def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
         for i, (events, ref) in enumerate(zip(streams, serve_refs)):
             text, finish, usage, errors = _summary(events)
             assert (errors, finish, text) == ([], "length", ref.outputs[0].text), i
+        # The admin routes act on the pool, whichever replica the proxy picks.
+        r = httpx.post(f"{url}/admin/drain", json={"engine": 1}, timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "drained", r.text
+        assert ray.get(handle.admin_states.remote()) == ["up", "drained"]
+        r = httpx.post(f"{url}/admin/undrain", json={"engine": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert ray.get(handle.admin_states.remote()) == ["up", "up"]
     finally:
         serve.delete("ingress2")
     _wait(lambda: not _pools() and not engine_actor_pids() - before)
