@@ -192,7 +192,8 @@ class DataParallelClient(WarmHandover, EngineScaling):
             if UP not in self.states:
                 raise EngineDeadError("no engine is up to take the request")
             if prefer is not None and self.states[prefer] == UP:
-                d = self.router.assign(request.request_id, prefer, len(toks) + max(max_tokens, 0))
+                # A warmed engine computed the context: its work is the decode ahead.
+                d = self.router.assign(request.request_id, prefer, max(max_tokens, 0))
                 prefer = None
             else:
                 d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,

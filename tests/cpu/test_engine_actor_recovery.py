@@ -448,11 +448,37 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
         assert again.num_cached_tokens == len(hashes) * a.engine.kv_info.block_size
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         assert any(reason == "cache_hit" for (_, reason, _) in rb.decisions)
+        _admin_acts_on_the_pool(a, b, pool, params, reference)
     finally:
         b.shutdown()
         a.shutdown()
     _wait(lambda: not [x for x in ray.util.list_named_actors(all_namespaces=True)
                        if x["name"].startswith("conveyor-engines")])
+
+
+def _admin_acts_on_the_pool(a, b, pool, params, reference) -> None:
+    """Drain, undrain and replace on one frontend act for both: b's router
+    drops the engine a drained; a's replace puts a new actor in the slot and
+    b attaches to it (b then drains engine 0: the new engine alone gives the
+    one-engine tokens to a)."""
+    import ray
+
+    ca, cb = a.engine.client, b.engine.client
+    assert ca.drain(1, 60) == 0
+    _wait(lambda: cb.states == ["up", "drained"])
+    assert not cb.router.live[1] and cb.router.index_size(1) == 0
+    ca.undrain(1)
+    _wait(lambda: cb.states == ["up", "up"] and cb.router.live[1])
+    old = ray.get(ray.get(pool.engine.remote(1))[0].pid.remote())
+    ca.replace_engine(1)
+    assert ray.get(ray.get(pool.engine.remote(1))[0].pid.remote()) != old
+    _wait(lambda: ca.states == ["up", "up"] and cb.states == ["up", "up"]
+          and cb.clients[1].link.actor._actor_id == ca.clients[1].link.actor._actor_id)
+    cb.drain(0, 60)
+    _wait(lambda: ca.states == ["drained", "up"])
+    assert _choices(a.generate(PROMPTS[:4], params[:4], use_tqdm=False)) == _choices(reference[:4])
+    cb.undrain(0)
+    _wait(lambda: ca.states == ["up", "up"])
 
 
 def _pools() -> list[dict]:
@@ -465,7 +491,8 @@ def _pools() -> list[dict]:
 def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
     """serve.replicas: 2 with data_parallel_size 2: one engine pool for the app,
     both replicas attached to it, 24 concurrent streams through Serve's proxy
-    (spread over both replicas) give the one-engine text; deleting the app
+    (spread over both replicas) give the one-engine text; /admin/drain and
+    /admin/undrain through the proxy set the pool's state; deleting the app
     takes the pool and its engines with it."""
     import ray
     from ray import serve
@@ -491,6 +518,13 @@ def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
         for i, (events, ref) in enumerate(zip(streams, serve_refs)):
             text, finish, usage, errors = _summary(events)
             assert (errors, finish, text) == ([], "length", ref.outputs[0].text), i
+        # The admin routes act on the pool, whichever replica the proxy picks.
+        r = httpx.post(f"{url}/admin/drain", json={"engine": 1}, timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "drained", r.text
+        assert ray.get(handle.admin_states.remote()) == ["up", "drained"]
+        r = httpx.post(f"{url}/admin/undrain", json={"engine": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert ray.get(handle.admin_states.remote()) == ["up", "up"]
     finally:
         serve.delete("ingress2")
     _wait(lambda: not _pools() and not engine_actor_pids() - before)
