@@ -30,6 +30,7 @@ import msgspec
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest
 from engine.dp_handover import PacedDrain, WarmHandover
+from engine.dp_scale import EngineScaling, owns_ray
 from engine.errors import DeadFlag, EngineDeadError
 from engine.frontend import resolved_max_tokens
 from engine.migration import MigrationLog
@@ -76,7 +77,7 @@ def make_engine_clients(config: EngineConfig,
     return clients
 
 
-class DataParallelClient(WarmHandover, PacedDrain):
+class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
     takes_session = True  # add_request(request, session=...) (AsyncLLM checks)
 
     def __init__(self, config: EngineConfig, clients: list[Any] | None = None,
@@ -113,6 +114,7 @@ class DataParallelClient(WarmHandover, PacedDrain):
         self._stats: list[Any] = [None] * len(self.clients)  # per engine: its last SchedulerStats
         for i, c in enumerate(self.clients):
             self._hook(i, c)
+        self._init_scaling()  # add/remove engines, rollout, autoscaler (engine/dp_scale.py)
 
     def _hook(self, i: int, c: Any) -> None:
         if hasattr(c, "hand_over_losses"):  # a RayCoreClient: its requests move instead of waiting
@@ -202,7 +204,8 @@ class DataParallelClient(WarmHandover, PacedDrain):
             if UP not in self.states:
                 raise EngineDeadError("no engine is up to take the request")
             if prefer is not None and self.states[prefer] == UP:
-                d = self.router.assign(request.request_id, prefer, len(toks) + max(max_tokens, 0))
+                # A warmed engine computed the context: its work is the decode ahead.
+                d = self.router.assign(request.request_id, prefer, max(max_tokens, 0))
                 prefer = None
             else:
                 d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,
@@ -347,41 +350,20 @@ class DataParallelClient(WarmHandover, PacedDrain):
         drained first (its requests move, none is lost); a drained or dead
         one is shut down. Returns how many requests moved. While the new one
         starts the others serve everything; it takes requests once it runs."""
-        with self._lock:
-            if not 0 <= engine < len(self.clients):
-                raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
-            state = self.states[engine]
-            if state == LOST:
-                raise ValueError(f"engine {engine} is being rebuilt; replace it once it is up or dead")
-        moved = self.drain(engine, timeout_s) if state == UP else 0
-        with self._lock:
-            self.states[engine] = DEAD  # late outputs of the old one are dropped from here on
-            old = self.clients[engine]
-        old.shutdown()
-        new = self._spawn(config if config is not None else self.config)
-        with self._lock:
-            self.clients[engine] = new
-            self._prefix[engine], self._stats[engine] = [0, 0], None
-            self._hook(engine, new)
-            if self._on_outputs is not None:
-                new.start(self._sink(engine, self._on_outputs))
-            self.states[engine] = UP
-            self.router.engine_up(engine)
-            # Requests that waited for an engine (every one was lost) go on now.
-            for j, st in enumerate(self.states):
-                if st == LOST:
-                    self._move_off(j, "lost")
+        with self._scale_lock:  # one scale operation at a time (engine/dp_scale.py)
+            with self._lock:
+                if not 0 <= engine < len(self.clients):
+                    raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
+                state = self.states[engine]
+                if state == LOST:
+                    raise ValueError(f"engine {engine} is being rebuilt; replace it once it is up or dead")
+            moved = self.drain(engine, timeout_s) if state == UP else 0
+            with self._lock:
+                self.states[engine] = DEAD  # late outputs of the old one are dropped from here on
+                old = self.clients[engine]
+            self._let_go(old)
+            self._install(engine, self._spawn(config if config is not None else self.config))
         log.info("engine %d replaced (%d requests moved off it first)", engine, moved)
-        return moved
-
-    def rollout(self, config: EngineConfig, timeout_s: float = 60.0) -> int:
-        """Replace the engines one at a time with engines of `config` (same
-        model), each drained through migration first: no request is lost and
-        every stream continues token-exact. Returns the requests moved."""
-        if config.model != self.config.model or config.max_model_len != self.config.max_model_len:
-            raise ValueError("a rollout keeps the model and max_model_len; start a new server for another")
-        moved = sum(self.replace_engine(i, config, timeout_s) for i in range(len(self.clients)))
-        self.config = config
         return moved
 
     def engines(self) -> list[dict[str, Any]]:
@@ -389,7 +371,7 @@ class DataParallelClient(WarmHandover, PacedDrain):
         out: list[dict[str, Any]] = []
         for i, c in enumerate(list(self.clients)):
             st = self._stats[i]
-            info: dict[str, Any] = {"engine": i, "state": self.states[i], "kv_cache_usage": (
+            info: dict[str, Any] = {"engine": i, "state": self.slot_state(i), "kv_cache_usage": (
                 st.kv_cache_usage if st is not None else 0.0), "requests": (
                 st.num_running_reqs + st.num_waiting_reqs if st is not None else 0)}
             if self.states[i] in (UP, DRAINED):
@@ -449,6 +431,7 @@ class DataParallelClient(WarmHandover, PacedDrain):
         return out
 
     def shutdown(self) -> None:
-        # Last first: the first client may own the Ray instance it started.
-        for c in reversed(self.clients):
+        self._stop_scaling()
+        # Last first, and the client that started Ray (engine 0 at first) after all.
+        for c in sorted(reversed(self.clients), key=owns_ray):
             c.shutdown()

@@ -13,7 +13,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -25,6 +25,11 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, UnsendableRequestError
 from engine.json_limits import utf8_problem
 from executors.ray_placement import worker_bundle
+
+if TYPE_CHECKING:  # the engine loads on first use (see LineRunner.start)
+    from cluster.openai.server import OpenAIServer
+    from engine.async_client import AsyncLLM
+    from engine.token_journal import LineJournal
 
 log = logging.getLogger("conveyor.batch")
 
@@ -46,8 +51,15 @@ def make_record(custom_id: str, request_id: str, status: int, body: dict[str, An
 class LineRunner:
     """One AsyncLLM and the OpenAI request handling on top of it."""
 
-    def __init__(self, config: EngineConfig, journal_path: str | None = None,
-                 restore_from: str | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, server: OpenAIServer, journal: LineJournal | None = None) -> None:
+        """Lines on an engine that runs already (`start` starts one); journal:
+        the engine's client when its generated tokens are journaled."""
+        self.llm, self.server, self.journal = llm, server, journal
+
+    @classmethod
+    def start(cls, config: EngineConfig, journal_path: str | None = None,
+              restore_from: str | None = None) -> LineRunner:
+        """Start an engine for `config` (blocks: run it off the event loop)."""
         # Here, not at the top: `conveyor --help` and the job's parser never load the engine.
         from cluster.openai.server import OpenAIServer
         from engine.async_client import AsyncLLM
@@ -55,9 +67,9 @@ class LineRunner:
 
         # journal_path: generated tokens survive a lost job (engine/token_journal.py);
         # restore_from: a data-parallel job's merged journal this engine resumes from.
-        self.journal = journaled_client(config, journal_path, restore_from) if journal_path else None
-        self.llm = AsyncLLM(config, self.journal)
-        self.server = OpenAIServer(self.llm, config)
+        journal = journaled_client(config, journal_path, restore_from) if journal_path else None
+        llm = AsyncLLM(config, journal)
+        return cls(llm, OpenAIServer(llm, config), journal)
 
     def _check_line(self, obj: dict[str, Any]) -> str:
         url, method, body = obj.get("url"), obj.get("method", "POST"), obj.get("body")
@@ -163,7 +175,7 @@ def _engine_actor_cls() -> Any:
                 # Built off the event loop: engine start-up blocks on Ray calls.
                 loop = asyncio.get_running_loop()
                 j = self.journal or (None, None)
-                self.runner = await loop.run_in_executor(None, LineRunner, self.config, *j)
+                self.runner = await loop.run_in_executor(None, LineRunner.start, self.config, *j)
                 return True
 
             async def run(self, obj: dict[str, Any]) -> dict[str, Any]:

@@ -281,7 +281,7 @@ def init_ray(address: str | None, local_cpus: int = 1) -> bool:
 async def _start_engines(config: EngineConfig, data_parallel: int, max_in_flight: int,
                          journal: str | None = None) -> list[Engine]:
     if data_parallel == 1:
-        runner = await asyncio.get_running_loop().run_in_executor(None, LineRunner, config, journal)
+        runner = await asyncio.get_running_loop().run_in_executor(None, LineRunner.start, config, journal)
         return [LocalEngine(runner, max_in_flight)]
     engines = [ActorEngine(config, i, max_in_flight, journal) for i in range(data_parallel)]
     try:

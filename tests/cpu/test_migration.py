@@ -106,7 +106,7 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
     caplog.set_level(logging.INFO, logger="engine.migration")
 
     async def scenario() -> None:  # one event loop: AsyncLLM binds to the first it runs on
-        runner = LineRunner(config, str(tmp_path / "warmup.tokens"))
+        runner = LineRunner.start(config, str(tmp_path / "warmup.tokens"))
         dp = runner.llm.client.inner
         try:
             params = await _scenario(runner.llm, caplog)
