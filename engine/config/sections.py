@@ -98,6 +98,19 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # request's context on its new engine (engine/dp_handover.py). Off by
     # default: slower on the 2-core CPU box (BENCHMARKS.md "Live migration").
     warm_drain: Annotated[bool, knob("bool")] = False
+    # data_parallel_size > 1: a drain moves its requests in waves of at most
+    # the longest moved context's tokens, the next wave once the last one's
+    # streams have their first token on their new engine, so each moved
+    # stream waits for its own re-prefill, not for all of them together
+    # (engine/dp_handover.py PacedDrain). Off: every request moves at once.
+    paced_drain: Annotated[bool, knob("bool")] = True
+    # CPU: torch threads of each worker; 0: this machine's cores over the
+    # ranks that share it (world_size, times data_parallel_size for engines
+    # in this process: engine/dp_engine.py engine_config). Oversubscribed
+    # OpenMP threads spin against each other: two in-process engines with a
+    # thread per core each decoded 2.2x slower on 2 cores (BENCHMARKS.md
+    # "Live migration").
+    cpu_threads_per_worker: Annotated[int, int_in(0, 1024)] = 0
     restart_window_s: Annotated[float, finite_in(1.0, 86400.0)] = 600.0
     recovery_timeout_s: Annotated[float, finite_in(1.0, 86400.0)] = 120.0
 
