@@ -2,7 +2,10 @@
 LoRA-wrapped linears (workers/lora/layers.py) only index and multiply.
 
 Tokens with an adapter are grouped by slot (a stable sort: tokens keep their
-order inside a group). Layouts of the same grouping:
+order inside a group). On CPU in fp32 with the kernel extension loaded, the
+fused op (kernels/lora_cpu.py) takes `rows` and `segs` and needs nothing
+else; the torch paths (torch backend, other dtypes) use these layouts of
+the same grouping:
 - padded (CPU, groups of similar size, e.g. decode): slot s's i-th token is
   row s * m + i of a [G * m, K] copy of the step's rows (one index_select;
   padding rows repeat token 0), so every slot is one batch entry of a
