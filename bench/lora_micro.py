@@ -9,8 +9,10 @@ caches as it does in the engine (one layer alone fits and measures ~2x faster).
 
 Two step shapes: decode (64 tokens, token i on slot i % 16: the padded bmm
 path) and a prefill step (2048 tokens in runs of 16..128 per adapter: the
-runs path). Prints ms per step for the base linears and for each LoRA op,
-plus single-thread streaming references (sum over 77 MB; a 4-row mm).
+runs path). Prints ms per step for the base linears and for each LoRA op of
+the torch paths, then of the fused CPU op (kernels/lora_cpu.py) on each
+kernel table this CPU runs, plus single-thread streaming references (sum
+over 77 MB; a 4-row mm).
 
 Usage: OMP_NUM_THREADS=1 python bench/lora_micro.py [--reps 20]
 """
@@ -89,6 +91,26 @@ def profile(layers: list[Layer], token_slots: np.ndarray, reps: int) -> dict[str
     return {k: v / reps * 1e3 for k, v in acc.items()}
 
 
+def profile_fused(layers: list[Layer], token_slots: np.ndarray, reps: int, isa: str) -> dict[str, float]:
+    """ms per step of the base linears and of the fused CPU op (kernels/lora_cpu.py) per linear."""
+    from kernels.lora_cpu import lora_add
+
+    mp = LoRAMapping.build(token_slots, S, torch.device("cpu"))
+    assert mp is not None
+    xs = {k: torch.randn(token_slots.size, v[0]) for k, v in SHAPES.items()}
+    args = {name: ([b for _, _, b in subs], [o.start for _, o, _ in subs]) for name, (_, subs, _) in layers[0].items()}
+    acc: dict[str, float] = defaultdict(float)
+    for it in range(reps + 1):
+        for layer in layers:
+            for name, (a_t, subs, packed) in layer.items():
+                x, t = xs[name], time.perf_counter()
+                y = base(x, packed)
+                t = _tick(acc, "base linears", t, it)
+                lora_add(x, y, a_t, [b for _, _, b in subs], args[name][1], mp.rows, mp.segs, isa)
+                t = _tick(acc, f"fused {name}", t, it)
+    return {k: v / reps * 1e3 for k, v in acc.items()}
+
+
 def _tick(acc: dict[str, float], key: str, t0: float, it: int) -> float:
     t = time.perf_counter()
     if it:  # iteration 0 warms up
@@ -110,6 +132,17 @@ def streaming_refs() -> None:
         print(f"  {label}: {dt * 1e3:.2f} ms, {77e6 / dt / 1e9:.1f} GB/s")
 
 
+def _fused_isas() -> list[str]:
+    """The fused op's kernel tables this CPU runs ([] when the extension does not build)."""
+    from kernels import cpu_attention
+
+    if not cpu_attention.available():
+        return []
+    from kernels.lora_cpu import supported_isas
+
+    return supported_isas()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=20)
@@ -119,15 +152,18 @@ def main() -> int:
     layers = [make_layer(g) for _ in range(NUM_LAYERS)]
     lens = np.random.default_rng(0).integers(16, 129, size=40)
     prefill = np.concatenate([np.full(n, i % S) for i, n in enumerate(lens)])[:2048]
+    isas = _fused_isas()
     for label, slots, reps in (("decode, 64 tokens", np.arange(64) % S, args.reps),
                                ("prefill, 2048 tokens", prefill, max(2, args.reps // 10))):
-        res = profile(layers, slots, reps)
-        lora = sum(v for k, v in res.items() if k != "base linears")
-        print(f"{label} ({NUM_LAYERS} layers), ms per step: base linears {res['base linears']:.2f}, "
-              f"LoRA {lora:.2f} ({lora / res['base linears']:.2f}x)")
-        for k, v in sorted(res.items(), key=lambda kv: -kv[1]):
-            if k != "base linears":
-                print(f"  {k:16s} {v:7.2f}")
+        runs = [("torch ops", profile(layers, slots, reps))]
+        runs += [(f"fused op, {isa}", profile_fused(layers, slots, reps, isa)) for isa in isas]
+        for path, res in runs:
+            lora = sum(v for k, v in res.items() if k != "base linears")
+            print(f"{label} ({NUM_LAYERS} layers), {path}, ms per step: base linears {res['base linears']:.2f}, "
+                  f"LoRA {lora:.2f} ({lora / res['base linears']:.2f}x)")
+            for k, v in sorted(res.items(), key=lambda kv: -kv[1]):
+                if k != "base linears":
+                    print(f"  {k:16s} {v:7.2f}")
     print("streaming references, one thread:")
     streaming_refs()
     return 0

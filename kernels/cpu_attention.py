@@ -53,9 +53,11 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # own target, so a build made on one machine runs on any other x86-64 (or,
 # portable table only, any other CPU gcc builds for).
 _SOURCES = [os.path.join(_CSRC, f) for f in
-            ("paged_attention_cpu.cpp", "kernels_portable.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp")]
+            ("paged_attention_cpu.cpp", "kernels_portable.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp",
+             # multi-LoRA (kernels/lora_cpu.py): its op registers with torch's dispatcher
+             "lora_cpu.cpp", "lora_portable.cpp", "lora_avx2.cpp", "lora_avx512.cpp")]
 # Headers the sources include: hashed into the build directory's name.
-_HEADERS = ("cpu_kernels.h", "generic_kernels.inc", "simd_kernels.inc")
+_HEADERS = ("cpu_kernels.h", "generic_kernels.inc", "simd_kernels.inc", "lora_kernels.h", "lora_simd.inc")
 ISAS = ("auto", "avx512", "avx2", "portable")
 _EXT_NAME = "conveyor_paged_attention_cpu"
 _lock = threading.Lock()

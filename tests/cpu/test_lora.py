@@ -3,7 +3,8 @@ with `peft` at random non-zero A and B: different ranks, target sets, alpha,
 rsLoRA) and the base model; every row's greedy tokens equal transformers +
 peft running that adapter alone. Also with chunked prefill, preemption and
 fewer slots than adapters (LRU eviction, the scheduler's slot cap), TP=2 x
-PP=2, isolation under prefix caching, and the HTTP addressing."""
+PP=2, TP=2 and PP=2 alone, isolation under prefix caching, and the HTTP
+addressing."""
 from __future__ import annotations
 
 import pytest
@@ -48,13 +49,18 @@ def _run(base: str, prompts, loras, **kw):
 
 
 def test_mixed_batch_matches_peft(models):
-    """Qwen3 here; the tiny Llama's mixed batch is checked under chunked
+    """Qwen3 here, whole prompts in one step and then with chunked prefill
+    (a 16-token budget: prompt chunks of several adapters share steps with
+    decode rows); the tiny Llama's mixed batch is checked under chunked
     prefill and preemption below."""
     base, adapters = models["qwen3"]
     prompts = random_prompts(10, 3, 40, seed=7)
     loras = _mixed(adapters, len(prompts))
     ref = _refs(base, prompts, loras)
     got, _ = _run(base, prompts, loras, max_loras=4)
+    assert got == ref
+    assert max(map(len, prompts)) > 16  # so some prompts take several steps
+    got, _ = _run(base, prompts, loras, max_loras=4, max_num_batched_tokens=16)
     assert got == ref
     # The adapters matter: each changes the base model's tokens somewhere.
     base_ref = _refs(base, prompts[1:5], [None] * 4)
@@ -95,15 +101,18 @@ def _check_isolation(llm, base: str, adapters: list[str]) -> None:
     assert again.outputs[0].token_ids == ref[0]
 
 
-def test_tensor_and_pipeline_parallel(models):
-    """TP=2 x PP=2 in one engine (one start of four ranks instead of two of
-    two: ~25 s less CI time): column-parallel B / row-parallel A shards on
-    every rank, and each pipeline stage applies its own layers' adapters."""
-    base, adapters = models["qwen3"]
+@pytest.mark.parametrize("family,tp,pp", [("qwen3", 2, 2), ("llama", 2, 1), ("llama", 1, 2)])
+def test_tensor_and_pipeline_parallel(models, family: str, tp: int, pp: int):
+    """Qwen3 at TP=2 x PP=2 in one engine, the tiny Llama at TP=2 alone and
+    at PP=2 alone (mp executor, ~5 s a start): column-parallel B /
+    row-parallel A shards on every rank, and each pipeline stage applies its
+    own layers' adapters; the Llama runs under chunked prefill too."""
+    base, adapters = models[family]
     prompts = random_prompts(5, 3, 30, seed=9)
     loras = _mixed(adapters, len(prompts))
-    got, _ = _run(base, prompts, loras, max_loras=4, executor="mp", tensor_parallel_size=2,
-                  pipeline_parallel_size=2)
+    kw = {"max_num_batched_tokens": 32} if family == "llama" else {}
+    got, _ = _run(base, prompts, loras, max_loras=4, executor="mp", tensor_parallel_size=tp,
+                  pipeline_parallel_size=pp, **kw)
     assert got == _refs(base, prompts, loras)
 
 

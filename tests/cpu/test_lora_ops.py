@@ -1,6 +1,7 @@
 """Multi-LoRA building blocks without an engine: the segmented matmuls (CPU
-bmm path and the Triton shrink/expand kernel under TRITON_INTERPRET=1, fp32,
-small shapes) against the row-by-row torch reference; PEFT adapter checks
+torch paths, the fused CPU op on each kernel table this CPU runs, and the
+Triton shrink/expand kernel under TRITON_INTERPRET=1; fp32, small shapes)
+against the row-by-row torch reference; PEFT adapter checks
 (every unsupported field named); config fields; prefix-cache keys."""
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ from engine.lora import LoRARequest, ModelDims, check_adapter
 from workers.lora.mapping import LoRAMapping, add_lora
 
 pytest.importorskip("triton")
+
+
+def _build(token_slots: np.ndarray, slots: int) -> LoRAMapping:
+    """The mapping with the torch paths (the fused CPU op is tested on its own below)."""
+    mp = LoRAMapping.build(token_slots, slots, torch.device("cpu"))
+    assert mp is not None
+    mp.cpu_isa = None
+    return mp
 
 
 def _case(seed: int, num_tokens: int, slots: int, k: int, r: int, n: int):
@@ -39,7 +48,7 @@ def test_segmented_lora_matches_reference(seed: int, num_tokens: int, slots: int
 
     x, y, a_t, b_t, token_slots = _case(seed, num_tokens, slots, k, r, n)
     ref = lora_reference(x, y, a_t, b_t, token_slots.tolist())
-    mp = LoRAMapping.build(token_slots, slots, torch.device("cpu"))
+    mp = _build(token_slots, slots)
     cpu = y.clone()
     add_lora(x, cpu, a_t, b_t, mp)  # the CPU bmm path
     scale = ref.abs().max()
@@ -58,7 +67,7 @@ def test_uneven_groups_take_the_sorted_path_and_match_the_reference() -> None:
 
     x, y, a_t, b_t, token_slots = _case(3, 200, 3, 24, 6, 20)
     token_slots[:190] = 1
-    mp = LoRAMapping.build(token_slots, 3, torch.device("cpu"))
+    mp = _build(token_slots, 3)
     assert not mp.padded
     ref = lora_reference(x, y, a_t, b_t, token_slots.tolist())
     got = y.clone()
@@ -72,12 +81,63 @@ def test_long_runs_take_the_runs_path_and_match_the_reference() -> None:
 
     x, y, a_t, b_t, _ = _case(4, 160, 3, 24, 6, 20)
     token_slots = np.repeat(np.array([0, -1, 2, 2, 1]), [40, 20, 30, 10, 60])
-    mp = LoRAMapping.build(token_slots, 3, torch.device("cpu"))
+    mp = _build(token_slots, 3)
     assert mp.runs == [(0, 40, 0), (60, 100, 2), (100, 160, 1)]
     ref = lora_reference(x, y, a_t, b_t, token_slots.tolist())
     got = y.clone()
     add_lora(x, got, a_t, b_t, mp)
     assert (got - ref).abs().max() / ref.abs().max() < 1e-5
+
+
+# (tokens, slots, K, rank, output widths of the sub-projections): decode-like
+# and prefill-like (segments longer than one 16-row chunk), fused q/k/v and
+# gate/up, widths and ranks off the vector width (masked tails).
+_FUSED_CASES = [(37, 4, 48, 8, [40, 17, 17]), (5, 3, 64, 24, [96]), (70, 2, 20, 4, [33, 9]),
+                (64, 16, 96, 16, [64, 32, 32])]
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_fused_cpu_op_matches_reference(isa: str) -> None:
+    """kernels/lora_cpu.py's op on one kernel table against the row-by-row
+    reference: every sub-projection into its own columns of a wider y, x a
+    column slice of a wider tensor (a row-parallel layer's narrowed input),
+    base-model rows untouched. add_lora takes it whenever the extension is
+    loaded, with the table the attention backend selected."""
+    from kernels import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip(f"the CPU kernel did not build: {cpu_attention.build_error()}")
+    from kernels.lora_cpu import kernel_isa, lora_add, supported_isas
+
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    for seed, (num_tokens, slots, k, r, outs) in enumerate(_FUSED_CASES):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(num_tokens, k + 5, generator=g)[:, 2:k + 2]
+        y = torch.randn(num_tokens, sum(outs) + 7, generator=g)
+        a_t = torch.randn(slots + 1, k, len(outs) * r, generator=g)
+        bs = [torch.randn(slots + 1, r, n, generator=g) for n in outs]
+        offs = [7 + sum(outs[:i]) for i in range(len(outs))]
+        token_slots = np.random.default_rng(seed).integers(-1, slots, num_tokens)
+        ref = y.clone()
+        for t, s in enumerate(token_slots.tolist()):
+            if s >= 0:
+                shrunk = x[t] @ a_t[s]
+                for i, (off, n) in enumerate(zip(offs, outs)):
+                    ref[t, off:off + n] += shrunk[i * r:(i + 1) * r] @ bs[i][s]
+        mp = LoRAMapping.build(token_slots, slots, torch.device("cpu"))
+        assert mp is not None and mp.cpu_isa == kernel_isa() == cpu_attention.isa()
+        got = y.clone()
+        lora_add(x, got, a_t, bs, offs, mp.rows, mp.segs, isa)
+        assert (got - ref).abs().max() / ref.abs().max() < 1e-5, f"{isa} case {seed}"
+        base_rows = torch.from_numpy(token_slots < 0)
+        assert torch.equal(got[base_rows], y[base_rows]) and torch.equal(got[:, :7], y[:, :7])
+        if isa == mp.cpu_isa:  # the wrappers' entry point runs the same op
+            subs = [(slice(i * r, (i + 1) * r), slice(off, off + n), b) for i, (off, n, b) in
+                    enumerate(zip(offs, outs, bs))]
+            via = y.clone()
+            add_lora(x, via, a_t, None, mp, subs)
+            assert torch.equal(via, got)
 
 
 def test_mapping_without_adapters_is_none() -> None:

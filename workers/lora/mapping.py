@@ -2,7 +2,10 @@
 LoRA-wrapped linears (workers/lora/layers.py) only index and multiply.
 
 Tokens with an adapter are grouped by slot (a stable sort: tokens keep their
-order inside a group). Layouts of the same grouping:
+order inside a group). On CPU in fp32 with the kernel extension loaded, the
+fused op (kernels/lora_cpu.py) takes `rows` and `segs` and needs nothing
+else; the torch paths (torch backend, other dtypes) use these layouts of
+the same grouping:
 - padded (CPU, groups of similar size, e.g. decode): slot s's i-th token is
   row s * m + i of a [G * m, K] copy of the step's rows (one index_select;
   padding rows repeat token 0), so every slot is one batch entry of a
@@ -49,6 +52,8 @@ class LoRAMapping:
     segments: list[tuple[int, int, int]]  # (start, end, slot) of each used slot's sorted rows
     seg_gather: torch.Tensor  # int64 [T]: each token's sorted row, n for base tokens
     runs: list[tuple[int, int, int]] | None  # CPU: (start, end, slot) in token order, when long
+    segs: torch.Tensor  # int64 [G, 3]: `segments` as a tensor (the fused CPU op's input)
+    cpu_isa: str | None  # CPU: the fused op's kernel table (kernels/lora_cpu.py); None: torch paths
 
     @classmethod
     def build(cls, token_slots: np.ndarray, num_slots: int, device: torch.device) -> LoRAMapping | None:
@@ -81,10 +86,12 @@ class LoRAMapping:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
         runs = _runs(token_slots)
+        segs = np.array(segments, dtype=np.int64).reshape(-1, 3)
         return cls(num_slots, token_slots, dev(order.astype(np.int64)), m, groups, dev(src), dev(gather),
                    dev(seg_start), dev(used.astype(np.int32)), dev(np.arange(order.size, dtype=np.int64)),
                    bool(padded), segments, dev(seg_gather),
-                   runs if token_slots.size >= RUN_MIN_LEN * max(len(runs), 1) else None)
+                   runs if token_slots.size >= RUN_MIN_LEN * max(len(runs), 1) else None,
+                   dev(segs), _cpu_isa(device))
 
 
 RUN_MIN_LEN = 16  # mean tokens per adapter run for the runs path (decode's runs are 1 token)
@@ -99,6 +106,14 @@ def _runs(token_slots: np.ndarray) -> list[tuple[int, int, int]]:
     starts = np.concatenate(([0], edges))
     ends = np.concatenate((edges, [token_slots.size]))
     return [(int(a), int(b), int(token_slots[a])) for a, b in zip(starts, ends) if token_slots[a] >= 0]
+
+
+def _cpu_isa(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return None
+    from kernels.lora_cpu import kernel_isa
+
+    return kernel_isa()
 
 
 def get_lora_mapping() -> LoRAMapping | None:
@@ -129,6 +144,13 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, a_t: torch.Tensor, b_t: torch.Ten
     if x.is_cuda:
         assert b_t is not None, "the Triton path expands through the block-diagonal b_t"
         _add_lora_triton(x, y, a_t, b_t, mp)
+        return
+    if mp.cpu_isa is not None and x.dtype == y.dtype == a_t.dtype == torch.float32 and x.dim() == 2:
+        from kernels.lora_cpu import lora_add
+
+        blocks = lora_blocks(b_t, subs)
+        lora_add(x, y, a_t, [b for _, _, b in blocks], [o.start or 0 for _, o, _ in blocks], mp.rows, mp.segs,
+                 mp.cpu_isa)
         return
     if mp.runs is not None:
         for start, end, slot in mp.runs:
