@@ -11,7 +11,8 @@ The kernels come in three tables, all in one build and chosen by cpuid at
 load: ``avx512`` (fp32 decode attention at head size 32/64/128 in AVX-512
 intrinsics: decode attention is bound by reading K/V from memory, and with
 every layer's cache past L3 the portable loop read 7.5 GB/s of one core's 29,
-this path 15-16; bench/cpu_attention.py), ``avx2`` (the same kernel 8 floats
+this path 15-16; bench/cpu_attention.py; a few long decode rows are split
+along their keys over the threads, ``split_part_len``), ``avx2`` (the same kernel 8 floats
 wide, same exp polynomial and masked tails: AVX2-only x86 such as older EPYC
 and Xeon) and ``portable`` (plain C++ loops, any CPU). The build has no
 ``-march``: each ISA file raises its own target (``#pragma GCC target``), so an
@@ -168,12 +169,28 @@ def _as_long(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64))
 
 
+# Split-KV (paged_attention_short's part_len): a decode row's keys are cut
+# into slices of at least this many positions, and only when the step's
+# kernel rows hold fewer than _SPLIT_TASKS_PER_THREAD slices' worth per thread.
+_SPLIT_MIN_KEYS = 256
+_SPLIT_TASKS_PER_THREAD = 2
+
+
+def split_part_len(seq_lens: np.ndarray, threads: int) -> int:
+    """Keys per split-KV slice for these kernel rows on ``threads`` threads
+    (0: no split). Batch 1 at 8k on 2 threads: 4 slices of 2048; batch 64 at
+    256: none (the requests alone keep every thread busy)."""
+    if threads <= 1 or seq_lens.size == 0:
+        return 0
+    return max(_SPLIT_MIN_KEYS, -(-int(seq_lens.sum()) // (threads * _SPLIT_TASKS_PER_THREAD)))
+
+
 class _StepPlan:
     """The per-step split into kernel rows and prefill rows, with the kernel's
     index tensors: every layer of a step shares it (built once per metadata)."""
 
     def __init__(self, block_table: torch.Tensor, query_start_loc_cpu: np.ndarray,
-                 seq_lens_cpu: np.ndarray) -> None:
+                 seq_lens_cpu: np.ndarray, part_len: int | None = None) -> None:
         qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
         lens = np.asarray(seq_lens_cpu, dtype=np.int64)
         q_lens = qsl[1:] - qsl[:-1]
@@ -181,6 +198,8 @@ class _StepPlan:
         self.num_short = int(short.size)
         self.table = (block_table if block_table.dtype == torch.int32 else block_table.int()).contiguous()
         self.short = tuple(_as_long(x) for x in (short, qsl[short], q_lens[short], lens[short]))
+        self.part_len = (split_part_len(lens[short], torch.get_num_threads()) if part_len is None
+                         else part_len)
         self.long = [(int(r), int(qsl[r]), int(q_lens[r]), int(lens[r]))
                      for r in np.nonzero(q_lens > _SHORT_QUERY)[0]]
 
@@ -193,14 +212,16 @@ def paged_attention_cpu(
     seq_lens_cpu: np.ndarray,
     scale: float,
     plan: _StepPlan | None = None,
+    part_len: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``paged_attention_torch``: ``[T, Hq, D]``, padding rows zero."""
+    """Same contract as ``paged_attention_torch``: ``[T, Hq, D]``, padding rows zero.
+    ``part_len`` overrides the split-KV slice length (0: no split; tests)."""
     ext = load_extension()
-    plan = plan or _StepPlan(block_table, query_start_loc_cpu, seq_lens_cpu)
+    plan = plan or _StepPlan(block_table, query_start_loc_cpu, seq_lens_cpu, part_len)
     out = torch.zeros(query.shape, dtype=query.dtype)
     if plan.num_short:
         ext.paged_attention_short(query.contiguous(), kv_cache, plan.table, *plan.short,
-                                  float(scale), out)
+                                  float(scale), out, plan.part_len)
     for r, start, q_len, seq_len in plan.long:
         _prefill_one(query, kv_cache, block_table[r], start, q_len, seq_len, scale, out)
     return out

@@ -57,15 +57,17 @@ inline __m256i tail_mask(int64_t left) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
-// Row r's scores 0..last become exp(s - max), the rest 0; returns their sum.
-inline float softmax_row(float* sc, int64_t last, int64_t seq_len) {
+// Row r's scores 0..last become exp(s - max), the rest 0; returns their sum
+// and stores the max in *max_out.
+inline float softmax_row(float* sc, int64_t last, int64_t seq_len, float* max_out) {
   const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   __m256 mv = ninf;
   for (int64_t p = 0; p <= last; p += 8) {
     const __m256i m = tail_mask(last + 1 - p);  // masked lanes are not read
     mv = _mm256_max_ps(mv, _mm256_blendv_ps(ninf, _mm256_maskload_ps(sc + p, m), _mm256_castsi256_ps(m)));
   }
-  const __m256 mx = _mm256_set1_ps(hmax(mv));
+  *max_out = hmax(mv);
+  const __m256 mx = _mm256_set1_ps(*max_out);
   __m256 sum = _mm256_setzero_ps();
   for (int64_t p = 0; p <= last; p += 8) {
     const __m256i m = tail_mask(last + 1 - p);
@@ -125,6 +127,7 @@ void attend_avx2(const AttnBatch<T>& a, const Req& rq, float* scratch) {
   float* acc = q + rows * D;
   float* score = acc + rows * D;
   float* denom = score + rows * n;
+  float* rmax = denom + rows;
   const __m256 sv = _mm256_set1_ps(a.scale);
   alignas(32) float row_buf[NV * 8];
   for (int64_t r = 0; r < rows; ++r) {  // row r = query token r / hq, head r % hq
@@ -153,7 +156,7 @@ void attend_avx2(const AttnBatch<T>& a, const Req& rq, float* scratch) {
         }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_row(score + r * n, n - rq.q_len + r / hq, n);
+  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_row(score + r * n, n - rq.q_len + r / hq, n, rmax + r);
   for (int64_t p = 0; p < n; ++p) {  // weights past a row's last position are 0
     const T* vp = k_row(a.cache, rq.blocks, p, s) + vs;
     if (p + kAhead < n) prefetch_row(k_row(a.cache, rq.blocks, p + kAhead, s) + vs, off_stride);
@@ -168,6 +171,10 @@ void attend_avx2(const AttnBatch<T>& a, const Req& rq, float* scratch) {
             _mm256_storeu_ps(ar + 8 * j, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + 8 * j), _mm256_loadu_ps(ar + 8 * j)));
         }
     }
+  }
+  if (rq.part != nullptr) {
+    store_part(rq, rows, D, acc, denom, rmax);
+    return;
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = a.out + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;

@@ -44,14 +44,16 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// Row r's scores 0..last become exp(s - max), the rest 0; returns their sum.
-inline float softmax_row(float* sc, int64_t last, int64_t seq_len) {
+// Row r's scores 0..last become exp(s - max), the rest 0; returns their sum
+// and stores the max in *max_out.
+inline float softmax_row(float* sc, int64_t last, int64_t seq_len, float* max_out) {
   __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t p = 0; p <= last; p += 16) {
     const __mmask16 m = tail_mask(last + 1 - p);  // masked lanes are not read
     mv = _mm512_mask_max_ps(mv, m, mv, _mm512_maskz_loadu_ps(m, sc + p));
   }
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  *max_out = _mm512_reduce_max_ps(mv);
+  const __m512 mx = _mm512_set1_ps(*max_out);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t p = 0; p <= last; p += 16) {
     const __mmask16 m = tail_mask(last + 1 - p);
@@ -108,6 +110,7 @@ void attend_avx512(const AttnBatch<T>& a, const Req& rq, float* scratch) {
   float* acc = q + rows * D;
   float* score = acc + rows * D;
   float* denom = score + rows * n;
+  float* rmax = denom + rows;
   const __m512 sv = _mm512_set1_ps(a.scale);
   for (int64_t r = 0; r < rows; ++r) {  // row r = query token r / hq, head r % hq
     const T* src = a.query + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
@@ -132,7 +135,7 @@ void attend_avx512(const AttnBatch<T>& a, const Req& rq, float* scratch) {
         }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_row(score + r * n, n - rq.q_len + r / hq, n);
+  for (int64_t r = 0; r < rows; ++r) denom[r] = softmax_row(score + r * n, n - rq.q_len + r / hq, n, rmax + r);
   for (int64_t p = 0; p < n; ++p) {  // weights past a row's last position are 0
     const T* vp = k_row(a.cache, rq.blocks, p, s) + vs;
     if (p + kAhead < n) prefetch_row(k_row(a.cache, rq.blocks, p + kAhead, s) + vs, off_stride);
@@ -148,6 +151,10 @@ void attend_avx512(const AttnBatch<T>& a, const Req& rq, float* scratch) {
             _mm512_storeu_ps(ar + 16 * j, _mm512_fmadd_ps(w, v[j], _mm512_loadu_ps(ar + 16 * j)));
         }
     }
+  }
+  if (rq.part != nullptr) {
+    store_part(rq, rows, D, acc, denom, rmax);
+    return;
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = a.out + (rq.start + r / hq) * s.q_tok_stride + (r % hq) * s.q_head_stride;
