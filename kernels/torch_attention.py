@@ -221,7 +221,7 @@ def _prefill_split(q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     skips the hidden half), merged by their log-sum-exps. A mask over the
     whole prefix kept the flash kernel from skipping anything and cost
     1.4-1.8x the work at 8k context (bench/scaling.py, issue 29)."""
-    n, ctx = q_rows.shape[0], k.shape[1] - q_rows.shape[0]
+    ctx = k.shape[1] - q_rows.shape[0]  # cached prefix keys
     q = q_rows.float().transpose(0, 1)[None]  # [1, Hq, n, D]
     o, lse = _FLASH_CPU(q, k[None, :, ctx:], v[None, :, ctx:], 0.0, True, scale=scale)
     if ctx:
