@@ -218,7 +218,9 @@ def paged_attention_cpu(
     ``part_len`` overrides the split-KV slice length (0: no split; tests)."""
     ext = load_extension()
     plan = plan or _StepPlan(block_table, query_start_loc_cpu, seq_lens_cpu, part_len)
-    out = torch.zeros(query.shape, dtype=query.dtype)
+    # Every row a request owns is written below; only batch padding is zeroed.
+    out = torch.empty(query.shape, dtype=query.dtype)
+    out[int(query_start_loc_cpu[-1]):].zero_()
     if plan.num_short:
         ext.paged_attention_short(query.contiguous(), kv_cache, plan.table, *plan.short,
                                   float(scale), out, plan.part_len)
