@@ -34,6 +34,7 @@ build lock); ``available()`` says whether that worked.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -229,13 +230,35 @@ def paged_attention_cpu(
     return out
 
 
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc keep freed memory for reuse instead of unmapping it: every
+    activation past 128 KB (a 2048-token prefill's are 4-23 MB) was a fresh
+    mmap, page-faulted in on first touch and munmapped when freed, per op per
+    layer. Allocations up to 1 GiB now come from the heap and the heap is
+    never trimmed, so the process holds its peak (vLLM's CPU build gets the
+    same from tcmalloc, which it preloads). 2048-token prefill of the 30M
+    Llama: 0.54 -> 0.47 s. Returns False where libc has no mallopt (musl, macOS)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
+        return bool(libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1) == 1 and ok)
+    except (OSError, AttributeError):
+        return False
+
+
 class CpuAttentionBackend:
-    """The CPU default when the kernel builds (see ``get_attention_backend``)."""
+    """The CPU default when the kernel builds (see ``get_attention_backend``);
+    building it also applies ``keep_freed_memory`` to the process."""
 
     name = "cpu"
 
     def __init__(self, cpu_isa: str = "auto") -> None:
         load_extension()
+        keep_freed_memory()
         self.isa = select_isa(cpu_isa)
         logger.info("CPU kernels: %s (this CPU runs %s)", self.isa, ", ".join(supported_isas()))
 
