@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -123,7 +125,7 @@ def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:
     place = (CoreActorPlacement() if p.executor == "ray" else
              CoreActorPlacement(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
                                 num_gpus=float(config.world_size) if use_gpu else 0.0))
-    spawn = lambda c: RayCoreClient(c, place)  # noqa: E731 - replace_engine starts one more the same way
+    spawn = lambda c: RayCoreClient.launch(c, place)  # noqa: E731 - replace_engine starts one more the same way
     return DataParallelClient(config, make_engine_clients(config, spawn), spawn)
 
 
@@ -174,9 +176,11 @@ class OpenAIDeployment:
             cpu_layout.pin_process(split.frontend)
             log.info("replica threads on cores %s, engine step thread on %s",
                      split.frontend, split.engine)
-        client = RayCoreClient(self.config, place) if place is not None else None
+        client = RayCoreClient.launch(self.config, place) if place is not None else None
         if self.config.parallel.data_parallel_size > 1:
             client = data_parallel_client(self.config, use_gpu)
+            # /admin/reload and SIGHUP read the file again (engine/dp_scale.py).
+            client.config_source = lambda: load_config(config_path, **overrides)
         try:
             self.llm = AsyncLLM(self.config, client)
         except BaseException:
@@ -200,6 +204,19 @@ class OpenAIDeployment:
         if env and not key:
             raise RuntimeError(f"serve.api_key_env names {env!r}, which is not set in the replica")
         return build_api(self.server, api_key=key, echo_request_id=False)
+
+    async def reload(self) -> dict[str, Any]:
+        """Read the config file again and roll the engines over to it
+        (`conveyor serve` calls this on SIGHUP); {"error": ...} when refused."""
+        import asyncio
+
+        reload = getattr(self.llm.client, "reload", None)
+        if reload is None:
+            return {"error": "reload needs parallel.data_parallel_size > 1"}
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, reload)
+        except (ValueError, TimeoutError) as e:
+            return {"error": str(e)}
 
     async def check_health(self) -> None:
         """Serve's replica health check: raising makes Serve replace us."""
@@ -260,12 +277,14 @@ def build_app(args: dict[str, Any]) -> Application:
 
 def replica_cpus(config: EngineConfig, use_gpu: bool) -> float:
     """Logical CPUs one replica reserves (its placement group, or its actor;
-    with data parallel, its engines' actors and their workers too)."""
+    with data parallel, its engines' actors and their workers too, as many
+    engines as autoscaling may start)."""
     p = config.parallel
     if p.data_parallel_size > 1:
         per_engine = (p.num_cpus_per_worker * config.world_size if p.executor == "ray" else
                       (0.0 if use_gpu else p.num_cpus_per_worker) + (1.0 if use_gpu else 0.0))
-        return 1.0 + p.data_parallel_size * per_engine / config.serve.replicas  # engine_pool: shared
+        engines = max(p.data_parallel_size, config.serve.max_engines or 0)
+        return 1.0 + engines * per_engine / config.serve.replicas  # engine_pool: shared
     opts = replica_resources(config, use_gpu)
     bundles = opts.get("placement_group_bundles")
     if bundles:
@@ -336,9 +355,37 @@ def run_serve(config_path: str, *, blocking: bool = True, app_name: str = "conve
         for d_url in direct_ingress_urls(app_name, config.serve.host):
             log.info("replica direct ingress at %s/v1", d_url)
     if blocking:
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            serve.delete(app_name)
+        _serve_until_interrupted(app_name)
     return url
+
+
+def reload_app(app_name: str = "conveyor") -> dict[str, Any]:
+    """Ask the app's replica to read its config file again and roll its
+    engines over to it (OpenAIDeployment.reload); {"error": ...} when refused.
+    Logged either way."""
+    log.info("reloading the config of %s", app_name)
+    try:
+        result = serve.get_app_handle(app_name).reload.remote().result()
+    except Exception as e:  # noqa: BLE001 - the server keeps serving the old config
+        result = {"error": repr(e)}
+    log.log(logging.ERROR if "error" in result else logging.INFO, "reload: %s", result)
+    return result
+
+
+def wait_reloading_on_sighup(app_name: str, stop: threading.Event) -> None:
+    """Block until `stop` is set; each SIGHUP meanwhile reloads the app's config."""
+    hup = threading.Event()
+    if threading.current_thread() is threading.main_thread():  # only there can a handler be set
+        signal.signal(signal.SIGHUP, lambda *_: hup.set())
+    while not stop.is_set():
+        if hup.wait(1.0):
+            hup.clear()
+            reload_app(app_name)
+
+
+def _serve_until_interrupted(app_name: str) -> None:
+    """Block until Ctrl-C; each SIGHUP reloads the config (reload_app)."""
+    try:
+        wait_reloading_on_sighup(app_name, threading.Event())
+    except KeyboardInterrupt:
+        serve.delete(app_name)

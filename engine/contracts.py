@@ -57,7 +57,9 @@ _FINISH_REASONS = {
 }
 
 
-class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, gc=False):
+class RequestFields(msgspec.Struct, kw_only=True, gc=False):
+    """What a request is, as the frontend sent it: the fields the wire
+    message and the core's own Request share, first and in this order."""
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingFields
@@ -65,6 +67,9 @@ class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, gc=False)
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+
+
+class EngineCoreRequest(RequestFields, kw_only=True, array_like=True, gc=False):
     # Tokens this request already generated and delivered: non-empty only when
     # a frontend resubmits it to a new engine (its EngineCoreActor died). The
     # core recomputes prompt + these and goes on from output position len().

@@ -57,7 +57,7 @@ def actor_client_factory() -> CoreClientFactory:
     cluster/ (tests/cpu/test_contracts.py allows this one import)."""
     from cluster.engine_actor.client import RayCoreClient
 
-    return RayCoreClient
+    return RayCoreClient.launch
 
 
 def make_core_client(config: EngineConfig, actor_factory: CoreClientFactory | None = None) -> CoreClient:

@@ -19,6 +19,7 @@ data_parallel_size 1 nothing here runs (no extra hop).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,7 +29,8 @@ import msgspec
 
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest
-from engine.dp_handover import WarmHandover
+from engine.dp_handover import PacedDrain, WarmHandover
+from engine.dp_scale import EngineScaling, owns_ray
 from engine.errors import DeadFlag, EngineDeadError
 from engine.frontend import resolved_max_tokens
 from engine.migration import MigrationLog
@@ -44,10 +46,18 @@ UP, DRAINED, LOST, DEAD = "up", "drained", "lost", "dead"
 
 
 def engine_config(config: EngineConfig) -> EngineConfig:
-    """The config each in-process replica runs: uniproc workers go to a process of their own."""
-    if config.parallel.executor != "uniproc":
+    """The config each in-process replica runs: uniproc workers go to a
+    process of their own; on CPU every engine's workers share this machine's
+    cores (unless parallel.cpu_threads_per_worker says otherwise)."""
+    from engine.core_client import core_in_actor
+
+    p = config.parallel
+    if p.executor not in ("uniproc", "mp") or core_in_actor(config):
         return config
-    return msgspec.structs.replace(config, parallel=msgspec.structs.replace(config.parallel, executor="mp"))
+    threads = p.cpu_threads_per_worker or max(1, (os.cpu_count() or 1) // (
+        config.world_size * p.data_parallel_size))
+    return msgspec.structs.replace(config, parallel=msgspec.structs.replace(
+        p, executor="mp", cpu_threads_per_worker=threads))
 
 
 def make_engine_clients(config: EngineConfig,
@@ -67,7 +77,7 @@ def make_engine_clients(config: EngineConfig,
     return clients
 
 
-class DataParallelClient(WarmHandover):
+class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
     takes_session = True  # add_request(request, session=...) (AsyncLLM checks)
 
     def __init__(self, config: EngineConfig, clients: list[Any] | None = None,
@@ -97,12 +107,14 @@ class DataParallelClient(WarmHandover):
         self.migrations = MigrationLog(len(self.clients))
         self._warming = {}  # warm-up request id -> its request's move (engine/dp_handover.py)
         self._warm_queue = {}
+        self._paces = {}  # drained engine -> its paced handover (engine/dp_handover.py)
         self.states = [UP] * len(self.clients)
         self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
         self._prefix = [[0, 0] for _ in self.clients]  # per engine: queried, hit tokens
         self._stats: list[Any] = [None] * len(self.clients)  # per engine: its last SchedulerStats
         for i, c in enumerate(self.clients):
             self._hook(i, c)
+        self._init_scaling()  # add/remove engines, rollout, autoscaler (engine/dp_scale.py)
 
     def _hook(self, i: int, c: Any) -> None:
         if hasattr(c, "hand_over_losses"):  # a RayCoreClient: its requests move instead of waiting
@@ -163,6 +175,8 @@ class DataParallelClient(WarmHandover):
                     self.router.finish(o.request_id)
                     log.debug("request %s on engine %d: actual cached tokens %d",
                               o.request_id, i, o.num_cached_tokens)
+            if self._paces:  # a paced drain's next wave moves once this one produced
+                self._pace_outputs(outs.outputs)
         on_outputs(outs)
 
     def add_request(self, request: EngineCoreRequest, session: str | None = None) -> None:
@@ -190,7 +204,8 @@ class DataParallelClient(WarmHandover):
             if UP not in self.states:
                 raise EngineDeadError("no engine is up to take the request")
             if prefer is not None and self.states[prefer] == UP:
-                d = self.router.assign(request.request_id, prefer, len(toks) + max(max_tokens, 0))
+                # A warmed engine computed the context: its work is the decode ahead.
+                d = self.router.assign(request.request_id, prefer, max(max_tokens, 0))
                 prefer = None
             else:
                 d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), session,
@@ -236,16 +251,19 @@ class DataParallelClient(WarmHandover):
         if UP not in self.states:
             return False
         self._warm_engine_lost(i)
+        self._paces.pop(i, None)  # its queued requests move with the rest now
         log.warning("%s; moving its %d requests to the other engines", why,
                     sum(1 for e in self._live.values() if e == i))
         self._move_off(i, "lost")
         return True
 
-    def _move_off(self, i: int, cause: str) -> int:
-        """Resubmit every request engine i owns to the engines the router
-        picks, with the tokens already delivered (never as prompt). A drained
-        engine is told to drop them; a lost one has nothing left to drop."""
-        ids = [rid for rid, e in self._live.items() if e == i]
+    def _move_off(self, i: int, cause: str, ids: list[str] | None = None) -> int:
+        """Resubmit every request engine i owns (or those of `ids`) to the
+        engines the router picks, with the tokens already delivered (never as
+        prompt). A drained engine is told to drop them; a lost one has nothing
+        left to drop."""
+        if ids is None:
+            ids = [rid for rid, e in self._live.items() if e == i]
         if not ids:
             return 0
         for rid in ids:
@@ -282,10 +300,11 @@ class DataParallelClient(WarmHandover):
         return back
 
     def drain(self, engine: int, timeout_s: float = 60.0) -> int:
-        """Route nothing more to `engine`, hand its requests to the others at
-        once (aborted there, resubmitted with their delivered tokens) and
-        return, with how many moved, once the engine holds none. It stays
-        idle until undrain(engine)."""
+        """Route nothing more to `engine`, hand its requests to the others
+        (aborted there, resubmitted with their delivered tokens; in waves with
+        parallel.paced_drain, else at once) and return, with how many it held
+        (each moves unless it finishes first), once the engine holds none. It
+        stays idle until undrain(engine)."""
         with self._lock:
             if not 0 <= engine < len(self.clients):
                 raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
@@ -299,8 +318,10 @@ class DataParallelClient(WarmHandover):
             self.router.engine_down(engine)
             idle = self._idle[engine] = threading.Event()
             # With prefix caching the new engines compute the contexts first (warm handover).
-            warm = self.config.cache.enable_prefix_caching and self.config.parallel.warm_drain
-            moved = self._warm_off(engine) if warm else self._move_off(engine, "drain")
+            par = self.config.parallel
+            warm = self.config.cache.enable_prefix_caching and par.warm_drain
+            moved = (self._warm_off(engine) if warm else self._pace_off(engine) if par.paced_drain
+                     else self._move_off(engine, "drain"))
             if not moved:
                 idle.set()
         log.info("draining engine %d: %d requests handed over", engine, moved)
@@ -317,6 +338,7 @@ class DataParallelClient(WarmHandover):
                 raise ValueError(f"engine {engine} is not drained")
             self.states[engine] = UP
             self.router.engine_up(engine)
+            self._paces.pop(engine, None)  # what it still holds stays there
         if self._hash:
             self.clients[engine].request_kv_snapshot()
 
@@ -328,41 +350,20 @@ class DataParallelClient(WarmHandover):
         drained first (its requests move, none is lost); a drained or dead
         one is shut down. Returns how many requests moved. While the new one
         starts the others serve everything; it takes requests once it runs."""
-        with self._lock:
-            if not 0 <= engine < len(self.clients):
-                raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
-            state = self.states[engine]
-            if state == LOST:
-                raise ValueError(f"engine {engine} is being rebuilt; replace it once it is up or dead")
-        moved = self.drain(engine, timeout_s) if state == UP else 0
-        with self._lock:
-            self.states[engine] = DEAD  # late outputs of the old one are dropped from here on
-            old = self.clients[engine]
-        old.shutdown()
-        new = self._spawn(config if config is not None else self.config)
-        with self._lock:
-            self.clients[engine] = new
-            self._prefix[engine], self._stats[engine] = [0, 0], None
-            self._hook(engine, new)
-            if self._on_outputs is not None:
-                new.start(self._sink(engine, self._on_outputs))
-            self.states[engine] = UP
-            self.router.engine_up(engine)
-            # Requests that waited for an engine (every one was lost) go on now.
-            for j, st in enumerate(self.states):
-                if st == LOST:
-                    self._move_off(j, "lost")
+        with self._scale_lock:  # one scale operation at a time (engine/dp_scale.py)
+            with self._lock:
+                if not 0 <= engine < len(self.clients):
+                    raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
+                state = self.states[engine]
+                if state == LOST:
+                    raise ValueError(f"engine {engine} is being rebuilt; replace it once it is up or dead")
+            moved = self.drain(engine, timeout_s) if state == UP else 0
+            with self._lock:
+                self.states[engine] = DEAD  # late outputs of the old one are dropped from here on
+                old = self.clients[engine]
+            self._let_go(old)
+            self._install(engine, self._spawn(config if config is not None else self.config))
         log.info("engine %d replaced (%d requests moved off it first)", engine, moved)
-        return moved
-
-    def rollout(self, config: EngineConfig, timeout_s: float = 60.0) -> int:
-        """Replace the engines one at a time with engines of `config` (same
-        model), each drained through migration first: no request is lost and
-        every stream continues token-exact. Returns the requests moved."""
-        if config.model != self.config.model or config.max_model_len != self.config.max_model_len:
-            raise ValueError("a rollout keeps the model and max_model_len; start a new server for another")
-        moved = sum(self.replace_engine(i, config, timeout_s) for i in range(len(self.clients)))
-        self.config = config
         return moved
 
     def engines(self) -> list[dict[str, Any]]:
@@ -370,7 +371,7 @@ class DataParallelClient(WarmHandover):
         out: list[dict[str, Any]] = []
         for i, c in enumerate(list(self.clients)):
             st = self._stats[i]
-            info: dict[str, Any] = {"engine": i, "state": self.states[i], "kv_cache_usage": (
+            info: dict[str, Any] = {"engine": i, "state": self.slot_state(i), "kv_cache_usage": (
                 st.kv_cache_usage if st is not None else 0.0), "requests": (
                 st.num_running_reqs + st.num_waiting_reqs if st is not None else 0)}
             if self.states[i] in (UP, DRAINED):
@@ -430,6 +431,7 @@ class DataParallelClient(WarmHandover):
         return out
 
     def shutdown(self) -> None:
-        # Last first: the first client may own the Ray instance it started.
-        for c in reversed(self.clients):
+        self._stop_scaling()
+        # Last first, and the client that started Ray (engine 0 at first) after all.
+        for c in sorted(reversed(self.clients), key=owns_ray):
             c.shutdown()

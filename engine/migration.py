@@ -41,12 +41,14 @@ class MigrationLog:
     moved: dict[tuple[int, str], int] = field(default_factory=dict)
     # destination engine -> tokens it prefilled again for migrated requests
     reprefilled: dict[int, int] = field(default_factory=dict)
+    longest_context: int = 0  # the longest context any move sent (bench/migration.py's bound)
     _live: dict[str, _Move] = field(default_factory=dict)
 
     def record(self, request_id: str, src: int, dst: int, cause: str, context_tokens: int,
                last_token_at: float) -> None:
         key = (src, cause)
         self.moved[key] = self.moved.get(key, 0) + 1
+        self.longest_context = max(self.longest_context, context_tokens)
         prev = self._live.get(request_id)
         gap = prev.max_gap_s if prev is not None else 0.0
         self._live[request_id] = _Move(src, dst, cause, context_tokens, last_token_at, gap)

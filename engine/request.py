@@ -5,19 +5,12 @@ from typing import Any
 
 import msgspec
 
-from engine.contracts import EngineCoreRequest, FinishReason, PromptLogprobs, RequestStatus
+from engine.contracts import EngineCoreRequest, FinishReason, PromptLogprobs, RequestFields, RequestStatus
 from engine.lora import LoRARequest
-from engine.sampling_params import SamplingFields, resolved_max_tokens
+from engine.sampling_params import resolved_max_tokens
 
 
-class Request(msgspec.Struct, kw_only=True, gc=False):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingFields
-    eos_token_id: int | None = None
-    arrival_time: float = 0.0
-    priority: int = 0
-    cache_salt: str | None = None
+class Request(RequestFields, kw_only=True, gc=False):
     max_tokens: int = 16  # resolved: never None here
     status: RequestStatus = RequestStatus.WAITING
     # all_token_ids = prompt + outputs; num_computed_tokens counts the prefix

@@ -27,9 +27,17 @@ Invariants:
 - Keys are request ids without their last "-suffix" (AsyncLLM appends a random
   one per call): the caller keeps the rest stable across runs.
 - Requests asking for prompt logprobs are not journaled (recomputed whole).
+- Data parallel batch jobs (`--data-parallel N`, one engine per actor): engine
+  i writes its own file (`<journal>.i`) and restores from the job's merged
+  one (`restore_from`), which the driver folds every file into before a run
+  (merge_journals: per key the entry with the most tokens, since each file's
+  entry of a key is a prefix of the same continuation). An engine that
+  resumes a key first writes its whole entry to its own file, so a later
+  merge never loses a token an earlier run delivered.
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import threading
@@ -81,11 +89,80 @@ def journal_key(request_id: str) -> str:
     return request_id.rsplit("-", 1)[0]
 
 
+def load_entries(path: str) -> dict[str, Entry]:
+    """The entries a journal file holds (none if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return {}
+    entries: dict[str, Entry] = {}
+    dec = msgspec.json.Decoder(_Rec)
+    for raw in data[:data.rfind(b"\n") + 1].split(b"\n"):  # a torn last line is dropped
+        if not raw.strip():
+            continue
+        try:
+            r = dec.decode(raw)
+        except msgspec.DecodeError:
+            log.warning("%s: skipping an unreadable journal line", path)
+            continue
+        if r.d:
+            entries.pop(r.k, None)
+        else:
+            entries.setdefault(r.k, Entry()).apply(r)
+    return entries
+
+
+def write_entries(path: str, entries: dict[str, Entry]) -> None:
+    """Replace the file with one line per entry (atomically, synced)."""
+    enc, tmp = msgspec.json.Encoder(), path + ".tmp"
+    with open(tmp, "wb") as f:
+        for k, e in entries.items():
+            f.write(enc.encode(e.record(k)) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def engine_journals(path: str) -> list[str]:
+    """The per-engine files (`path.0`, `path.1`, ...) of a data-parallel job's journal."""
+    return sorted(p for p in glob.glob(glob.escape(path) + ".*") if p.rsplit(".", 1)[1].isdigit())
+
+
+def merge_journals(path: str, keep: Callable[[str], bool]) -> int:
+    """Fold a data-parallel run's per-engine journals into `path`: per key the
+    entry with the most tokens (a finished one over an unfinished one of the
+    same length); keys `keep` rejects are dropped (lines already written).
+    The per-engine files are removed; an empty result removes `path` too.
+    Returns the tokens kept."""
+    parts = [path] + engine_journals(path)
+    merged: dict[str, Entry] = {}
+    for p in parts:
+        for k, e in load_entries(p).items():
+            m = merged.get(k)
+            if m is None or (len(e.tokens), e.finish is not None) > (len(m.tokens), m.finish is not None):
+                merged[k] = e
+    merged = {k: e for k, e in merged.items() if keep(k)}
+    if merged:
+        write_entries(path, merged)
+    elif os.path.exists(path):
+        os.remove(path)
+    for p in parts[1:]:
+        os.remove(p)
+    return sum(len(e.tokens) for e in merged.values())
+
+
 class TokenJournal:
-    def __init__(self, path: str, recompute_fraction: float = 0.01, min_flush_tokens: int = 256) -> None:
+    def __init__(self, path: str, recompute_fraction: float = 0.01, min_flush_tokens: int = 256,
+                 restore_from: str | None = None) -> None:
+        """restore_from: another journal whose entries this one may resume
+        (read only; a data-parallel engine's view of the job's merged file)."""
         self.path, self.fraction, self.min_flush = path, recompute_fraction, min_flush_tokens
-        self.entries: dict[str, Entry] = self._load()
+        self.entries: dict[str, Entry] = load_entries(path)
         self.restored = {k: e for k, e in self.entries.items() if e.tokens}  # resumable, not yet resumed
+        for k, e in (load_entries(restore_from) if restore_from else {}).items():
+            if len(e.tokens) > len(self.entries[k].tokens if k in self.entries else ()):
+                self.restored[k] = e  # adopted into this file when resumed (adopt)
         self.restored_tokens = sum(len(e.tokens) for e in self.restored.values())
         self.total = self.restored_tokens  # every token journaled, restored ones included
         self._pending: list[_Rec] = []
@@ -93,37 +170,9 @@ class TokenJournal:
         self._enc = msgspec.json.Encoder()
         self._compact()
 
-    def _load(self) -> dict[str, Entry]:
-        try:
-            with open(self.path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return {}
-        entries: dict[str, Entry] = {}
-        dec = msgspec.json.Decoder(_Rec)
-        for raw in data[:data.rfind(b"\n") + 1].split(b"\n"):  # a torn last line is dropped
-            if not raw.strip():
-                continue
-            try:
-                r = dec.decode(raw)
-            except msgspec.DecodeError:
-                log.warning("%s: skipping an unreadable journal line", self.path)
-                continue
-            if r.d:
-                entries.pop(r.k, None)
-            else:
-                entries.setdefault(r.k, Entry()).apply(r)
-        return entries
-
     def _compact(self) -> None:
         """Rewrite the file with one line per live entry (atomically)."""
-        tmp = self.path + ".tmp"
-        with open(tmp, "wb") as f:
-            for k, e in self.entries.items():
-                f.write(self._enc.encode(e.record(k)) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_entries(self.path, self.entries)
         self._live_bytes = os.path.getsize(self.path)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
 
@@ -137,6 +186,17 @@ class TokenJournal:
         self._pending.append(r)
         self._pending_tokens += len(r.t)
         self.total += len(r.t)
+
+    def adopt(self, key: str, prior: Entry) -> None:
+        """A restored entry is being resumed: it becomes this file's entry of
+        the key, whole (the key's next tokens are appended to it), unless it
+        is this file's own already."""
+        if self.entries.get(key) is prior:
+            return
+        if key in self.entries:
+            self._pending.append(_Rec(key, d=True))
+        self.entries[key] = prior
+        self._pending.append(prior.record(key))
 
     def forget(self, keys: list[str]) -> None:
         for k in keys:
@@ -212,6 +272,8 @@ class JournalClient:
             prior = self.journal.restored.pop(key, None)
             if request.sampling_params.prompt_logprobs is None:
                 self._keys[request.request_id] = key
+            if prior is not None:
+                self.journal.adopt(key, prior)
         if prior is None:
             self.inner.add_request(request, **kw)
             return
@@ -252,6 +314,12 @@ class LineJournal(JournalClient):
     """The batch job's view: one id per input line, stable across runs."""
 
     @staticmethod
+    def line_of(key: str) -> str | None:
+        """The line id a journal key belongs to (keys hold it between dashes)."""
+        i = key.find("-batch-")
+        return key[i + 1:i + 39] if i >= 0 else None
+
+    @staticmethod
     def line_id(obj: dict[str, Any]) -> str:
         """The same line (custom_id and body) gets the same id in every run."""
         import hashlib
@@ -277,9 +345,9 @@ class LineJournal(JournalClient):
             self.forget_line(self.line_id(obj))
 
 
-def journaled_client(config: Any, path: str) -> LineJournal:
+def journaled_client(config: Any, path: str, restore_from: str | None = None) -> LineJournal:
     from engine.config import check_model_dir
     from engine.core_client import make_core_client
 
     check_model_dir(config)
-    return LineJournal(make_core_client(config), TokenJournal(path))
+    return LineJournal(make_core_client(config), TokenJournal(path, restore_from=restore_from))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import KW_ONLY, dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -48,32 +49,37 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+@dataclass(eq=False, repr=False)
 class Tokenizer:
     """Immutable after construction (the backend is configured once in
     load_tokenizer), so one instance may be shared by many detokenizers."""
 
-    def __init__(self, backend: _BackendTokenizer, *, special_tokens: dict[str, str],
-                 extra_special_tokens: list[str], chat_template: str | None,
-                 bos_token_id: int | None, eos_token_id: int | None,
-                 eos_token_ids: set[int], model_max_length: int | None,
-                 clean_up_tokenization_spaces: bool, name_or_path: str) -> None:
-        self.backend = backend
-        self.special_tokens = special_tokens  # attr name -> token text, e.g. bos_token -> "<s>"
-        self.extra_special_tokens = extra_special_tokens
-        self.chat_template = chat_template
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
-        self.eos_token_ids = eos_token_ids
-        self.model_max_length = model_max_length
-        self.clean_up_tokenization_spaces = clean_up_tokenization_spaces
-        self.name_or_path = name_or_path
+    backend: _BackendTokenizer
+    _: KW_ONLY
+    special_tokens: dict[str, str]  # attr name -> token text, e.g. bos_token -> "<s>"
+    extra_special_tokens: list[str]
+    chat_template: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    eos_token_ids: set[int]
+    model_max_length: int | None
+    clean_up_tokenization_spaces: bool
+    name_or_path: str
+    # Derived from the above once, in __post_init__.
+    vocab_size: int = field(init=False)
+    all_special_tokens: list[str] = field(init=False)
+    all_special_ids: list[int] = field(init=False)
+    max_token_chars: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        backend, special_tokens = self.backend, self.special_tokens
         vocab = backend.get_vocab(with_added_tokens=True)
         # Ids may be sparse; vocab_size bounds every id so embeddings can be sized from it.
         self.vocab_size = max(backend.get_vocab_size(with_added_tokens=True),
                               max(vocab.values(), default=-1) + 1)
         self.all_special_tokens = _unique(
             [special_tokens[a] for a in SPECIAL_TOKEN_ATTRS if a in special_tokens]
-            + extra_special_tokens)
+            + self.extra_special_tokens)
         self.all_special_ids = [i for i in (backend.token_to_id(t) for t in self.all_special_tokens)
                                 if i is not None]
         self._is_bpe = type(backend.model).__name__ == "BPE"

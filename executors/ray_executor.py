@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import EngineConfig
 from executors.distributed import DistributedExecutor
-from executors.ray_placement import local_ray_num_cpus, placement_error, visible_devices, worker_bundle
+from executors.ray_placement import local_ray_num_cpus, placement_error, rank_devices, worker_bundle
 from executors.ray_worker import RayWorkerActor
 
 log = logging.getLogger(__name__)
@@ -160,12 +160,9 @@ class RayExecutor(DistributedExecutor):
         """(local rank, extra env) per rank. On GPU every rank sees all GPUs
         of its node's ranks (Ray alone shows each actor only its own)."""
         nodes = [self.bundle_nodes[i] for i in self.rank_order]
-        if not gpus:
-            return [nodes[:r].count(n) for r, n in enumerate(nodes)], [{} for _ in nodes]
         ids = ray.get([a.gpu_ids.remote() for a in self._actors],
-                      timeout=self.config.parallel.worker_start_timeout_s)
-        devices = visible_devices(nodes, ids)
-        return [lr for _, lr in devices], [{"CUDA_VISIBLE_DEVICES": v} for v, _ in devices]
+                      timeout=self.config.parallel.worker_start_timeout_s) if gpus else None
+        return rank_devices(nodes, ids)
 
     # ---- supervision -----------------------------------------------------------------
 

@@ -76,3 +76,13 @@ def visible_devices(rank_nodes: list[str], rank_gpu_ids: list[list[str]]) -> lis
             raise RuntimeError(f"two ranks on node {node} got the same GPU: {devices}")
         out.append((",".join(devices), devices.index(str(ids[0]))))
     return out
+
+
+def rank_devices(rank_nodes: list[str], rank_gpu_ids: list[list[str]] | None
+                 ) -> tuple[list[int], list[dict[str, str]]]:
+    """(local rank, extra env) per rank, from each rank's node and, on GPU,
+    its GPU ids (None on CPU: the local rank counts the node's earlier ranks)."""
+    if rank_gpu_ids is None:
+        return [rank_nodes[:r].count(n) for r, n in enumerate(rank_nodes)], [{} for _ in rank_nodes]
+    devices = visible_devices(rank_nodes, rank_gpu_ids)
+    return [lr for _, lr in devices], [{"CUDA_VISIBLE_DEVICES": v} for v, _ in devices]

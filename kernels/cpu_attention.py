@@ -57,7 +57,7 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in
             ("paged_attention_cpu.cpp", "kernels_portable.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp")]
 # Headers the sources include: hashed into the build directory's name.
-_HEADERS = ("cpu_kernels.h", "generic_kernels.inc")
+_HEADERS = ("cpu_kernels.h", "generic_kernels.inc", "simd_kernels.inc")
 ISAS = ("auto", "avx512", "avx2", "portable")
 _EXT_NAME = "conveyor_paged_attention_cpu"
 _lock = threading.Lock()

@@ -12,6 +12,8 @@ own keys causal) merged by their log-sum-exps; elsewhere through
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -61,126 +63,85 @@ def _gather_kv(
     return k.float(), v.float()
 
 
-def _decode_rows(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    tokens: np.ndarray,
-    reqs: np.ndarray,
-    lens: np.ndarray,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """Attention for single-token queries ``tokens`` of requests ``reqs`` (lengths ``lens``).
+@dataclass(frozen=True)
+class _Paged:
+    """One paged_attention_torch call: what every decode / short-query chunk reads and writes."""
+    query: torch.Tensor  # [T, Hq, D]
+    kv_cache: torch.Tensor  # [num_blocks, 2, bs, Hkv, D]
+    block_table: torch.Tensor
+    scale: float
+    out: torch.Tensor  # [T, Hq, D]
 
-    K and V are gathered head-major, ``[Hkv, B, S, D]``, with one ``index_select``
-    each on the cache viewed as rows of ``D``, so both products are plain
-    batched GEMMs over (Hkv, B) and nothing else is copied."""
-    dev = query.device
-    num_blocks, _, bs, hkv, d = kv_cache.shape
-    hq = query.shape[1]
-    g = hq // hkv
-    b = len(reqs)
-    s = _cdiv(int(lens.max()), bs) * bs
-    blocks = block_table[torch.from_numpy(reqs).to(dev), : s // bs].long().clamp_(0, num_blocks - 1)
+
+def _gather_rows(p: _Paged, reqs: np.ndarray, lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of requests ``reqs`` (lengths ``lens``), head-major ``[Hkv, B, S, D]``
+    fp32 (S: the longest, in whole blocks), V zero past each length.
+
+    One ``index_select`` each on the cache viewed as rows of ``D``, so the
+    products after are plain batched GEMMs over (Hkv, B) and nothing else is copied."""
+    dev = p.query.device
+    num_blocks, _, bs, hkv, d = p.kv_cache.shape
+    b, s = len(reqs), _cdiv(int(lens.max()), bs) * bs
+    blocks = p.block_table[torch.from_numpy(reqs).to(dev), : s // bs].long().clamp_(0, num_blocks - 1)
     pos = torch.arange(s, device=dev)
     slot = blocks[:, pos // bs] * (2 * bs) + pos % bs  # [B, S]: row of (block, K, offset) in units of Hkv
     rows = (slot[None] * hkv + torch.arange(hkv, device=dev)[:, None, None]).view(-1)
-    flat = kv_cache.view(-1, d)
+    flat = p.kv_cache.view(-1, d)
     k = flat.index_select(0, rows).view(hkv, b, s, d).float()
     v = flat.index_select(0, rows + bs * hkv).view(hkv, b, s, d).float()
-    pad = torch.from_numpy(np.arange(s)[None, :] >= lens[:, None]).to(dev)  # [B, S]
-    # Padded positions may hold garbage (even NaN): zero V there, -inf the scores.
-    v.masked_fill_(pad[None, :, :, None], 0.0)
-    tok = torch.from_numpy(tokens).to(dev)
-    q = query[tok].float().view(b, hkv, g, d).transpose(0, 1)  # [Hkv, B, G, D]
-    scores = torch.matmul(q, k.transpose(2, 3))  # [Hkv, B, G, S]
-    scores.mul_(scale).masked_fill_(pad[None, :, None, :], float("-inf"))
-    o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, B, G, D]
-    out[tok] = o.transpose(0, 1).reshape(b, hq, d).to(out.dtype)
+    # Padded positions may hold garbage (even NaN): zero V there (the caller -infs the scores).
+    v.masked_fill_(torch.from_numpy(np.arange(s)[None, :] >= lens[:, None]).to(dev)[None, :, :, None], 0.0)
+    return k, v
 
 
-def _decode_batched(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    tokens: np.ndarray,
-    reqs: np.ndarray,
-    lens: np.ndarray,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """Decode rows sorted by length, in small chunks: little padding, and each
-    chunk's gathered K/V stays cache-sized (memory bandwidth bounds this path)."""
-    per_row = (int(lens.max()) + kv_cache.shape[2]) * kv_cache.shape[3] * kv_cache.shape[4] * 2
+def _by_length(p: _Paged, lens: np.ndarray) -> list[np.ndarray]:
+    """Request positions sorted by length, in small chunks: little padding, and
+    each chunk's gathered K/V stays cache-sized (memory bandwidth bounds this path)."""
+    per_row = (int(lens.max()) + p.kv_cache.shape[2]) * p.kv_cache.shape[3] * p.kv_cache.shape[4] * 2
     chunk = max(1, min(_DECODE_CHUNK_ROWS, _DECODE_GATHER_BUDGET // per_row))
     order = np.argsort(lens, kind="stable")
-    for i in range(0, len(order), chunk):
-        sl = order[i:i + chunk]
-        _decode_rows(query, kv_cache, block_table, tokens[sl], reqs[sl], lens[sl], scale, out)
+    return [order[i:i + chunk] for i in range(0, len(order), chunk)]
 
 
-def _short_rows(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    starts: np.ndarray,
-    reqs: np.ndarray,
-    q_lens: np.ndarray,
-    lens: np.ndarray,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
+def _decode_rows(p: _Paged, tokens: np.ndarray, reqs: np.ndarray, lens: np.ndarray) -> None:
+    """Attention for single-token queries ``tokens`` of requests ``reqs`` (lengths ``lens``)."""
+    dev = p.query.device
+    hkv, d = p.kv_cache.shape[3], p.kv_cache.shape[4]
+    hq, b = p.query.shape[1], len(reqs)
+    k, v = _gather_rows(p, reqs, lens)
+    pad = torch.from_numpy(np.arange(k.shape[2])[None, :] >= lens[:, None]).to(dev)  # [B, S]
+    tok = torch.from_numpy(tokens).to(dev)
+    q = p.query[tok].float().view(b, hkv, hq // hkv, d).transpose(0, 1)  # [Hkv, B, G, D]
+    scores = torch.matmul(q, k.transpose(2, 3))  # [Hkv, B, G, S]
+    scores.mul_(p.scale).masked_fill_(pad[None, :, None, :], float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, B, G, D]
+    p.out[tok] = o.transpose(0, 1).reshape(b, hq, d).to(p.out.dtype)
+
+
+def _short_rows(p: _Paged, starts: np.ndarray, reqs: np.ndarray, q_lens: np.ndarray,
+                lens: np.ndarray) -> None:
     """Attention for short queries (speculative drafts + the bonus position):
     one K/V gather per request, its query tokens side by side, each token
     seeing keys up to its own position (seq_len - q_len + i)."""
-    dev = query.device
-    num_blocks, _, bs, hkv, d = kv_cache.shape
-    hq = query.shape[1]
+    dev = p.query.device
+    hkv, d = p.kv_cache.shape[3], p.kv_cache.shape[4]
+    hq, b, qm = p.query.shape[1], len(reqs), int(q_lens.max())
     g = hq // hkv
-    b, qm = len(reqs), int(q_lens.max())
-    s = _cdiv(int(lens.max()), bs) * bs
-    blocks = block_table[torch.from_numpy(reqs).to(dev), : s // bs].long().clamp_(0, num_blocks - 1)
-    pos = torch.arange(s, device=dev)
-    slot = blocks[:, pos // bs] * (2 * bs) + pos % bs
-    rows = (slot[None] * hkv + torch.arange(hkv, device=dev)[:, None, None]).view(-1)
-    flat = kv_cache.view(-1, d)
-    k = flat.index_select(0, rows).view(hkv, b, s, d).float()
-    v = flat.index_select(0, rows + bs * hkv).view(hkv, b, s, d).float()
-    v.masked_fill_(torch.from_numpy(np.arange(s)[None, :] >= lens[:, None]).to(dev)[None, :, :, None], 0.0)
+    k, v = _gather_rows(p, reqs, lens)
+    s = k.shape[2]
     within = np.arange(qm)[None, :]
     tok = starts[:, None] + np.minimum(within, q_lens[:, None] - 1)  # [B, Qm]; padding repeats the last
     last_key = np.minimum(lens[:, None] - q_lens[:, None] + within, lens[:, None] - 1)
     hidden = np.arange(s)[None, None, :] > last_key[:, :, None]  # [B, Qm, S]
     mask = torch.from_numpy(hidden).to(dev)[:, :, None, :].expand(b, qm, g, s).reshape(b, qm * g, s)
-    q = query[torch.from_numpy(tok).to(dev)].float().view(b, qm, hkv, g, d)
+    q = p.query[torch.from_numpy(tok).to(dev)].float().view(b, qm, hkv, g, d)
     q = q.permute(2, 0, 1, 3, 4).reshape(hkv, b, qm * g, d)
     scores = torch.matmul(q, k.transpose(2, 3))  # [Hkv, B, Qm*G, S]
-    scores.mul_(scale).masked_fill_(mask[None], float("-inf"))
+    scores.mul_(p.scale).masked_fill_(mask[None], float("-inf"))
     o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, B, Qm*G, D]
     o = o.view(hkv, b, qm, g, d).permute(1, 2, 0, 3, 4).reshape(b, qm, hq, d)
     valid = within < q_lens[:, None]
-    out[torch.from_numpy(tok[valid]).to(dev)] = o[torch.from_numpy(valid).to(dev)].to(out.dtype)
-
-
-def _short_batched(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    starts: np.ndarray,
-    reqs: np.ndarray,
-    q_lens: np.ndarray,
-    lens: np.ndarray,
-    scale: float,
-    out: torch.Tensor,
-) -> None:
-    """Short-query requests sorted by length, in chunks (as _decode_batched)."""
-    per_req = (int(lens.max()) + kv_cache.shape[2]) * kv_cache.shape[3] * kv_cache.shape[4] * 2
-    chunk = max(1, min(_DECODE_CHUNK_ROWS, _DECODE_GATHER_BUDGET // per_req))
-    order = np.argsort(lens, kind="stable")
-    for i in range(0, len(order), chunk):
-        sl = order[i:i + chunk]
-        _short_rows(query, kv_cache, block_table, starts[sl], reqs[sl], q_lens[sl], lens[sl], scale, out)
+    p.out[torch.from_numpy(tok[valid]).to(dev)] = o[torch.from_numpy(valid).to(dev)].to(p.out.dtype)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, enable_gqa: bool,
@@ -274,11 +235,13 @@ def paged_attention_torch(
     # stay on the decode path (padded to the longest query, a decode row
     # would cost up to _SHORT_QUERY times its own path: most of a batch where
     # few requests draft). Each request's K/V is still gathered once.
+    p = _Paged(query, kv_cache, block_table, scale, out)
     if short.size:
-        _short_batched(query, kv_cache, block_table, qsl[short], short, q_lens[short], lens[short],
-                       scale, out)
+        for sl in _by_length(p, lens[short]):
+            _short_rows(p, qsl[short][sl], short[sl], q_lens[short][sl], lens[short][sl])
     if decode.size:
-        _decode_batched(query, kv_cache, block_table, qsl[decode], decode, lens[decode], scale, out)
+        for sl in _by_length(p, lens[decode]):
+            _decode_rows(p, qsl[decode][sl], decode[sl], lens[decode][sl])
     for r in np.nonzero(q_lens > _SHORT_QUERY)[0]:
         _prefill_one(
             query, kv_cache, block_table[r], int(qsl[r]), int(q_lens[r]), int(lens[r]), scale, out

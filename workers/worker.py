@@ -65,10 +65,11 @@ class Worker:
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
         p = self.config.parallel
-        if self.device.type == "cpu" and self.config.world_size > 1:
+        threads = p.cpu_threads_per_worker
+        if self.device.type == "cpu" and (threads or self.config.world_size > 1):
             # Ranks share this machine's cores: oversubscribed OpenMP threads
             # spin against each other and slow every collective down.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.config.world_size))
+            torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // self.config.world_size))
         # Even at world size 1, so the TP/PP code paths are the ones that run.
         ps.init_distributed(self.config.world_size, self.rank, p.tensor_parallel_size,
                             p.pipeline_parallel_size, self.init_method,

@@ -13,7 +13,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -25,6 +25,11 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, UnsendableRequestError
 from engine.json_limits import utf8_problem
 from executors.ray_placement import worker_bundle
+
+if TYPE_CHECKING:  # the engine loads on first use (see LineRunner.start)
+    from cluster.openai.server import OpenAIServer
+    from engine.async_client import AsyncLLM
+    from engine.token_journal import LineJournal
 
 log = logging.getLogger("conveyor.batch")
 
@@ -46,16 +51,25 @@ def make_record(custom_id: str, request_id: str, status: int, body: dict[str, An
 class LineRunner:
     """One AsyncLLM and the OpenAI request handling on top of it."""
 
-    def __init__(self, config: EngineConfig, journal_path: str | None = None) -> None:
+    def __init__(self, llm: AsyncLLM, server: OpenAIServer, journal: LineJournal | None = None) -> None:
+        """Lines on an engine that runs already (`start` starts one); journal:
+        the engine's client when its generated tokens are journaled."""
+        self.llm, self.server, self.journal = llm, server, journal
+
+    @classmethod
+    def start(cls, config: EngineConfig, journal_path: str | None = None,
+              restore_from: str | None = None) -> LineRunner:
+        """Start an engine for `config` (blocks: run it off the event loop)."""
         # Here, not at the top: `conveyor --help` and the job's parser never load the engine.
         from cluster.openai.server import OpenAIServer
         from engine.async_client import AsyncLLM
         from engine.token_journal import journaled_client
 
-        # journal_path: generated tokens survive a lost job (engine/token_journal.py).
-        self.journal = journaled_client(config, journal_path) if journal_path else None
-        self.llm = AsyncLLM(config, self.journal)
-        self.server = OpenAIServer(self.llm, config)
+        # journal_path: generated tokens survive a lost job (engine/token_journal.py);
+        # restore_from: a data-parallel job's merged journal this engine resumes from.
+        journal = journaled_client(config, journal_path, restore_from) if journal_path else None
+        llm = AsyncLLM(config, journal)
+        return cls(llm, OpenAIServer(llm, config), journal)
 
     def _check_line(self, obj: dict[str, Any]) -> str:
         url, method, body = obj.get("url"), obj.get("method", "POST"), obj.get("body")
@@ -146,14 +160,22 @@ def _engine_actor_cls() -> Any:
 
         @ray.remote(max_concurrency=100_000)
         class BatchEngineActor:
-            def __init__(self, config_bytes: bytes) -> None:
+            def __init__(self, config_bytes: bytes, journal: tuple[str, str] | None = None) -> None:
                 self.config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
                 self.runner: LineRunner | None = None
+                # (own file, the job's merged file), on the driver's file system:
+                # an engine on a node without the output's directory runs without.
+                if journal is not None and not os.path.isdir(os.path.dirname(journal[0]) or "."):
+                    log.warning("%s: no such directory on this node; this engine keeps no token "
+                                "journal", os.path.dirname(journal[0]))
+                    journal = None
+                self.journal = journal
 
             async def ready(self) -> bool:
                 # Built off the event loop: engine start-up blocks on Ray calls.
                 loop = asyncio.get_running_loop()
-                self.runner = await loop.run_in_executor(None, LineRunner, self.config)
+                j = self.journal or (None, None)
+                self.runner = await loop.run_in_executor(None, LineRunner.start, self.config, *j)
                 return True
 
             async def run(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +207,10 @@ def engine_bundles(config: EngineConfig, use_gpu: bool) -> tuple[list[dict[str, 
 class ActorEngine:
     """One engine in a Ray actor with a placement group of its own."""
 
-    def __init__(self, config: EngineConfig, index: int, max_in_flight: int) -> None:
+    def __init__(self, config: EngineConfig, index: int, max_in_flight: int,
+                 journal: str | None = None) -> None:
+        """journal: the job's token journal; this engine writes `journal.<index>`
+        and resumes from `journal` (engine/token_journal.py, data parallel)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -202,7 +227,9 @@ class ActorEngine:
         env = {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
         self.actor = _engine_actor_cls().options(
             num_cpus=1, num_gpus=gpus, scheduling_strategy=strategy, runtime_env={"env_vars": env},
-            name=f"conveyor-batch-{os.getpid()}-{index}").remote(msgspec.msgpack.encode(config))
+            name=f"conveyor-batch-{os.getpid()}-{index}").remote(
+                msgspec.msgpack.encode(config),
+                (f"{os.path.abspath(journal)}.{index}", os.path.abspath(journal)) if journal else None)
 
     async def ready(self) -> None:
         import ray

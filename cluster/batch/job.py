@@ -51,7 +51,7 @@ from cluster.cli.options import (
 from engine.config import ConfigError, EngineConfig, check_cluster_fits, load_config
 from engine.core_client import core_in_actor
 from engine.errors import EngineDeadError
-from engine.token_journal import journal_path
+from engine.token_journal import LineJournal, journal_path, merge_journals
 
 log = logging.getLogger("conveyor.batch")
 
@@ -281,9 +281,9 @@ def init_ray(address: str | None, local_cpus: int = 1) -> bool:
 async def _start_engines(config: EngineConfig, data_parallel: int, max_in_flight: int,
                          journal: str | None = None) -> list[Engine]:
     if data_parallel == 1:
-        runner = await asyncio.get_running_loop().run_in_executor(None, LineRunner, config, journal)
+        runner = await asyncio.get_running_loop().run_in_executor(None, LineRunner.start, config, journal)
         return [LocalEngine(runner, max_in_flight)]
-    engines = [ActorEngine(config, i, max_in_flight) for i in range(data_parallel)]
+    engines = [ActorEngine(config, i, max_in_flight, journal) for i in range(data_parallel)]
     try:
         await asyncio.gather(*(e.ready() for e in engines))
     except BaseException:
@@ -306,9 +306,14 @@ async def run_batch(config: EngineConfig, input_path: str, output_path: str, *,
         summary = Summary(total=len(lines), skipped=len(lines) - len(pending))
         if not pending:
             return summary
+        jpath = journal_path(output_path)
+        if data_parallel > 1:  # one merged journal for every engine to resume from
+            written = {LineJournal.line_id(ln.obj) for ln in lines if ln.custom_id in done}
+            kept = merge_journals(jpath, lambda k: LineJournal.line_of(k) not in written)
+            if kept:
+                log.info("%s: %d tokens of unfinished lines journaled by an earlier run", jpath, kept)
         engines = await _start_engines(config, data_parallel,
-                                       max_in_flight or 2 * config.scheduler.max_num_seqs,
-                                       journal_path(output_path))
+                                       max_in_flight or 2 * config.scheduler.max_num_seqs, jpath)
         journal = getattr(engines[0], "runner", None) and engines[0].runner.journal
         if journal is not None:  # written lines need no tokens kept (engine/token_journal.py)
             journal.forget_lines([ln.obj for ln in lines if ln.custom_id in done])
@@ -319,6 +324,8 @@ async def run_batch(config: EngineConfig, input_path: str, output_path: str, *,
         finally:
             bar.close()
             await asyncio.gather(*(e.close() for e in engines), return_exceptions=True)
+        if data_parallel > 1:  # every line written: the merged journal is done with
+            merge_journals(jpath, lambda k: False)
         return summary
     finally:
         out.close()

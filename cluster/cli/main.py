@@ -6,6 +6,7 @@
     conveyor bench {scheduler,offline,offline-compare,serve,attention,spec,serve-compare,migration} [ARGS...]
     conveyor config validate CONFIG [CONFIG...]
     conveyor drain --url URL --engine I [--undrain]  move a data-parallel engine's requests off it
+    conveyor scale --url URL (--engines N | --reload) scale the engines, or roll out the changed config
 
 Every option that changes the engine names the config key it overrides in
 --help; `--set KEY.PATH=VALUE` overrides any other key. Overrides are
@@ -65,11 +66,13 @@ def _add_serve(sub: Any) -> None:
 
 
 def _wait_for_signal() -> None:
+    """Until SIGINT or SIGTERM; a SIGHUP reloads the config (a rollout, cluster/serve_app.py)."""
+    from cluster.serve_app import wait_reloading_on_sighup
+
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(3600):
-        pass
+    wait_reloading_on_sighup("conveyor", stop)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -309,11 +312,40 @@ def _add_drain(sub: Any) -> None:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    body = {"engine": args.engine} if args.undrain else {"engine": args.engine, "timeout_s": args.timeout}
+    return _post_admin(args, "/admin/undrain" if args.undrain else "/admin/drain", body)
+
+
+def _add_scale(sub: Any) -> None:
+    p = sub.add_parser("scale", help="add or remove a server's data-parallel engines, or roll out its "
+                                     "reloaded config", formatter_class=_FORMATTER,
+                       description="--engines N: POST /admin/scale, engines are added or removed (each "
+                                   "drained through migration first) until N are up. --reload: POST "
+                                   "/admin/reload, the server reads its config file again and replaces "
+                                   "its engines one at a time with the changed engine settings (the same "
+                                   "as SIGHUP to `conveyor serve`); a changed model is refused. No stream "
+                                   "breaks either way.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--engines", type=int, help="the number of engines to have up")
+    what.add_argument("--reload", action="store_true", help="roll out the server's changed config file")
+    p.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for each engine to empty")
+    p.add_argument("--api-key-env", default="CONVEYOR_API_KEY", help="environment variable holding the key")
+    p.set_defaults(func=cmd_scale)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    if args.reload:
+        return _post_admin(args, "/admin/reload", {"timeout_s": args.timeout})
+    return _post_admin(args, "/admin/scale", {"engines": args.engines, "timeout_s": args.timeout})
+
+
+def _post_admin(args: argparse.Namespace, path: str, body: dict[str, Any]) -> int:
+    """POST body to the server's admin path with the key from --api-key-env; prints the answer."""
     import urllib.error
     import urllib.request
 
-    body = {"engine": args.engine} if args.undrain else {"engine": args.engine, "timeout_s": args.timeout}
-    url = args.url.rstrip("/") + ("/admin/undrain" if args.undrain else "/admin/drain")
+    url = args.url.rstrip("/") + path
     headers = {"Content-Type": "application/json"}
     key = os.environ.get(args.api_key_env)
     if key:
@@ -342,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_config(sub)
     _add_drain(sub)
+    _add_scale(sub)
     return p
 
 

@@ -102,9 +102,11 @@ class EngineCoreActor:
 
     def listen_addresses(self) -> list[str]:
         """Every ZMQ endpoint this actor's process binds: its input and output
-        sockets, then its executor's (when it has a data plane)."""
+        sockets, its executor's (when it has a data plane), then each attached
+        frontend's input and output (cluster/engine_pool.py)."""
         own = [self._in.address, self._out.address]
-        return own + list(getattr(self.core.executor, "listen_addresses", list)())
+        return (own + list(getattr(self.core.executor, "listen_addresses", list)())
+                + self.frontends.listen_addresses())
 
     def data_plane_stats(self) -> dict[str, int]:
         """Dropped frames and refused handshakes, this actor's and its executor's."""
@@ -113,6 +115,8 @@ class EngineCoreActor:
         executor = self.core.executor
         if hasattr(executor, "data_plane_stats"):
             stats.update({f"executor_{k}": v for k, v in executor.data_plane_stats().items()})
+        if self.frontends.attached:
+            stats.update({f"frontends_{k}": v for k, v in self.frontends.plane_stats().items()})
         return stats
 
     def check_health(self) -> str:

@@ -49,13 +49,11 @@ RECV_POLL_MS = 200
 class RayCoreClient:
     """CoreClient over an EngineCoreActor (the process boundary of DESIGN §3)."""
 
-    def __init__(self, config: EngineConfig, placement: CoreActorPlacement | None = None) -> None:
-        self.started_ray = ensure_ray(config)
-        self.spec = CoreActorSpec.here(config, placement)
-        self._init_state(config, CoreLink.start(self.spec))
-
-    def _init_state(self, config: EngineConfig, link: CoreLink) -> None:
-        self.config = config
+    def __init__(self, spec: CoreActorSpec, link: CoreLink, started_ray: bool = False) -> None:
+        """The client of the actor behind `link`; every replacement is started
+        from `spec`. started_ray: shutdown() ends the Ray this client started."""
+        self.spec, self.started_ray = spec, started_ray
+        config = self.config = spec.config
         self.link = link
         self.kv_info: KVCacheInfo = link.kv_info
         p = config.parallel
@@ -71,6 +69,14 @@ class RayCoreClient:
         self._reader: threading.Thread | None = None
         self._on_lost: Callable[[str], None] | None = None
         self._on_back: Callable[[], None] | None = None
+
+    @classmethod
+    def launch(cls, config: EngineConfig, placement: CoreActorPlacement | None = None) -> RayCoreClient:
+        """Start an EngineCoreActor for `config` (and Ray, when none runs here)
+        and return its client; the default core_client_factory."""
+        started_ray = ensure_ray(config)
+        spec = CoreActorSpec.here(config, placement)
+        return cls(spec, CoreLink.start(spec), started_ray)
 
     def hand_over_losses(self, on_lost: Callable[[str], None], on_back: Callable[[], None]) -> None:
         """Data parallel: call on_lost(cause) when the actor is lost (before

@@ -84,6 +84,21 @@ class Frontends:
     def attached(self) -> int:
         return len(self._list) - 1
 
+    def listen_addresses(self) -> list[str]:
+        """The sockets each attached frontend's plane binds (input, output)."""
+        return [a for f in self._list[1:] for a in (f.inp.address, f.out.address)]
+
+    def plane_stats(self) -> dict[str, int]:
+        """Over the attached frontends: frames their inputs dropped (by
+        reason) and handshakes their planes refused."""
+        stats: dict[str, int] = {"denied_handshakes": 0}
+        for f in self._list[1:]:
+            for k, v in f.inp.dropped.items():
+                stats[k] = stats.get(k, 0) + v
+            if f.plane is not None:
+                stats["denied_handshakes"] += f.plane.denied
+        return stats
+
     # ---- inputs (the actor's input thread) -----------------------------------------------
 
     def recv(self, timeout_ms: int) -> Any | None:

@@ -24,6 +24,7 @@ from cluster.openai.middleware import AuthMiddleware, BodyLimitMiddleware, Reque
 from cluster.openai.responses_api.routes import add_responses_routes
 from cluster.openai.routes import lora as lora_routes
 from cluster.openai.routes.admin import add_admin_routes
+from cluster.openai.routes.scale import add_scale_routes
 from cluster.openai.routes.utility import add_utility_routes
 from cluster.openai.server import OpenAIServer
 from engine.config import ServeConfig
@@ -57,6 +58,7 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
     add_utility_routes(app, server, guarded, _ERROR_RESPONSES)
     add_responses_routes(app, server, guarded, _ERROR_RESPONSES)
     add_admin_routes(app, server, guarded, _ERROR_RESPONSES)
+    add_scale_routes(app, server, guarded, _ERROR_RESPONSES)
     _add_probe_routes(app, server)
     _add_error_handlers(app)
     _add_middleware(app, server.config.serve, api_key, echo_request_id)

@@ -25,15 +25,18 @@ from engine.sampling_params import SamplingParams
 
 # ---- requests -----------------------------------------------------------------------
 
-_MODEL_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+class StrictModel(BaseModel):
+    """Every request model's rules: strict types (no "1" for 1), no NaN/inf,
+    unknown fields ignored (clients send fields of newer API versions)."""
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
-class StreamOptions(BaseModel):
-    model_config = _MODEL_CONFIG
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class _BoundedFields(BaseModel):
+class _BoundedFields(StrictModel):
     """Every field of the body, as sent, within engine/json_limits.py's bounds
     (valid Unicode, int64, nesting), before its own type check: a 400 naming
     the field instead of a failure deep inside (tokenizer, msgpack, json.dumps)."""
@@ -59,7 +62,6 @@ _NULL_MEANS_ABSENT = frozenset({
 
 class _GenerationFields(_BoundedFields):
     """Fields shared by both endpoints (OpenAI + vLLM extras)."""
-    model_config = _MODEL_CONFIG
 
     @model_validator(mode="before")
     @classmethod
@@ -116,8 +118,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function na
 MAX_TOOLS = 128
 
 
-class FunctionDef(BaseModel):
-    model_config = _MODEL_CONFIG
+class FunctionDef(StrictModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; compiled in tools/request.py
@@ -131,31 +132,25 @@ class FunctionDef(BaseModel):
         return v
 
 
-class ToolDef(BaseModel):
-    model_config = _MODEL_CONFIG
+class ToolDef(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class _FunctionName(BaseModel):
-    model_config = _MODEL_CONFIG
+class _FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = _MODEL_CONFIG
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: _FunctionName
 
 
-class _CallFunction(BaseModel):
-    model_config = _MODEL_CONFIG
-    name: str
+class _CallFunction(_FunctionName):
     arguments: str
 
 
-class AssistantToolCall(BaseModel):
-    model_config = _MODEL_CONFIG
+class AssistantToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: _CallFunction
@@ -176,14 +171,12 @@ Tools = Annotated[list[ToolDef] | None, Field(max_length=MAX_TOOLS), AfterValida
 
 # ---- messages -------------------------------------------------------------------------
 
-class TextPart(BaseModel):
-    model_config = _MODEL_CONFIG
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = _MODEL_CONFIG
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

@@ -253,6 +253,29 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
                     "auto or off with parallel.pipeline_parallel_size > 1 (the batch queue already "
                     "overlaps steps there)", cfg.scheduler.async_scheduling, over)
     _validate_lora(cfg, source, over)
+    _validate_scaling(cfg, source, over)
+
+
+def _validate_scaling(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
+    """serve.min_engines <= parallel.data_parallel_size <= serve.max_engines;
+    engines scale behind the data-parallel router of one frontend only."""
+    sv, dp = cfg.serve, cfg.parallel.data_parallel_size
+    lo = dp if sv.min_engines is None else sv.min_engines
+    hi = dp if sv.max_engines is None else sv.max_engines
+    if lo > dp:
+        raise _fail(source, "serve.min_engines", f"null or an int <= parallel.data_parallel_size ({dp}), "
+                    "the engines it starts with", sv.min_engines, over)
+    if hi < dp:
+        raise _fail(source, "serve.max_engines", f"null or an int >= parallel.data_parallel_size ({dp}), "
+                    "the engines it starts with", sv.max_engines, over)
+    if hi > lo and dp < 2:
+        raise _fail(source, "parallel.data_parallel_size", "an int >= 2 when serve.max_engines > "
+                    "serve.min_engines (autoscaling runs behind the data-parallel router; it may scale "
+                    "down to min_engines)", dp, over)
+    if hi > lo and sv.replicas > 1:
+        raise _fail(source, "serve.replicas", "1 when serve.max_engines > serve.min_engines (the "
+                    "engines of several ingress replicas belong to a shared pool, which does not scale)",
+                    sv.replicas, over)
 
 
 def _validate_lora(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ EXECUTORS = ("uniproc", "ray", "mp")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 ROUTER_POLICIES = ("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")
+SCALE_SIGNALS = ("waiting", "kv_usage")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # == cluster.openai.tools.parsers.TOOL_PARSERS (a test checks)
 # The Triton kernels' tile shapes (kernels/paged_attention.py asserts the same
 # set; a test keeps the two in step).
@@ -97,6 +98,19 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # request's context on its new engine (engine/dp_handover.py). Off by
     # default: slower on the 2-core CPU box (BENCHMARKS.md "Live migration").
     warm_drain: Annotated[bool, knob("bool")] = False
+    # data_parallel_size > 1: a drain moves its requests in waves of at most
+    # the longest moved context's tokens, the next wave once the last one's
+    # streams have their first token on their new engine, so each moved
+    # stream waits for its own re-prefill, not for all of them together
+    # (engine/dp_handover.py PacedDrain). Off: every request moves at once.
+    paced_drain: Annotated[bool, knob("bool")] = True
+    # CPU: torch threads of each worker; 0: this machine's cores over the
+    # ranks that share it (world_size, times data_parallel_size for engines
+    # in this process: engine/dp_engine.py engine_config). Oversubscribed
+    # OpenMP threads spin against each other: two in-process engines with a
+    # thread per core each decoded 2.2x slower on 2 cores (BENCHMARKS.md
+    # "Live migration").
+    cpu_threads_per_worker: Annotated[int, int_in(0, 1024)] = 0
     restart_window_s: Annotated[float, finite_in(1.0, 86400.0)] = 600.0
     recovery_timeout_s: Annotated[float, finite_in(1.0, 86400.0)] = 120.0
 
@@ -193,6 +207,25 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     responses_store_dir: Annotated[str | None, knob("null or a directory")] = None
     responses_max_entries: Annotated[int, int_in(1, 10_000_000)] = 10000
     responses_ttl_s: Annotated[float, finite_in(1.0, 365 * 86400.0)] = 86400.0
+    # Engine autoscaling (engine/scale_policy.py, engine/dp_scale.py): the
+    # data-parallel engines in service move between min_engines and
+    # max_engines (None: parallel.data_parallel_size, the count it starts
+    # with) on a load signal, one engine at a time, each move held for its
+    # delay first; a scale-down drains the engine through migration.
+    min_engines: Annotated[int | None, int_in(1, 1024, nullable=True, kwarg=True, flag=True,
+                                              help="fewest engines autoscaling keeps")] = None
+    max_engines: Annotated[int | None, int_in(1, 1024, nullable=True, kwarg=True, flag=True,
+                                              help="most engines autoscaling starts")] = None
+    # waiting: requests queued in the engines (scale up past the target per
+    # engine); kv_usage: the fraction of KV blocks in use (past the target).
+    autoscale_signal: Annotated[str, one_of(SCALE_SIGNALS, flag=True)] = "waiting"
+    target_waiting_per_engine: Annotated[float, finite_in(0.0, 1e6, flag=True)] = 2.0
+    target_kv_usage: Annotated[float, finite_in(0.01, 1.0, flag=True)] = 0.8
+    # How long the signal must ask for a move before it is made (Ray Serve's
+    # upscale_delay_s / downscale_delay_s); 0 acts on the next look.
+    upscale_delay_s: Annotated[float, finite_in(0.0, 86400.0, flag=True)] = 30.0
+    downscale_delay_s: Annotated[float, finite_in(0.0, 86400.0, flag=True)] = 600.0
+    autoscale_interval_s: Annotated[float, finite_in(0.01, 3600.0)] = 1.0
 
 
 class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):

@@ -1,13 +1,19 @@
 """Router: one engine per request, scored on the request's own token ids.
 
-kv_aware: cost(e) = uncached prefill tokens on e + lam x load(e), where load is
-the tokens of the requests this router sent to e that have not finished
-(prompt + max_tokens), counted at the moment of decision, so a burst of equal
-requests spreads instead of piling on one engine. Ties go to the least loaded
-engine, then to a random one. The load check is per request and against the
-preferred engine only: when it holds more than `spill_ratio` x the mean
-in-flight requests (+ `spill_slack`), the request spills to the best engine
-under that bound; nothing changes for any other request or prefix.
+kv_aware: cost(e) = uncached prefill tokens on e + lam x load(e), where load
+is the work, in tokens, of the requests this router sent to e that have not
+finished: each one's uncached prefill on e (as predicted at its decision) +
+its max_tokens, counted at the moment of decision, so a burst of equal
+requests spreads instead of piling on one engine. A cached prompt is not
+work: counting whole prompts made a long conversation look as heavy as a long
+uncached prompt and pushed it off the engine holding its history. Ties go to
+the least loaded engine, then to a random one. The load check is per request,
+in tokens, and against the preferred engine only: when the request's work on
+top of what that engine holds exceeds `spill_ratio` x the mean held (+
+`spill_slack` mean requests' worth), the request spills to the best engine
+under that bound; nothing changes for any other request or prefix. Engines
+report their queue in requests (other ingress replicas' requests show up only
+there); a report counts as that many requests of this router's mean work.
 The index matches the whole prompt (after the chat template), block by block
 with the engine's own hash chain, so a system prompt every request shares
 matches everywhere and settles nothing by itself.
@@ -44,20 +50,20 @@ log = logging.getLogger(__name__)
 
 POLICIES = ("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")
 REASONS = ("cache_hit", "load_spill", "session", "fallback", "migration")
+LAM_DEFAULT = 0.4
 
 
 @dataclass(frozen=True)
 class RouterSettings:
     policy: str = "kv_aware"
     block_size: int = 16
-    # Cost of one token of load, in uncached prefill tokens. 0.1: a cached
-    # block is worth as much as ten blocks' worth of queued work elsewhere;
-    # bench/routing.py's simulation reaches >= 90% of the ideal hit rate at
-    # max/mean load <= 1.25 with it (1.0 balances so eagerly that groups
-    # spread over every engine and cache each prefix N times).
-    lam: float = 0.1
+    # Cost of one token of load (uncached prefill + decode still to come), in
+    # uncached prefill tokens. See BENCHMARKS.md "Routing": bench/routing.py's
+    # simulation reaches >= 90% of the ideal hit rate at max/mean load <= 1.25
+    # with it.
+    lam: float = LAM_DEFAULT
     spill_ratio: float = 1.25
-    spill_slack: int = 2  # in-flight requests above spill_ratio x mean before a spill
+    spill_slack: float = 2.0  # mean requests' worth of tokens above spill_ratio x mean before a spill
     session_bonus_tokens: int = 256
     # Cost of an engine loading the request's adapter first, in prefill tokens:
     # above any load difference the spill bound lets through (lam x tokens), so
@@ -138,6 +144,17 @@ class Router:
         self._all_mask |= 1 << engine
         self.index.add_engine(engine)
 
+    def add_engine(self) -> int:
+        """One more engine slot (autoscaling), down until engine_up; its index."""
+        e = self.n
+        self.n += 1
+        self.live = np.append(self.live, False)
+        self.load_tokens = np.append(self.load_tokens, 0.0)
+        self.inflight = np.append(self.inflight, 0)
+        self.reported = np.append(self.reported, 0)
+        self._adapters.append(OrderedDict())
+        return e
+
     def adapter_loaded(self, engine: int, adapter: str) -> None:
         """The engine holds `adapter` (preloaded, or sent a request for it)."""
         held = self._adapters[engine]
@@ -162,9 +179,9 @@ class Router:
         count=False: only say where it would go (a migration's warm-up)."""
         p = self.s.policy
         if p == "kv_aware":
-            d = self._kv_aware(hashes, num_tokens, session, adapter)
+            d = self._kv_aware(hashes, num_tokens, max_tokens, session, adapter)
         elif p == "session":
-            d = self._session(hashes, num_tokens, session)
+            d = self._session(hashes, num_tokens, max_tokens, session)
         else:
             e = self._by_load(p)
             d = Decision(e, "fallback", self._cached_on(e, hashes, num_tokens))
@@ -174,7 +191,7 @@ class Router:
             self._remember_session(session, d.engine)
         if adapter is not None:
             self.adapter_loaded(d.engine, adapter)
-        self._count(request_id, d, num_tokens + max_tokens, p)
+        self._count(request_id, d, num_tokens - d.predicted_cached_tokens + max_tokens, p)
         return d
 
     def assign(self, request_id: str, engine: int, tokens: int) -> Decision:
@@ -209,13 +226,14 @@ class Router:
     def _cached_on(self, e: int, hashes: list[bytes], num_tokens: int) -> int:
         return self._cached_tokens(self.index.match(hashes, 1 << e).get(e, 0), num_tokens)
 
-    def _kv_aware(self, hashes: list[bytes], num_tokens: int, session: str | None,
-                  adapter: str | None) -> Decision:
+    def _kv_aware(self, hashes: list[bytes], num_tokens: int, max_tokens: int,
+                  session: str | None, adapter: str | None) -> Decision:
         matched = self.index.match(hashes, self._all_mask)
-        cost = num_tokens + self.s.lam * self.load_tokens
+        uncached = np.full(self.n, float(num_tokens))
         cached = {e: self._cached_tokens(b, num_tokens) for e, b in matched.items()}
         for e, t in cached.items():
-            cost[e] -= t
+            uncached[e] -= t
+        cost = uncached + self.s.lam * self.load_tokens
         sess_e = self._sessions.get(session) if session is not None else None
         if sess_e is not None:
             cost[sess_e] -= self.s.session_bonus_tokens
@@ -224,18 +242,24 @@ class Router:
             cost[~holds] += self.s.adapter_load_tokens
         cost[~self.live] = np.inf
         e = self._argmin(cost)
-        if self._overloaded(e):
-            cost[self._overloaded_mask()] = np.inf
+        end = self._held_tokens(uncached + max_tokens)
+        if end[e] > self._spill_bound(uncached + max_tokens):
+            # Spill to the cheapest engine that ends up holding less than e would.
+            cost[end >= end[e]] = np.inf
             if np.isfinite(cost).any():
                 e = self._argmin(cost)
                 return Decision(e, "load_spill", cached.get(e, 0))
         reason = "cache_hit" if cached.get(e, 0) > 0 else ("session" if e == sess_e else "fallback")
         return Decision(e, reason, cached.get(e, 0))
 
-    def _session(self, hashes: list[bytes], num_tokens: int, session: str | None) -> Decision:
+    def _session(self, hashes: list[bytes], num_tokens: int, max_tokens: int,
+                 session: str | None) -> Decision:
         e = self._sessions.get(session) if session is not None else None
-        if e is not None and self.live[e] and not self._overloaded(e):
-            return Decision(e, "session", self._cached_on(e, hashes, num_tokens))
+        if e is not None and self.live[e]:
+            cached = self._cached_on(e, hashes, num_tokens)
+            work = np.full(self.n, float(num_tokens - cached + max_tokens))
+            if self._held_tokens(work)[e] <= self._spill_bound(work):
+                return Decision(e, "session", cached)
         e = self._by_load("least_loaded")
         return Decision(e, "fallback", self._cached_on(e, hashes, num_tokens))
 
@@ -259,20 +283,27 @@ class Router:
             best = best[loads == loads.min()]
         return int(best[0] if len(best) == 1 else best[self._rng.randrange(len(best))])
 
-    def _held(self) -> np.ndarray:
-        return np.maximum(self.inflight, self.reported)
+    def _per_request(self, work: np.ndarray) -> float:
+        """This router's mean work per in-flight request, in tokens (the
+        request's own mean work when nothing is in flight)."""
+        n_in = int(self.inflight.sum())
+        if n_in > 0:
+            return float(self.load_tokens.sum()) / n_in
+        live = work[self.live]
+        return float(live.mean()) if len(live) else 0.0
 
-    def _spill_bound(self, held: np.ndarray) -> float:
-        live = held[self.live]
-        return self.s.spill_ratio * float(live.mean()) + self.s.spill_slack if len(live) else 0.0
+    def _held_tokens(self, work: np.ndarray) -> np.ndarray:
+        """What each engine would hold with this request's work on it, in
+        tokens: this router's load, or the engine's own report of its queue
+        (requests, other routers' included) x the mean work per request."""
+        held = np.maximum(self.load_tokens, self.reported * self._per_request(work))
+        return held + work
 
-    def _overloaded(self, e: int) -> bool:
-        held = self._held()
-        return held[e] + 1 > self._spill_bound(held)
-
-    def _overloaded_mask(self) -> np.ndarray:
-        held = self._held()
-        return held + 1 > self._spill_bound(held)
+    def _spill_bound(self, work: np.ndarray) -> float:
+        """spill_ratio x the mean held over live engines + spill_slack mean requests."""
+        per_req = self._per_request(work)
+        held = np.maximum(self.load_tokens, self.reported * per_req)[self.live]
+        return (self.s.spill_ratio * float(held.mean()) if len(held) else 0.0) + self.s.spill_slack * per_req
 
     def _remember_session(self, session: str, e: int) -> None:
         s = self._sessions

@@ -111,7 +111,7 @@ async def job_lost_and_resubmitted(runner, config, out_path: str, ref: dict[str,
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     done = [r for r in _read(out_path)]
-    runner2 = await asyncio.get_running_loop().run_in_executor(None, LineRunner, config,
+    runner2 = await asyncio.get_running_loop().run_in_executor(None, LineRunner.start, config,
                                                                journal_path(out_path))
     try:
         out = OutputLog(out_path)

@@ -6,11 +6,11 @@ tokens and values) is compared with an undisturbed run of the same app."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+from sse_utils import DONE, sse_events
 
 TAGS = {"type": "object", "properties": {"tags": {"type": "array", "minItems": 2, "maxItems": 2, "items": {
     "type": "string", "minLength": 3, "maxLength": 6}}}, "required": ["tags"], "additionalProperties": False}
@@ -70,31 +70,28 @@ async def _stream(c: httpx.AsyncClient, route: str, body: dict[str, Any],
                   started: asyncio.Event) -> dict[str, Any]:
     acc: dict[int, dict[str, Any]] = {}
     done, errors = False, []
-    async with c.stream("POST", route, json={"model": "tiny", "stream": True, **body}) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                done = True
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                errors.append(ev)
-            _absorb(acc, ev)
-            started.set()
+    async for ev in sse_events(c, route, {"model": "tiny", "stream": True, **body}):
+        if ev is DONE:
+            done = True
+            continue
+        if "error" in ev:
+            errors.append(ev)
+        _absorb(acc, ev)
+        started.set()
     started.set()
     return {"choices": acc, "done": done, "errors": errors}
 
 
 async def run_streams(url: str, headers: dict[str, str], pairs: list[tuple[str, dict[str, Any]]],
-                      disrupt: Callable[[httpx.AsyncClient], Awaitable[None]] | None = None
-                      ) -> list[dict[str, Any]]:
-    """Every stream's summary; `disrupt` runs once each has its first event."""
+                      disrupt: Callable[[httpx.AsyncClient], Awaitable[None]] | None = None,
+                      at_once: bool = False) -> list[dict[str, Any]]:
+    """Every stream's summary; `disrupt` runs once each has its first event
+    (at_once: as soon as the streams are sent; it waits for what it needs)."""
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=180) as c:
         started = [asyncio.Event() for _ in pairs]
         tasks = [asyncio.create_task(_stream(c, r, b, s)) for (r, b), s in zip(pairs, started)]
-        await asyncio.gather(*(s.wait() for s in started))
+        if not at_once:
+            await asyncio.gather(*(s.wait() for s in started))
         if disrupt is not None:
             await disrupt(c)
         return await asyncio.gather(*tasks)

@@ -4,6 +4,8 @@ or node interrupts (to their end, or to "error" past the restart budget)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Callable, Collection
 
 import pytest
 
@@ -30,6 +32,20 @@ def undisturbed_tokens(ckpt: str, prompts: list[list[int]], params: list[Samplin
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.shutdown()
+
+
+def before_step(llm, at: int | Collection[int], act: Callable[[], None]) -> Callable[[], None]:
+    """Run act() before the engine's step number `at` (or each of them; the
+    first step is 0). Returns what puts the engine's own step back."""
+    core, orig, calls = llm.engine, llm.engine.step_fn, itertools.count()
+    steps = {at} if isinstance(at, int) else set(at)
+
+    def step():
+        if next(calls) in steps:
+            act()
+        return orig()
+    core.step_fn = step
+    return lambda: setattr(core, "step_fn", orig)
 
 
 async def drain(first, stream) -> Drained:

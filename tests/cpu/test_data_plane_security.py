@@ -256,19 +256,26 @@ def test_mp_engine_survives_foreign_peers(ckpt, prompts):
 
 def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
     llm = LLM(model=ckpt, executor="ray", tensor_parallel_size=2, enable_prefix_caching=False)
-    foreign = foreign_exec = plane = None
+    foreign = foreign_exec = foreign_front = plane = None
     try:
         client = llm.engine.client
         captured: list[list[bytes]] = []
         client._in.tap = captured.append  # real "add" inputs, to replay
         clean = _generate(llm, prompts)
         client._in.tap = None
+        # An attached frontend (an ingress replica of cluster/engine_pool.py):
+        # its channel pair, on a plane of its own, is probed like the rest.
+        front_keys = PlaneKeys.generate()
+        _, front_in, front_out, _ = ray.get(client.actor.attach.remote(msgspec.msgpack.encode(front_keys)))
         addresses = ray.get(client.actor.listen_addresses.remote())
-        assert len(addresses) == 5  # actor in/out, executor replies + 2 commands
+        # actor in/out, executor replies + 2 commands, the attached frontend's in/out
+        assert len(addresses) == 7 and addresses[5:] == [front_in, front_out]
         # The actor's plane with its real server key (ZAP refuses the client
-        # key); the executor's inside the actor with a wrong one.
+        # key); the executor's inside the actor with a wrong one; the attached
+        # frontend's plane with its real server key.
         foreign = _attack(addresses[:2], client.keys.server_public, captured)
-        foreign_exec = _attack(addresses[2:], None, captured)
+        foreign_exec = _attack(addresses[2:5], None, captured)
+        foreign_front = _attack(addresses[5:], front_keys.server_public, captured)
         plane, sock = insider_push(client.keys, addresses[0])
         frames, expected = bad_frames(client.keys.mac, TO_CORE, TO_FRONTEND, "frontend")
         for f in frames + captured:  # every captured add, replayed
@@ -281,14 +288,14 @@ def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
 
         wait_until(lambda: sum(dropped().values()) >= sum(expected.values()))
         assert _generate(llm, prompts) == clean
-        assert foreign.received() == 0 and foreign_exec.received() == 0
+        assert foreign.received() == 0 and foreign_exec.received() == 0 and foreign_front.received() == 0
         assert dropped() == expected
         stats = ray.get(client.actor.data_plane_stats.remote())
-        assert stats["denied_handshakes"] >= 2
+        assert stats["denied_handshakes"] >= 2 and stats["frontends_denied_handshakes"] >= 2
         assert not any(k.startswith("executor_") and k != "executor_denied_handshakes" for k in stats)
         llm.engine.client.check_health()
     finally:
-        for p in (foreign, foreign_exec, plane):
+        for p in (foreign, foreign_exec, foreign_front, plane):
             if p is not None:
                 p.close()
         llm.shutdown()

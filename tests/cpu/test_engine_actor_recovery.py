@@ -7,7 +7,6 @@ One module-scoped local Ray instance for every test here."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ import httpx
 import pytest
 from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
 from ray_nodes import engine_actor_pids
-from recovery_utils import expect_fail_fast
+from recovery_utils import before_step, expect_fail_fast
 
 from engine import LLM, SamplingParams
 from engine.async_client import AsyncLLM
@@ -191,14 +190,12 @@ def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference
     try:
         victim, workers_before = client.engine_pid(), llm.worker_pids()
         assert b"ray::EngineCoreActor" in _cmdline(victim)
-        orig, calls, delivered = llm.engine.step_fn, itertools.count(), []
+        delivered = []
 
-        def step():
-            if next(calls) == 12:  # about a third of the way through
-                delivered.append(sum(len(r.output_token_ids) for r in client._ledger.resubmissions()))
-                os.kill(victim, signal.SIGKILL)
-            return orig()
-        llm.engine.step_fn = step
+        def kill() -> None:
+            delivered.append(sum(len(r.output_token_ids) for r in client._ledger.resubmissions()))
+            os.kill(victim, signal.SIGKILL)
+        restore = before_step(llm, 12, kill)  # about a third of the way through
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert client.num_restarts == 1
         assert delivered and delivered[0] > 0  # the kill came mid-generation
@@ -207,7 +204,7 @@ def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference
         assert b"ray::EngineCoreActor" in _cmdline(new)
         assert not set(llm.worker_pids()) & set(workers_before)  # its workers went with it
         assert _live_placement_groups() == 1  # the dead engine's workers' group was removed
-        llm.engine.step_fn = orig
+        restore()
         again = llm.generate(PROMPTS[:2], params[:2], use_tqdm=False)  # it keeps serving
     finally:
         llm.shutdown()
@@ -227,13 +224,7 @@ def test_wedged_engine_actor_is_replaced(ray_local, ckpt, params, reference):
     client = llm.engine.client
     try:
         victim = client.engine_pid()
-        orig, calls = llm.engine.step_fn, itertools.count()
-
-        def step():
-            if next(calls) == 8:
-                os.kill(victim, signal.SIGSTOP)
-            return orig()
-        llm.engine.step_fn = step
+        before_step(llm, 8, lambda: os.kill(victim, signal.SIGSTOP))
         outs = llm.generate(PROMPTS[:4], params[:4], use_tqdm=False)
         assert client.num_restarts == 1 and client.engine_pid() != victim
         assert wait_pids_gone([victim], timeout_s=30) == []  # killed, not left stopped
@@ -433,13 +424,7 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
     try:
         pool = a.engine.client.pool
         victim = ray.get(ray.get(pool.engine.remote(0))[0].pid.remote())
-        orig, calls = a.engine.step_fn, itertools.count()
-
-        def step():
-            if next(calls) == 10:
-                os.kill(victim, signal.SIGKILL)
-            return orig()
-        a.engine.step_fn = step
+        before_step(a, 10, lambda: os.kill(victim, signal.SIGKILL))
         half = len(PROMPTS) // 2
         got: dict[str, list] = {}
         tb = threading.Thread(target=lambda: got.update(b=b.generate(PROMPTS[half:], params[half:],
@@ -463,11 +448,37 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
         assert again.num_cached_tokens == len(hashes) * a.engine.kv_info.block_size
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         assert any(reason == "cache_hit" for (_, reason, _) in rb.decisions)
+        _admin_acts_on_the_pool(a, b, pool, params, reference)
     finally:
         b.shutdown()
         a.shutdown()
     _wait(lambda: not [x for x in ray.util.list_named_actors(all_namespaces=True)
                        if x["name"].startswith("conveyor-engines")])
+
+
+def _admin_acts_on_the_pool(a, b, pool, params, reference) -> None:
+    """Drain, undrain and replace on one frontend act for both: b's router
+    drops the engine a drained; a's replace puts a new actor in the slot and
+    b attaches to it (b then drains engine 0: the new engine alone gives the
+    one-engine tokens to a)."""
+    import ray
+
+    ca, cb = a.engine.client, b.engine.client
+    assert ca.drain(1, 60) == 0
+    _wait(lambda: cb.states == ["up", "drained"])
+    assert not cb.router.live[1] and cb.router.index_size(1) == 0
+    ca.undrain(1)
+    _wait(lambda: cb.states == ["up", "up"] and cb.router.live[1])
+    old = ray.get(ray.get(pool.engine.remote(1))[0].pid.remote())
+    ca.replace_engine(1)
+    assert ray.get(ray.get(pool.engine.remote(1))[0].pid.remote()) != old
+    _wait(lambda: ca.states == ["up", "up"] and cb.states == ["up", "up"]
+          and cb.clients[1].link.actor._actor_id == ca.clients[1].link.actor._actor_id)
+    cb.drain(0, 60)
+    _wait(lambda: ca.states == ["drained", "up"])
+    assert _choices(a.generate(PROMPTS[:4], params[:4], use_tqdm=False)) == _choices(reference[:4])
+    cb.undrain(0)
+    _wait(lambda: ca.states == ["up", "up"])
 
 
 def _pools() -> list[dict]:
@@ -480,7 +491,8 @@ def _pools() -> list[dict]:
 def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
     """serve.replicas: 2 with data_parallel_size 2: one engine pool for the app,
     both replicas attached to it, 24 concurrent streams through Serve's proxy
-    (spread over both replicas) give the one-engine text; deleting the app
+    (spread over both replicas) give the one-engine text; /admin/drain and
+    /admin/undrain through the proxy set the pool's state; deleting the app
     takes the pool and its engines with it."""
     import ray
     from ray import serve
@@ -506,6 +518,13 @@ def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
         for i, (events, ref) in enumerate(zip(streams, serve_refs)):
             text, finish, usage, errors = _summary(events)
             assert (errors, finish, text) == ([], "length", ref.outputs[0].text), i
+        # The admin routes act on the pool, whichever replica the proxy picks.
+        r = httpx.post(f"{url}/admin/drain", json={"engine": 1}, timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "drained", r.text
+        assert ray.get(handle.admin_states.remote()) == ["up", "drained"]
+        r = httpx.post(f"{url}/admin/undrain", json={"engine": 1}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert ray.get(handle.admin_states.remote()) == ["up", "up"]
     finally:
         serve.delete("ingress2")
     _wait(lambda: not _pools() and not engine_actor_pids() - before)

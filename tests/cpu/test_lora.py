@@ -172,8 +172,7 @@ async def _batch_line_check(server, llm, prompt, refs) -> None:
     OpenAIServer on the same engine: no second engine start)."""
     from cluster.batch.engines import LineRunner
 
-    runner = LineRunner.__new__(LineRunner)  # its __init__ would start another engine
-    runner.llm, runner.server, runner.journal = llm, server, None
+    runner = LineRunner(llm, server)
     body = {"model": "a0", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     rec = await runner.run({"custom_id": "c0", "method": "POST", "url": "/v1/completions", "body": body})
     assert rec["response"]["status_code"] == 200

@@ -158,12 +158,12 @@ def test_an_unencodable_request_fails_alone_and_the_sender_goes_on():
 
 def test_a_dead_internal_thread_fails_health():
     from cluster.engine_actor.client import RayCoreClient
+    from cluster.engine_actor.link import CoreActorSpec
     from engine.config import build_config
 
     sender = SimpleNamespace(alive=lambda: True)
     link = SimpleNamespace(kv_info=None, sender=sender, status="ok", health_error=lambda _t: None)
-    client = object.__new__(RayCoreClient)
-    client._init_state(build_config(max_model_len=256), link)
+    client = RayCoreClient(CoreActorSpec(build_config(max_model_len=256)), link)
     assert client.check_health() == "ok"
     sender.alive = lambda: False
     with pytest.raises(EngineDeadError, match="input-send thread died"):

@@ -106,7 +106,7 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
     caplog.set_level(logging.INFO, logger="engine.migration")
 
     async def scenario() -> None:  # one event loop: AsyncLLM binds to the first it runs on
-        runner = LineRunner(config, str(tmp_path / "warmup.tokens"))
+        runner = LineRunner.start(config, str(tmp_path / "warmup.tokens"))
         dp = runner.llm.client.inner
         try:
             params = await _scenario(runner.llm, caplog)
@@ -199,8 +199,11 @@ class _Fake:
     def check_health(self) -> str:
         return "ok"
 
+    def shutdown(self) -> None:
+        pass
 
-def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False):
+
+def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False, paced: bool = False):
     from engine.config import build_config
     from engine.dp_engine import DataParallelClient
 
@@ -210,7 +213,8 @@ def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False):
             e.hand_over_losses = lambda lost, back, e=e: setattr(e, "hooks", (lost, back))
     # warm: parallel.warm_drain, so a drain hands over through warm-ups (engine/dp_handover.py).
     dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin",
-                                         **{"parallel.warm_drain": warm}), engines)
+                                         **{"parallel.warm_drain": warm, "parallel.paced_drain": paced}),
+                             engines)
     got: list = []
     dp.start(got.append)
     return dp, engines, got
@@ -313,6 +317,58 @@ def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
     assert done.is_set() and sorted(dp.states) == ["dead", "drained"]
 
 
+def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplog) -> None:
+    """parallel.paced_drain: waves of at most the longest moved context's
+    tokens (here one request each); the drained engine keeps delivering the
+    requests not yet moved; the next wave moves on the first output of the
+    last one from its new engine; a request that finished before its wave
+    does not move. Each moved stream's largest gap is logged (info) when it
+    ends, with its request id and both engines; the tokens its new engine
+    computed again are counted."""
+    import re
+    import threading
+
+    from engine.contracts import EngineCoreOutputs, SchedulerStats
+
+    caplog.set_level(logging.INFO, logger="engine.migration")
+    dp, engines, got = _fake_dp(paced=True)
+    for i in range(6):
+        dp.add_request(_req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
+    ia = 0 if engines[0].added[0].request_id == "w0" else 1
+    a, b = engines[ia], engines[1 - ia]
+    a.emit(_out("w0", [7, 8]))  # the longest context (22 tokens): the wave budget
+    done: list[int] = []
+    t = threading.Thread(target=lambda: done.append(dp.drain(ia, timeout_s=10)))
+    t.start()
+    for _ in range(500):
+        if len(b.added) == 4:
+            break
+        threading.Event().wait(0.01)
+    assert a.aborted == ["w0"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w0", [7, 8])
+    a.emit(_out("w2", [3]))  # not moved yet: still a's, delivered
+    assert len(b.added) == 4
+    b.emit(_out("w0", [9]))  # w0 produced on b: the next wave (w2, with its token) moves
+    assert a.aborted == ["w0", "w2"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w2", [3])
+    a.emit(_out("w4", [5], finished=True))  # finished before its wave: never moves
+    b.emit(_out("w2", [4]))
+    assert a.aborted == ["w0", "w2"] and len(b.added) == 5
+    a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
+    t.join(10)
+    m = dp.metrics()
+    assert done == [3] and m[f'conveyor:migrations_total{{engine="{ia}",cause="drain"}}'] == 2
+    assert m[f'conveyor:migration_reprefill_tokens_total{{engine="{1 - ia}"}}'] == 22 + 21  # nothing cached
+    b.emit(_out("w0", [10], finished=True))
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request w0 ")]
+    assert len(logged) == 1 and re.fullmatch(
+        rf"request w0 migrated from engine {ia} to engine {1 - ia} \(drain\): largest gap between tokens "
+        r"\d+\.\d ms, 22 context tokens, 0 cached on the new engine", logged[0]), logged
+    toks = {x.request_id: [] for o in got for x in o.outputs}
+    for o in got:
+        for x in o.outputs:
+            toks[x.request_id] += x.new_token_ids
+    assert (toks["w0"], toks["w2"], toks["w4"]) == ([7, 8, 9, 10], [3, 4], [5])
+
+
 def test_actor_loss_moves_at_once_and_the_rebuilt_engine_comes_back() -> None:
     dp, (a, b), got = _fake_dp(ray_like=True)
     dp.add_request(_req("r0"))
@@ -349,3 +405,57 @@ def test_drain_cli_and_admin_body_checks(capsys) -> None:
                 {"engine": 0, "timeout_s": 0}, {"engine": 0, "extra": 1}):
         with pytest.raises(ValidationError):
             DrainRequest.model_validate(bad)
+
+
+def test_data_parallel_batch_journals_merge_and_resume_on_any_engine(tmp_path) -> None:
+    """`--data-parallel N` batch jobs: engine i journals to `<journal>.i` and
+    resumes from the job's merged journal, whichever engine a line lands on in
+    the next run; the driver's merge keeps each key's longest entry and drops
+    written lines; a finished job leaves no journal file."""
+    from engine.token_journal import LineJournal, TokenJournal, engine_journals, load_entries, merge_journals
+
+    base = str(tmp_path / "out.jsonl.tokens")
+    la, lb = LineJournal.line_id({"custom_id": "a"}), LineJournal.line_id({"custom_id": "b"})
+    ka, kb = f"cmpl-{la}-0", f"cmpl-{lb}-0"
+    assert LineJournal.line_of(ka) == la
+
+    def engine(i: int) -> tuple[LineJournal, _Fake, list]:
+        fake, got = _Fake(), []
+        j = LineJournal(fake, TokenJournal(f"{base}.{i}", min_flush_tokens=1, restore_from=base))
+        j.start(got.append)
+        return j, fake, got
+
+    def lost(*js: LineJournal) -> None:  # the job's process is gone (flushed lines stay)
+        for j in js:
+            os.close(j.journal._fd)
+
+    (j0, f0, _), (j1, f1, _) = engine(0), engine(1)
+    j0.add_request(_req(ka + "-r1"))
+    j1.add_request(_req(kb + "-r1"))
+    f0.emit(_out(ka + "-r1", [1, 2, 3]))
+    f1.emit(_out(kb + "-r1", [7, 8]))
+    lost(j0, j1)
+    merge_journals(base, lambda k: True)
+    assert engine_journals(base) == [] and {k: e.tokens for k, e in load_entries(base).items()} == {
+        ka: [1, 2, 3], kb: [7, 8]}
+    # Run 2 deals the lines the other way round: each resumes from the merged journal.
+    (j0, f0, got0), (j1, f1, got1) = engine(0), engine(1)
+    j1.add_request(_req(ka + "-r2"))
+    j0.add_request(_req(kb + "-r2"))
+    assert [o.outputs[0].new_token_ids for o in got1] == [[1, 2, 3]] and f1.added[0].output_token_ids == [1, 2, 3]
+    assert [o.outputs[0].new_token_ids for o in got0] == [[7, 8]] and f0.added[0].output_token_ids == [7, 8]
+    f1.emit(_out(ka + "-r2", [4]))
+    f0.emit(_out(kb + "-r2", [9], finished=True))
+    j0.forget_line(lb)  # line b written
+    lost(j0, j1)
+    merge_journals(base, lambda k: LineJournal.line_of(k) != lb)
+    assert {k: e.tokens for k, e in load_entries(base).items()} == {ka: [1, 2, 3, 4]}
+    # Run 3: a finishes on engine 0; its own file empties and goes, then the merged one.
+    j0, f0, _ = engine(0)
+    j0.add_request(_req(ka + "-r3"))
+    assert f0.added[0].output_token_ids == [1, 2, 3, 4]
+    f0.emit(_out(ka + "-r3", [5], finished=True))
+    j0.forget_line(la)
+    j0.shutdown()
+    merge_journals(base, lambda k: False)
+    assert os.listdir(tmp_path) == []

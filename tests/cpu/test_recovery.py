@@ -3,13 +3,12 @@ its worker group and recomputes every unfinished request; greedy and seeded
 outputs equal an undisturbed run. Past the restart budget it fails fast."""
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 
 import pytest
 from llm_utils import make_checkpoint, pid_alive, random_prompts
-from recovery_utils import greedy_and_seeded, undisturbed_tokens
+from recovery_utils import before_step, greedy_and_seeded, undisturbed_tokens
 
 from engine import LLM
 from engine.recovery import RestartBudget
@@ -31,15 +30,12 @@ def reference(ckpt):
 
 def _kill_rank_at_steps(llm: LLM, rank: int, at: set[int]) -> list[int]:
     """SIGKILL `rank`'s process before the engine's step number in `at`; returns the killed pids."""
-    core, orig, calls, killed = llm.engine, llm.engine.step_fn, itertools.count(), []
+    killed: list[int] = []
 
-    def step():
-        if next(calls) in at:
-            pid = llm.worker_pids()[rank]
-            os.kill(pid, signal.SIGKILL)
-            killed.append(pid)
-        return orig()
-    core.step_fn = step
+    def kill() -> None:
+        killed.append(llm.worker_pids()[rank])
+        os.kill(killed[-1], signal.SIGKILL)
+    before_step(llm, at, kill)
     return killed
 
 

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ import time
 import httpx
 import pytest
 from llm_utils import make_checkpoint, pid_alive, random_prompts
-from recovery_utils import drain_all, greedy_and_seeded, undisturbed_tokens
+from recovery_utils import before_step, drain_all, greedy_and_seeded, undisturbed_tokens
 
 import engine.core
 from engine import LLM
@@ -137,15 +136,13 @@ def test_health_metrics_and_logs_during_and_after_recovery(ckpt, reference, monk
 
 def _stop_rank_at_step(llm: LLM, rank: int, step: int) -> list[tuple[int, float]]:
     """SIGSTOP `rank` before engine step `step`; returns [(pid, when)]."""
-    core, orig, calls, stopped = llm.engine, llm.engine.step_fn, itertools.count(), []
+    stopped: list[tuple[int, float]] = []
 
-    def step_fn():
-        if next(calls) == step:
-            pid = llm.worker_pids()[rank]
-            os.kill(pid, signal.SIGSTOP)
-            stopped.append((pid, time.monotonic()))
-        return orig()
-    core.step_fn = step_fn
+    def stop() -> None:
+        pid = llm.worker_pids()[rank]
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append((pid, time.monotonic()))
+    before_step(llm, step, stop)
     return stopped
 
 

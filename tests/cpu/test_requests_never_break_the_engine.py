@@ -409,10 +409,8 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
     from engine.errors import EngineDeadError
 
     async def run() -> None:
-        runner = LineRunner.__new__(LineRunner)
-        runner.llm = _llm(FakeCore(fail_after=0))
-        runner.server = OpenAIServer(runner.llm, runner.llm.config)
-        runner.journal = None
+        llm = _llm(FakeCore(fail_after=0))
+        runner = LineRunner(llm, OpenAIServer(llm, llm.config))
         line = BatchLine(1, "a", {"custom_id": "a", "url": "/v1/completions",
                                   "body": {"prompt": PROMPT, "max_tokens": 2}})
         out = OutputLog(str(tmp_path / "out.jsonl"))
@@ -456,12 +454,12 @@ class GatedChannel:
 
 def test_ray_core_client_send_never_blocks_the_caller():
     from cluster.engine_actor.client import RayCoreClient
-    from cluster.engine_actor.link import CoreLink
+    from cluster.engine_actor.link import CoreActorSpec, CoreLink
     from engine.contracts import KVCacheInfo
 
     ch = GatedChannel(expect=2)
-    client = RayCoreClient.__new__(RayCoreClient)  # no actor: only the input path
-    client._init_state(build_config(), CoreLink(None, None, ch, ch, KVCacheInfo(8, 16)))
+    # No actor: only the input path.
+    client = RayCoreClient(CoreActorSpec(build_config()), CoreLink(None, None, ch, ch, KVCacheInfo(8, 16)))
     try:
         req = EngineCoreRequest(request_id="r-0", prompt_token_ids=PROMPT,
                                 sampling_params=SamplingParams(max_tokens=2).trusted_copy())

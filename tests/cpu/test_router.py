@@ -47,17 +47,19 @@ def test_tied_burst_spreads_over_engines() -> None:
 def test_one_hot_engine_spills_without_turning_cache_routing_off() -> None:
     """vllm-router #238: the balance check is per request, against the preferred engine."""
     r = _router(4)
-    hot, warm = _toks(1, 256), _toks(2, 256)
+    hot, warm = _toks(1, 1024), _toks(2, 1024)
     _cache_on(r, 0, hot)
     _cache_on(r, 1, warm)
     for i in range(12):  # engine 0 is swamped (by other routers' requests too, say)
         r.route(f"bg{i}", [], 8, 0)
         r._requests.pop(f"bg{i}")
     r.inflight[:] = [12, 0, 0, 0]
-    r.load_tokens[:] = [100.0, 0, 0, 0]
+    # 12 requests, ~170 tokens of work each: lam x 2000 < the hot prefix's 1024
+    # cached tokens, so the cost alone would keep it there; the load check moves it.
+    r.load_tokens[:] = [2000.0, 0, 0, 0]
     d_warm = _route(r, "w", warm + _toks(3, 20))
     assert (d_warm.engine, d_warm.reason) == (1, "cache_hit")
-    assert d_warm.predicted_cached_tokens == 256
+    assert d_warm.predicted_cached_tokens == 1024
     d_hot = _route(r, "h", hot + _toks(4, 20))
     assert d_hot.engine != 0 and d_hot.reason == "load_spill"
 

@@ -59,7 +59,7 @@ def test_cold_adapters_stick_to_the_engine_that_holds_them() -> None:
     r.adapter_loaded(2, "cold")
     # Engine 2 is busier than the others, but under the spill bound.
     r.inflight[:] = [1, 1, 3]
-    r.load_tokens[:] = [100.0, 100.0, 2000.0]
+    r.load_tokens[:] = [600.0, 600.0, 1200.0]
     for i in range(3):
         d = _route(r, f"c{i}", _toks(i, 64), "cold")
         assert d.engine == 2

@@ -15,6 +15,7 @@ import signal
 import httpx
 import pytest
 from llm_utils import make_checkpoint
+from sse_utils import DONE, sse_events
 
 from bench.chaos import worker_pids as chaos_worker_pids
 from parallel.ports import free_port
@@ -64,24 +65,19 @@ async def _stream(c: httpx.AsyncClient, i: int, progress: asyncio.Queue) -> dict
             "logprobs": 0, "stream": True,
             **({"temperature": 0.0} if i % 2 == 0 else {"temperature": 0.8, "seed": 1000 + i})}
     out = {"text": "", "tokens": 0, "finish": None, "done": False, "errors": []}
-    async with c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200, await r.aread()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                out["done"] = True
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                out["errors"].append(ev)
-                continue
-            ch = ev["choices"][0]
-            out["text"] += ch["text"]
-            n = len(ch["logprobs"]["tokens"])
-            out["tokens"] += n
-            out["finish"] = ch["finish_reason"] or out["finish"]
-            progress.put_nowait(n)
+    async for ev in sse_events(c, "/v1/completions", body):
+        if ev is DONE:
+            out["done"] = True
+            continue
+        if "error" in ev:
+            out["errors"].append(ev)
+            continue
+        ch = ev["choices"][0]
+        out["text"] += ch["text"]
+        n = len(ch["logprobs"]["tokens"])
+        out["tokens"] += n
+        out["finish"] = ch["finish_reason"] or out["finish"]
+        progress.put_nowait(n)
     return out
 
 

@@ -112,6 +112,8 @@ class _SilentActor:
         def remote() -> object:
             return object()
 
+    wait_closed = check_health  # pending for the actor's life (never awaited here)
+
 
 def test_health_check_timeout_is_unhealthy(monkeypatch):
     """A wedged engine actor fails health past the restart budget; within it
@@ -119,25 +121,25 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
     import ray
 
     from cluster.engine_actor.client import RayCoreClient
-    from cluster.engine_actor.link import CoreLink
-    from engine.errors import DeadFlag
+    from cluster.engine_actor.link import CoreActorSpec, CoreLink
+    from engine.contracts import KVCacheInfo
     from engine.recovery import RestartBudget
 
     def timeout(*_a, **_k):
         raise ray.exceptions.GetTimeoutError("timed out")
 
-    link = object.__new__(CoreLink)
-    link.actor = _SilentActor()
-    client = object.__new__(RayCoreClient)
-    client.link, client.dead, client.recovering = link, DeadFlag(), False
-    client._reader, client._closing = None, False  # no output thread in this test
-    link.sender = types.SimpleNamespace(alive=lambda: True)
+    idle = types.SimpleNamespace(try_send_payload=lambda _p: True, close=lambda: None)
+    link = CoreLink(_SilentActor(), None, idle, idle, KVCacheInfo(8, 16))  # no output thread started
+    client = RayCoreClient(CoreActorSpec(build_config()), link)
     client.budget = RestartBudget(0, 600.0)
     monkeypatch.setattr(ray, "get", timeout)
-    with pytest.raises(EngineDeadError, match="did not answer a health check"):
-        client.check_health()
-    client.budget = RestartBudget(1, 600.0)
-    client.check_health()
+    try:
+        with pytest.raises(EngineDeadError, match="did not answer a health check"):
+            client.check_health()
+        client.budget = RestartBudget(1, 600.0)
+        assert client.check_health() == "recovering"
+    finally:
+        link.sender.close()
 
 
 @pytest.mark.parametrize("key,value", [("parallel.step_timeout_s", 0.0),
@@ -363,24 +365,15 @@ def test_tp_ranks_see_their_nodes_gpus_in_bundle_order():
         visible_devices(["A", "A"], [["0"], ["0"]])
 
 
-class _GpuActor:
-    def __init__(self, ids: list[str]) -> None:
-        self.gpu_ids = type("M", (), {"remote": staticmethod(lambda: ids)})
+def test_each_rank_gets_its_devices():
+    """On GPU every rank sees its node's ranks' GPUs and its local rank is its
+    own GPU's place there; on CPU the local rank counts the node's earlier ranks."""
+    from executors.ray_placement import rank_devices
 
-
-def test_ray_executor_hands_each_rank_its_devices(monkeypatch):
-    import executors.ray_executor as rx
-    from engine.config import build_config
-
-    ex = object.__new__(rx.RayExecutor)
-    ex.config = build_config()
-    ex.world_size = 4
-    ex.bundle_nodes, ex.rank_order = ["A", "B", "A", "B"], [0, 2, 1, 3]
-    ex._actors = [_GpuActor(i) for i in (["5"], ["4"], ["1"], ["0"])]  # in rank order
-    monkeypatch.setattr(rx.ray, "get", lambda refs, timeout=None: refs)
-    assert ex._devices(True) == ([0, 1, 0, 1], [{"CUDA_VISIBLE_DEVICES": "5,4"}] * 2
-                                 + [{"CUDA_VISIBLE_DEVICES": "1,0"}] * 2)
-    assert ex._devices(False) == ([0, 1, 0, 1], [{}] * 4)
+    nodes = ["A", "A", "B", "B"]  # the ranks' nodes, in rank order
+    assert rank_devices(nodes, [["5"], ["4"], ["1"], ["0"]]) == (
+        [0, 1, 0, 1], [{"CUDA_VISIBLE_DEVICES": "5,4"}] * 2 + [{"CUDA_VISIBLE_DEVICES": "1,0"}] * 2)
+    assert rank_devices(nodes, None) == ([0, 1, 0, 1], [{}] * 4)
 
 
 def test_worker_actor_sets_its_env_before_the_worker_starts(monkeypatch):

@@ -17,20 +17,16 @@ import secrets
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from cluster.openai import bodies as B
 from cluster.openai import errors as E
 from cluster.openai import protocol as P
 
-_MODEL_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # chat field -> the Responses field a client sent
 _PARAM_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 
 
-class ResponsesRequest(BaseModel):
-    model_config = _MODEL_CONFIG
+class ResponsesRequest(P.StrictModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

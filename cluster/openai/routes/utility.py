@@ -12,18 +12,15 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from cluster.openai import errors as E
 from cluster.openai import protocol as P
 from cluster.openai.server import OpenAIServer
 
-_MODEL_CONFIG = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
-
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(P.StrictModel):
     """vLLM's: `prompt` (completions) or `messages` (chat template applied)."""
-    model_config = _MODEL_CONFIG
     model: str | None = None
     prompt: str | None = None
     messages: list[P.ChatMessage] | None = None
@@ -33,8 +30,7 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _MODEL_CONFIG
+class DetokenizeRequest(P.StrictModel):
     model: str | None = None
     tokens: list[int] = Field(max_length=1_000_000)
 

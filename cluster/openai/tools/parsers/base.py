@@ -79,17 +79,26 @@ class ToolStream(ABC):
         """The generation ended: settle whatever is held."""
 
 
-class ToolParser(ABC):
+class ToolParser:
+    """A format: its stream class and the pieces of its call grammar. A
+    parser is these class attributes; the behaviour lives in its stream."""
     name: ClassVar[str]
+    stream_class: ClassVar[type[ToolStream]]
+    call_separator: ClassVar[str]  # text between two calls in the grammar
+    call_open: ClassVar[str]  # text before each call object ("" for none)
+    call_close: ClassVar[str]  # text after each call object
+    args_key: ClassVar[str]  # the key the grammar writes the arguments under
 
-    @abstractmethod
-    def stream(self, names: frozenset[str], eager: bool = False) -> ToolStream: ...
+    def stream(self, names: frozenset[str], eager: bool = False) -> ToolStream:
+        return self.stream_class(names, eager)
 
-    @abstractmethod
     def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
         """A Lark grammar (llguidance dialect) whose sentences are 1..max_calls
         calls to `tools` in this parser's format, each call's arguments valid
         for its tool's parameters."""
+        start = repeat(self.call_separator, max_calls)
+        rules = call_rules(tools, self.call_open, self.call_close, self.args_key)
+        return "\n".join([start, *rules]) + "\n"
 
     def grammar_or_json(self, tools: list[ToolSpec], max_calls: int, schema: dict[str, Any]) -> str:
         """A Lark grammar whose sentences are grammar(tools, max_calls)'s, or

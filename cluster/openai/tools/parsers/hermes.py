@@ -10,14 +10,11 @@ from cluster.openai.tools.parsers.base import (
     EagerCall,
     Piece,
     ToolParser,
-    ToolSpec,
     ToolStream,
     call_from_json,
     call_header,
-    call_rules,
     held_prefix_len,
     partial_call,
-    repeat,
 )
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -92,10 +89,8 @@ def _content(out: list[Piece], text: str) -> None:
 
 class HermesParser(ToolParser):
     name = "hermes"
-
-    def stream(self, names: frozenset[str], eager: bool = False) -> ToolStream:
-        return HermesStream(names, eager)
-
-    def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
-        start = repeat("\n", max_calls)
-        return "\n".join([start, *call_rules(tools, OPEN + "\n", "\n" + CLOSE, "arguments")]) + "\n"
+    stream_class = HermesStream
+    call_separator = "\n"
+    call_open = OPEN + "\n"
+    call_close = "\n" + CLOSE
+    args_key = "arguments"

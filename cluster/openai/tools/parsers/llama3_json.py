@@ -10,13 +10,10 @@ from cluster.openai.tools.parsers.base import (
     ObjectEnd,
     Piece,
     ToolParser,
-    ToolSpec,
     ToolStream,
     call_from_json,
     call_header,
-    call_rules,
     partial_call,
-    repeat,
 )
 
 PYTHON_TAG = "<|python_tag|>"
@@ -117,10 +114,8 @@ class Llama3JsonStream(ToolStream):
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
-
-    def stream(self, names: frozenset[str], eager: bool = False) -> ToolStream:
-        return Llama3JsonStream(names, eager)
-
-    def grammar(self, tools: list[ToolSpec], max_calls: int) -> str:
-        start = repeat("; ", max_calls)
-        return "\n".join([start, *call_rules(tools, "", "", "parameters")]) + "\n"
+    stream_class = Llama3JsonStream
+    call_separator = "; "
+    call_open = ""
+    call_close = ""
+    args_key = "parameters"
