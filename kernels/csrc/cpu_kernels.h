@@ -33,15 +33,20 @@ struct AttnBatch {
 };
 
 // One request: its block-table row, first query token, query and sequence length.
+// part != nullptr: this is one slice of a split request's keys (split-KV
+// decode); the kernel writes its rows' normalized fp32 outputs [rows, D] and
+// then their log-sum-exps [rows] there instead of into out (see store_part).
 struct Req {
   const int32_t* blocks;
   int64_t start, q_len, seq_len;
+  float* part = nullptr;
 };
 
-// Floats of scratch one request needs: scaled queries, accumulators, scores, denominators.
+// Floats of scratch one request needs: scaled queries, accumulators, scores,
+// denominators, row maxima.
 inline int64_t scratch_floats(const Shape& s, const Req& r) {
   const int64_t rows = r.q_len * s.hkv * s.group;
-  return rows * (2 * s.dim + r.seq_len + 1);
+  return rows * (2 * s.dim + r.seq_len + 2);
 }
 
 template <typename T>

@@ -5,15 +5,20 @@
 //
 // Reads K/V in place from the paged cache [num_blocks, 2, block_size, Hkv, D]
 // through the block table: no gathered copy, no padding, no mask tensor.
-// One task per request (dynamic OpenMP schedule over torch's thread count). Math is fp32 whatever the storage dtype.
+// One task per request, or per slice of a long decode row's keys when few
+// requests would idle a thread (split-KV); dynamic OpenMP schedule over torch's
+// thread count. Math is fp32 whatever the storage dtype.
 //
 // Query token i of request b sits at position seq_len - q_len + i and sees keys
 // 0..that position (causal within the drafts).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -69,35 +74,102 @@ conveyor_cpu::RmsRowsFn<T> rms_fn(const KernelTable& k) {
   else return nullptr;
 }
 
+using conveyor_cpu::Req;
+
+constexpr int64_t kMaxSplitDim = 512;  // head sizes past this are never split (merge's stack row)
+
+// Split-KV for decode rows: one task per request leaves a thread idle when a
+// few long requests make the batch (batch 1 at 8k context read its 128 MB of
+// K/V per step on one of two cores). A decode row longer than part_len
+// (rounded up to whole blocks) becomes slices of its keys, each a task that
+// writes its normalized output and log-sum-exp into `parts`; merge_parts
+// then weighs them. Draft rows (q_len > 1) are never split.
+struct Plan {
+  std::vector<Req> tasks;
+  std::vector<int64_t> split_first;  // per split request: its first task
+  std::vector<int64_t> split_count;  // per split request: how many slices
+  std::vector<float> parts;
+};
+
+Plan plan_tasks(const conveyor_cpu::Shape& s, const int32_t* bt, const int64_t* const idx[4], int64_t n,
+                int64_t part_len) {
+  Plan p;
+  const int64_t bs = s.block_size, rows = s.hkv * s.group;
+  part_len = part_len > 0 && s.dim <= kMaxSplitDim ? (part_len + bs - 1) / bs * bs : 0;
+  auto is_split = [&](int64_t b) { return part_len > 0 && idx[2][b] == 1 && idx[3][b] > part_len; };
+  int64_t floats = 0;
+  for (int64_t b = 0; b < n; ++b)
+    if (is_split(b)) floats += (idx[3][b] + part_len - 1) / part_len * rows * (s.dim + 1);
+  p.parts.resize(static_cast<size_t>(floats));
+  float* buf = p.parts.data();
+  for (int64_t b = 0; b < n; ++b) {
+    const Req rq{bt + idx[0][b] * s.max_blocks, idx[1][b], idx[2][b], idx[3][b]};
+    if (!is_split(b)) {
+      p.tasks.push_back(rq);
+      continue;
+    }
+    p.split_first.push_back(static_cast<int64_t>(p.tasks.size()));
+    p.split_count.push_back((rq.seq_len + part_len - 1) / part_len);
+    for (int64_t lo = 0; lo < rq.seq_len; lo += part_len, buf += rows * (s.dim + 1))
+      p.tasks.push_back(Req{rq.blocks + lo / bs, rq.start, 1, std::min(part_len, rq.seq_len - lo), buf});
+  }
+  return p;
+}
+
+// out row = sum_j w_j o_j / sum_j w_j over a split request's slices, w_j = exp(lse_j - max lse).
+template <typename T>
+void merge_parts(const conveyor_cpu::AttnBatch<T>& a, const Plan& p) {
+  const int64_t rows = a.s.hkv * a.s.group, d = a.s.dim;
+  for (size_t i = 0; i < p.split_first.size(); ++i) {
+    const int64_t first = p.split_first[i], end = first + p.split_count[i];
+    for (int64_t r = 0; r < rows; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = first; t < end; ++t) mx = std::max(mx, p.tasks[t].part[rows * d + r]);
+      float acc[kMaxSplitDim] = {0.f};
+      float wsum = 0.f;
+      for (int64_t t = first; t < end; ++t) {
+        const float w = std::exp(p.tasks[t].part[rows * d + r] - mx);
+        wsum += w;
+        for (int64_t x = 0; x < d; ++x) acc[x] += w * p.tasks[t].part[r * d + x];
+      }
+      T* dst = a.out + p.tasks[first].start * a.s.q_tok_stride + r * a.s.q_head_stride;
+      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(acc[x] / wsum);
+    }
+  }
+}
+
 template <typename T>
 void run(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_table,
-         const int64_t* const idx[4], int64_t n, double scale, torch::Tensor& out) {
+         const int64_t* const idx[4], int64_t n, double scale, int64_t part_len, torch::Tensor& out) {
   const conveyor_cpu::AttnBatch<T> a{
       query.data_ptr<T>(), kv_cache.data_ptr<T>(), out.data_ptr<T>(), static_cast<float>(scale),
       conveyor_cpu::Shape{kv_cache.size(2), kv_cache.size(3), kv_cache.size(4),
                           query.size(1) / kv_cache.size(3), block_table.size(1), query.stride(0),
                           query.stride(1)}};
-  const int32_t* bt = block_table.data_ptr<int32_t>();
   const conveyor_cpu::AttendFn<T> attend = attend_fn<T>(active(), a.s.dim);
+  const Plan plan = plan_tasks(a.s, block_table.data_ptr<int32_t>(), idx, n, part_len);
+  const int64_t num_tasks = static_cast<int64_t>(plan.tasks.size());
   // Dynamic schedule: request lengths differ a lot, a static split would idle a core.
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-  for (int64_t b = 0; b < n; ++b) {
-    const conveyor_cpu::Req rq{bt + idx[0][b] * a.s.max_blocks, idx[1][b], idx[2][b], idx[3][b]};
+  for (int64_t t = 0; t < num_tasks; ++t) {
     thread_local std::vector<float> scratch;  // per thread, no allocation per request
-    scratch.resize(static_cast<size_t>(conveyor_cpu::scratch_floats(a.s, rq)));
-    attend(a, rq, scratch.data());
+    scratch.resize(static_cast<size_t>(conveyor_cpu::scratch_floats(a.s, plan.tasks[t])));
+    attend(a, plan.tasks[t], scratch.data());
   }
+  merge_parts(a, plan);
 }
 
 }  // namespace
 
 // query/out [T, Hq, D] (head dim contiguous), kv_cache contiguous, block_table
 // int32 [R, M]; reqs/starts/q_lens/seq_lens int64 [n] on CPU. Writes only the
-// rows of the n requests.
+// rows of the n requests. part_len > 0: decode rows longer than that many
+// keys are split across tasks (split-KV, see plan_tasks); 0: never.
 void paged_attention_short(const torch::Tensor& query, const torch::Tensor& kv_cache,
                            const torch::Tensor& block_table, const torch::Tensor& reqs,
                            const torch::Tensor& starts, const torch::Tensor& q_lens,
-                           const torch::Tensor& seq_lens, double scale, torch::Tensor out) {
+                           const torch::Tensor& seq_lens, double scale, torch::Tensor out,
+                           int64_t part_len) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query must be [T, Hq, D], D contiguous");
   TORCH_CHECK(out.sizes() == query.sizes() && out.strides() == query.strides(), "out must match query");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-d");
@@ -108,7 +180,7 @@ void paged_attention_short(const torch::Tensor& query, const torch::Tensor& kv_c
                                  q_lens.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>()};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half, at::ScalarType::BFloat16, query.scalar_type(),
                                   "paged_attention_short", [&] {
-    run<scalar_t>(query, kv_cache, block_table, idx, reqs.numel(), scale, out);
+    run<scalar_t>(query, kv_cache, block_table, idx, reqs.numel(), scale, part_len, out);
   });
 }
 

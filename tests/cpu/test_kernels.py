@@ -268,6 +268,31 @@ def test_cpu_kernel_softmax_extremes(temperature, cpu_isa) -> None:
     _check(out, b.ref(), torch.float32, seed, f"cpu backend ({cpu_isa}), scale x{temperature}")
 
 
+@pytest.mark.parametrize("dtype,part_len", [(torch.float32, 16), (torch.float32, 40), (torch.bfloat16, 64)])
+def test_cpu_split_kv_matches_reference(dtype, part_len, cpu_isa) -> None:
+    """Split-KV decode (few long decode rows cut along their keys, slices
+    merged by log-sum-exp), forced with a short slice: decode rows of every
+    length around the slice edges, next to draft rows (never split)."""
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    specs = [(1, n) for n in (1, 15, 16, 17, 63, 64, 65, int(rng.integers(100, MAX_LEN + 1)))] + [(3, 200)]
+    b = Batch(seed, specs, 8, 2, 64, 16, dtype)
+    out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu, b.seq_lens_cpu,
+                                            b.scale, part_len=part_len)
+    _check(out, b.ref(), dtype, seed, f"split-kv ({cpu_isa}) part_len={part_len} specs={specs}")
+
+
+def test_cpu_split_kv_slice_length() -> None:
+    """Split only when the batch's keys leave a thread idle: batch 1 at 8k on
+    2 threads -> 4 slices of 2048; batch 64 at 256 -> slices of 4096 (none split)."""
+    split = cpu_attention.split_part_len
+    assert split(np.array([8192]), 1) == 0
+    assert split(np.array([8192]), 2) == 2048
+    assert split(np.full(64, 256), 2) == 4096
+    assert split(np.array([300]), 2) == cpu_attention._SPLIT_MIN_KEYS
+    assert split(np.array([], dtype=np.int64), 2) == 0
+
+
 def test_cpu_backend_reads_a_strided_query_and_int64_table(cpu_isa) -> None:
     seed = _seed()
     b = Batch(seed, [(1, 37), (3, 90), (1, 5)], 8, 2, 64, 16, torch.float32)

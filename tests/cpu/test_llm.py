@@ -52,6 +52,17 @@ def test_parity_chunked_prefill(family, ckpts, prompts, refs):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_parity_split_kv_decode(family, ckpts, prompts, refs, monkeypatch):
+    """Every decode row's keys cut into 16-position slices over the threads
+    (the CPU kernel's split-KV path, normally only for a few long rows) and
+    merged by log-sum-exp: still transformers' tokens."""
+    from kernels import cpu_attention
+    monkeypatch.setattr(cpu_attention, "split_part_len", lambda lens, threads: 16)
+    outs, _ = _generate(ckpts[family], prompts, max_num_seqs=2)
+    assert [o.outputs[0].token_ids for o in outs] == refs[family]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_parity_max_num_seqs_2(family, ckpts, prompts, refs):
     outs, _ = _generate(ckpts[family], prompts, max_num_seqs=2)
     assert [o.outputs[0].token_ids for o in outs] == refs[family]
