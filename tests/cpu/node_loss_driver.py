@@ -53,7 +53,10 @@ def kill_node(raylet_pid: int, worker_pids: list[int]) -> None:
     if missing:
         raise RuntimeError(f"worker pids {sorted(missing)} are not the raylet's children {children}")
     for pid in [*children, raylet_pid]:
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # a child that exited after the listing is already gone, as wanted
+            continue
 
 
 async def generate_and_lose_node(llm: AsyncLLM, raylet_pid: int, worker_pids: list[int]
