@@ -7,11 +7,9 @@ in-process engines (test_migration.py):
   and run again: the lines finish identical to an undisturbed run, and the
   tokens generated again are at most 1% of those the lost run generated.
 
-24 lines (max_tokens 8..39, greedy and seeded at T=0.8, n=2 on some): the
-smallest job where the loss lands with most lines mid-generation and some
-already written (the kill comes after the 4th result). The issue's 200-line job
-is the same test with CONVEYOR_BATCH_TEST_LINES=200 (about 4x the wall time,
-so CI runs 24)."""
+200 lines, the issue's job (max_tokens 8..39, greedy and seeded at T=0.8, n=2
+on some), the kill after the 4th result so most lines are mid-generation and
+some already written. CONVEYOR_BATCH_TEST_LINES runs another size."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +17,7 @@ import os
 import signal
 from typing import Any
 
-N_LINES, KILL_AFTER = int(os.environ.get("CONVEYOR_BATCH_TEST_LINES", "24")), 4
+N_LINES, KILL_AFTER = int(os.environ.get("CONVEYOR_BATCH_TEST_LINES", "200")), 4
 
 
 def lines() -> list[Any]:
