@@ -59,11 +59,16 @@ def base(x: torch.Tensor, packed: object) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
 
 
-def profile(layers: list[Layer], token_slots: np.ndarray, reps: int) -> dict[str, float]:
-    """ms per step of each op, the add_lora paths spelled out so each op is timed."""
+def _step_inputs(token_slots: np.ndarray) -> tuple[LoRAMapping, dict[str, torch.Tensor]]:
+    """The step's LoRA mapping and one random input per wrapped linear."""
     mp = LoRAMapping.build(token_slots, S, torch.device("cpu"))
     assert mp is not None
-    xs = {k: torch.randn(token_slots.size, v[0]) for k, v in SHAPES.items()}
+    return mp, {k: torch.randn(token_slots.size, v[0]) for k, v in SHAPES.items()}
+
+
+def profile(layers: list[Layer], token_slots: np.ndarray, reps: int) -> dict[str, float]:
+    """ms per step of each op, the add_lora paths spelled out so each op is timed."""
+    mp, xs = _step_inputs(token_slots)
     acc: dict[str, float] = defaultdict(float)
     for it in range(reps + 1):
         for layer in layers:
@@ -95,10 +100,8 @@ def profile_fused(layers: list[Layer], token_slots: np.ndarray, reps: int, isa: 
     """ms per step of the base linears and of the fused CPU op (kernels/lora_cpu.py) per linear."""
     from kernels.lora_cpu import lora_add
 
-    mp = LoRAMapping.build(token_slots, S, torch.device("cpu"))
-    assert mp is not None
-    xs = {k: torch.randn(token_slots.size, v[0]) for k, v in SHAPES.items()}
-    args = {name: ([b for _, _, b in subs], [o.start for _, o, _ in subs]) for name, (_, subs, _) in layers[0].items()}
+    mp, xs = _step_inputs(token_slots)
+    offsets = {name: [o.start for _, o, _ in subs] for name, (_, subs, _) in layers[0].items()}
     acc: dict[str, float] = defaultdict(float)
     for it in range(reps + 1):
         for layer in layers:
@@ -106,7 +109,7 @@ def profile_fused(layers: list[Layer], token_slots: np.ndarray, reps: int, isa: 
                 x, t = xs[name], time.perf_counter()
                 y = base(x, packed)
                 t = _tick(acc, "base linears", t, it)
-                lora_add(x, y, a_t, [b for _, _, b in subs], args[name][1], mp.rows, mp.segs, isa)
+                lora_add(x, y, a_t, [b for _, _, b in subs], offsets[name], mp.rows, mp.segs, isa)
                 t = _tick(acc, f"fused {name}", t, it)
     return {k: v / reps * 1e3 for k, v in acc.items()}
 
