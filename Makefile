@@ -31,7 +31,7 @@ TEST_WORKERS ?= 2
 test: venv
 	$(VPY) -c "from kernels import cpu_attention as k; k.load_extension()" & build=$$!; \
 	  $(LINT); lint=$$?; wait $$build; exit $$lint
-	$(VPY) -m pytest tests/cpu tests/compat -q -n $(TEST_WORKERS) --dist loadfile
+	$(VPY) -m pytest tests/cpu tests/compat -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 # `make run`: fresh clone -> local Ray, the demo model served at 127.0.0.1, one request answered.
 run: venv
