@@ -121,8 +121,9 @@ def test_a_resumed_request_reports_its_first_prefix_cache_hit():
 
 
 class _LosingClient:
-    """A CoreClient whose engine is lost while its outputs still wait for the
-    event loop: `emit` runs on a thread of its own, as a reader thread does."""
+    """A CoreClient (or one engine of a data-parallel one) whose engine is
+    lost while its outputs still wait for the event loop: `emit` runs on a
+    thread of its own, as a reader thread does."""
 
     def __init__(self) -> None:
         from engine.contracts import KVCacheInfo
@@ -131,13 +132,20 @@ class _LosingClient:
         self.kv_info, self.dead = KVCacheInfo(num_blocks=64, block_size=16, vocab_size=256), DeadFlag()
         self.added, self.resumed, self.aborted = [], [], []
         self.emit = None
-        self.answered = asyncio.Event()
+        self.answered, self.got_one = asyncio.Event(), asyncio.Event()
 
     def start(self, on_outputs) -> None:
         self.emit = on_outputs
 
     def add_request(self, request) -> None:
         self.added.append(request)
+        self.got_one.set()
+
+    def request_kv_snapshot(self) -> None:
+        pass
+
+    def check_health(self) -> str:
+        return "ok"
 
     def resume(self, tag, requests) -> None:
         self.resumed.append((tag, requests))
@@ -190,6 +198,42 @@ def test_resubmission_waits_for_the_outputs_queued_before_the_loss(ckpt):
         got += [o.outputs[0].token_ids async for o in streams[0]]
         await llm.shutdown()
         return [t for d in got for t in d]
+
+    assert asyncio.run(scenario()) == [11, 12, 13, 14, 15, 16]
+
+
+def _out(rid, toks, done=False):
+    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    return EngineCoreOutputs([EngineCoreOutput(rid, toks, FinishReason.LENGTH if done else None)])
+
+
+def test_a_data_parallel_move_waits_for_the_outputs_queued_before_it(ckpt):
+    """Two engines behind the data-parallel client, one lost with outputs
+    still queued for the frontend's loop: its request moves to the other
+    with every token delivered before the loss, and the stream carries each
+    token once."""
+    from engine.contracts import EngineCoreOutputs
+    from engine.dp_engine import DataParallelClient
+
+    async def scenario():
+        engines = [_LosingClient(), _LosingClient()]
+        cfg = build_config(model=ckpt, data_parallel_size=2, router="round_robin")
+        llm = AsyncLLM(cfg, client=DataParallelClient(cfg, engines))
+        stream = llm.generate([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait([asyncio.ensure_future(e.got_one.wait()) for e in engines],
+                           return_when=asyncio.FIRST_COMPLETED)
+        owner, other = engines if engines[0].added else engines[::-1]
+        rid = owner.added[0].request_id
+        other.got_one.clear()
+        owner.from_reader(_out(rid, [11, 12]), _out(rid, [13]), EngineCoreOutputs(engine_error="gone"))
+        await other.got_one.wait()
+        assert [(r.request_id, r.output_token_ids) for r in other.added] == [(rid, [11, 12, 13])]
+        other.from_reader(_out(rid, [14, 15]), _out(rid, [16], done=True))
+        got = (await first).outputs[0].token_ids + [t async for o in stream for t in o.outputs[0].token_ids]
+        await llm.shutdown()
+        return got
 
     assert asyncio.run(scenario()) == [11, 12, 13, 14, 15, 16]
 
