@@ -11,9 +11,9 @@ outputs, engine/contracts.py) for every request the lost actor held: the
 frontend resubmits each from its own record of the tokens it delivered, after
 every output that came before the loss, so none is repeated or missed.
 Requests added (or resubmitted) while no actor runs wait here and go to the
-new one. Past that budget, or
-without a new actor within parallel.recovery_timeout_s, the engine is dead:
-one engine_error message ends every stream with "error" and health fails.
+new one. Past that budget, or without a new actor within
+parallel.recovery_timeout_s, the engine is dead: one engine_error message
+ends every stream with "error" and health fails.
 An engine that reports itself dead (its core's own fail-fast path) is not
 restarted: it already spent its worker-restart budget.
 
