@@ -23,7 +23,7 @@ from engine.core_client import CoreClient, CoreClientFactory, make_core_client
 from engine.errors import EngineDeadError
 from engine.frontend import Frontend, PreparedRequest
 from engine.lora import LoRARequest
-from engine.output_processor import CompletionOutput, RequestOutput, RequestState
+from engine.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from engine.sampling_params import SamplingFields
 from engine.spec_decode.metrics import SpecDecodeCounters
 
@@ -251,7 +251,7 @@ class AsyncLLM:
         self.dead.check()  # prepared earlier: the engine may have died since
         rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
         self._take_id(rid)
-        children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer)
+        children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer, r)
                     for k, r in enumerate(reqs)]
         stream = _Stream(rid, prep.prompt, ids, children)
         self.streams[rid] = stream
@@ -310,6 +310,11 @@ class AsyncLLM:
         if outs.engine_error is not None:
             self._fail_all(outs.engine_error)
             return
+        if outs.resume is not None:  # after every output delivered before it: resubmit from here
+            try:
+                self.client.resume(outs.resume.tag, resumed_requests(outs.resume, self._child))
+            except EngineDeadError:
+                pass  # the engine's own error message fails the streams
         if outs.scheduler_stats is not None:
             self._absorb_stats(outs.scheduler_stats)
         changed: dict[str, list[CompletionOutput]] = {}
@@ -342,6 +347,10 @@ class AsyncLLM:
             target.put(deltas, max(c.num_cached_tokens for c in target.children))
             if target.finished:
                 del self.streams[rid]
+
+    def _child(self, request_id: str) -> RequestState | None:
+        entry = self._child_to_stream.get(request_id)
+        return entry[1] if entry is not None else None
 
     @staticmethod
     def _delta(child: RequestState, n_before: int, lp_before: int) -> CompletionOutput:

@@ -243,6 +243,20 @@ class SchedulerStats(msgspec.Struct, gc=False):
     lora_waiting: dict[str, int] | None = None
 
 
+class ResumeCall(msgspec.Struct, array_like=True, gc=False):
+    """A core client asks its frontend for these requests back (never on the
+    wire): their engine was lost, or a data-parallel move takes them to
+    another. It travels through the output handler like any output, so the
+    frontend reaches it after every output delivered before it; the frontend
+    answers CoreClient.resume(tag, requests), each request it still runs
+    rebuilt from what it delivered (prompt + output tokens so far, in
+    arrival order), and nothing for one it finished or aborted. The delivered
+    tokens thus have one record, the frontend's RequestState, and a resumed
+    request neither repeats nor skips a token."""
+    tag: int  # the client's own, echoed back (which ask this answers)
+    request_ids: list[str]
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     scheduler_stats: SchedulerStats | None = None
@@ -251,6 +265,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):
     engine_error: str | None = None
     # Data parallel: this engine's prefix-cache events and load for the router.
     kv_events: KVEvents | None = None
+    # From a core client to its frontend only (contracts.ResumeCall).
+    resume: ResumeCall | None = None
 
 
 class KVCacheInfo(msgspec.Struct, frozen=True, gc=False):

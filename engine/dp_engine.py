@@ -30,11 +30,11 @@ import msgspec
 from engine.config import EngineConfig
 from engine.contracts import EngineCoreOutputs, EngineCoreRequest
 from engine.dp_handover import PacedDrain, WarmHandover
+from engine.dp_resume import Ask, MoveBook, ResumeAsks
 from engine.dp_scale import EngineScaling, owns_ray
 from engine.errors import DeadFlag, EngineDeadError
 from engine.frontend import resolved_max_tokens
 from engine.migration import MigrationLog
-from engine.resume_ledger import ResumeLedger
 from engine.router.policy import Router, RouterSettings, block_hashes_of
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def make_engine_clients(config: EngineConfig,
     return clients
 
 
-class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
+class DataParallelClient(ResumeAsks, WarmHandover, PacedDrain, EngineScaling):
     takes_session = True  # add_request(request, session=...) (AsyncLLM checks)
 
     def __init__(self, config: EngineConfig, clients: list[Any] | None = None,
@@ -96,13 +96,14 @@ class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
         self.router = Router(RouterSettings(policy=config.serve.router, block_size=self.kv_info.block_size,
                                             seed=config.model.seed), len(self.clients))
         self._hash = config.cache.enable_prefix_caching and config.serve.router in ("kv_aware", "session")
-        # One lock over routing, the ledger, engine states and delivery: an
+        # One lock over routing, the book, engine states and delivery: an
         # output is checked against its request's owner, recorded and handed
         # on in one piece, so a move never interleaves with a delivery.
         self._lock = threading.Lock()
         self._live: dict[str, int] = {}  # request id -> the engine that owns it now
-        # The one record of what each live request delivered (migrations resubmit from it).
-        self.ledger = ResumeLedger()
+        # Context sizes and delivery times; the tokens are the frontend's (engine/dp_resume.py).
+        self.book = MoveBook()
+        self._init_asks()
         self.dead = DeadFlag()  # the frontend's record (AsyncLLM shares it)
         self.migrations = MigrationLog(len(self.clients))
         self._warming = {}  # warm-up request id -> its request's move (engine/dp_handover.py)
@@ -161,14 +162,14 @@ class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
 
     def _deliver(self, i: int, outs: EngineCoreOutputs, on_outputs: OutputHandler) -> None:
         """Only the outputs of requests engine i still owns go on (a moved
-        request's late outputs from its old engine are dropped); the ledger
-        records them before the frontend sees them."""
+        request's late outputs from its old engine are dropped); the book
+        counts them before the frontend sees them."""
         live = self._live
         if outs.outputs:
             outs.outputs = [o for o in self._warm_outputs(i, outs.outputs) if live.get(o.request_id) == i]
             now = time.monotonic()
             self.migrations.observe(i, outs.outputs, now)
-            self.ledger.absorb(outs, now)
+            self.book.absorb(outs, now)
             for o in outs.outputs:
                 if o.finished:
                     del live[o.request_id]
@@ -181,11 +182,11 @@ class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
 
     def add_request(self, request: EngineCoreRequest, session: str | None = None) -> None:
         with self._lock:
-            self.ledger.add(request, time.monotonic())
+            self.book.add(request, time.monotonic())
             try:
                 self._place(request, session)
             except BaseException:
-                self.ledger.drop([request.request_id])
+                self.book.drop([request.request_id])
                 raise
 
     def _place(self, request: EngineCoreRequest, session: str | None = None,
@@ -222,13 +223,14 @@ class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
     def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
         with self._lock:
-            self.ledger.drop(request_ids)
+            self.book.drop(request_ids)
+            self._end_moves(request_ids)
             for rid in request_ids:
                 e = self._live.pop(rid, None)
+                self.migrations.end(rid)
                 if e is not None:
                     by_engine.setdefault(e, []).append(rid)
                     self.router.finish(rid)
-                    self.migrations.end(rid)
             for e, ids in by_engine.items():
                 if self.states[e] != DEAD:
                     self.clients[e].abort_requests(ids)
@@ -257,25 +259,32 @@ class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
         self._move_off(i, "lost")
         return True
 
-    def _move_off(self, i: int, cause: str, ids: list[str] | None = None) -> int:
-        """Resubmit every request engine i owns (or those of `ids`) to the
-        engines the router picks, with the tokens already delivered (never as
-        prompt). A drained engine is told to drop them; a lost one has nothing
-        left to drop."""
+    def _move_off(self, i: int, cause: str, ids: list[str] | None = None,
+                  prefer: int | None = None) -> int:
+        """Take every request engine i owns (or those of `ids`) off it now and
+        ask the frontend for them: its answer resubmits each, with the tokens
+        it delivered (never as prompt), to the engine the router picks
+        (engine/dp_resume.py). A drained engine is told to drop them; a lost
+        one has nothing left to drop."""
         if ids is None:
             ids = [rid for rid, e in self._live.items() if e == i]
         if not ids:
             return 0
         for rid in ids:
+            del self._live[rid]
             self.router.finish(rid)
         if cause == "drain":
             self.clients[i].abort_requests(ids)
-        for r in self.ledger.resubmissions(ids):
-            last = self.ledger.last_delivery(r.request_id) or time.monotonic()
-            dst = self._place(r)
-            self.migrations.record(r.request_id, i, dst, cause,
-                                   len(r.prompt_token_ids) + len(r.output_token_ids), last)
+        self._ask(Ask(i, cause, prefer), ids)
         return len(ids)
+
+    def _resume_waiting(self) -> None:
+        """An engine is up (again): requests that waited for one, on a lost
+        engine or answered while none was up, go on now."""
+        for j, st in enumerate(self.states):
+            if st == LOST:
+                self._move_off(j, "lost")
+        self._unpark()
 
     def _on_lost(self, i: int) -> Callable[[str], None]:
         def lost(cause: str) -> None:  # the engine's actor is gone; its client rebuilds it
@@ -292,11 +301,9 @@ class DataParallelClient(WarmHandover, PacedDrain, EngineScaling):
                     return
                 self.states[i] = UP
                 self.router.engine_up(i)
-                # Requests that waited (lost while no engine was up), its own
-                # included (the new actor holds none), go on now.
-                for j, st in enumerate(self.states):
-                    if j == i or st == LOST:
-                        self._move_off(j, "lost")
+                # Its own requests (the new actor holds none) go on too.
+                self._move_off(i, "lost")
+                self._resume_waiting()
         return back
 
     def drain(self, engine: int, timeout_s: float = 60.0) -> int:

@@ -14,22 +14,26 @@ is what the old engine generated meanwhile plus the last partial block.
 Moves thus spread over the steps the warm-ups finish in, and the old engine
 serves every stream until its own move.
 
+The contexts come from the frontend, the one record of delivered tokens: the
+drain asks for them (engine/dp_resume.py) and the warm-ups start on its
+answer; each move asks again, for the tokens delivered by then.
+
 Warm-ups run a few at a time per engine (a quarter of its step's token budget
 of contexts), so that engine's own streams keep short steps.
 
 Invariants: at most one warm-up per request; a warm-up whose request has
 finished, moved or been aborted since is ignored when it ends; a warm-up's
 engine lost meanwhile moves its requests at once, the plain way; warm-ups
-are not counted as requests anywhere (no ledger entry, no router load).
+are not counted as requests anywhere (no book entry, no router load).
 The owner holds DataParallelClient._lock around every method here.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.contracts import EngineCoreOutput, EngineCoreRequest
+from engine.dp_resume import WARM, Ask
 from engine.sampling_params import SamplingParams
 
 WARM_SUFFIX = "~warm"
@@ -44,7 +48,7 @@ class _Warm:
 
 
 class WarmHandover:
-    """Mixin of DataParallelClient (uses its _live, ledger, router, clients, states)."""
+    """Mixin of DataParallelClient (uses its _live, router, clients, states, _ask, _move_off)."""
 
     _warming: dict[str, _Warm]  # sent, not ended
     _warm_queue: dict[int, list[tuple[EngineCoreRequest, _Warm]]]  # per warm engine: not yet sent
@@ -67,13 +71,27 @@ class WarmHandover:
             self.clients[dst].add_request(req)
 
     def _warm_off(self: Any, i: int) -> int:
-        """Send a warm-up of every request engine i owns to the engine the
-        router picks for it; returns how many will move."""
+        """Ask the frontend for the contexts of every request engine i owns
+        (their warm-ups start on its answer); returns how many will move."""
         ids = [rid for rid, e in self._live.items() if e == i]
-        for r in self.ledger.resubmissions(ids):
+        if ids:
+            self._ask(Ask(i, WARM), ids)
+        return len(ids)
+
+    def _warm_answer(self: Any, i: int, requests: list[EngineCoreRequest]) -> None:
+        """The frontend's answer to _warm_off(i): a warm-up of each request
+        still on drained engine i goes to the engine the router picks for it."""
+        if self.states[i] != "drained":
+            return  # undrained (they stay) or lost (they moved) meanwhile
+        warming = {w.request_id for w in self._warming.values()}
+        warming.update(w.request_id for queue in self._warm_queue.values() for _, w in queue)
+        for r in requests:
+            if self._live.get(r.request_id) != i or r.request_id in warming:
+                continue
             dst = self._pick(r)
             if dst is None:  # no other engine up: the plain path reports it
-                return self._move_off(i, "drain")
+                self._move_off(i, "drain")
+                return
             warm = EngineCoreRequest(
                 request_id=r.request_id + WARM_SUFFIX, prompt_token_ids=r.prompt_token_ids + r.output_token_ids,
                 sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
@@ -83,7 +101,6 @@ class WarmHandover:
                 (warm, _Warm(r.request_id, i, dst, len(warm.prompt_token_ids))))
         for dst in list(self._warm_queue):
             self._send_warm(dst)
-        return len(ids)
 
     def _pick(self: Any, r: EngineCoreRequest) -> int | None:
         """The engine the router would send the request to, not counted anywhere."""
@@ -116,13 +133,7 @@ class WarmHandover:
         """Move the warm-up's request now (to dst, or where the router says)."""
         if self._live.get(w.request_id) != w.src:
             return  # it finished, was aborted, or moved (its engine was lost) meanwhile
-        self.router.finish(w.request_id)
-        self.clients[w.src].abort_requests([w.request_id])
-        (r,) = self.ledger.resubmissions([w.request_id])
-        last = self.ledger.last_delivery(w.request_id) or time.monotonic()
-        to = self._place(r, prefer=dst)
-        self.migrations.record(r.request_id, w.src, to, "drain",
-                               len(r.prompt_token_ids) + len(r.output_token_ids), last)
+        self._move_off(w.src, "drain", [w.request_id], prefer=dst)
 
     def _warm_engine_lost(self: Any, i: int) -> None:
         """Engine i is lost: warm-ups on it will never end, their requests move now;
@@ -172,8 +183,7 @@ class PacedDrain:
         ids = [rid for rid, e in self._live.items() if e == i]
         if not ids:
             return 0
-        longest = max(len(r.prompt_token_ids) + len(r.output_token_ids)
-                      for r in self.ledger.resubmissions(ids))
+        longest = max(self.book.context(rid) for rid in ids)
         self._paces[i] = _Pace(ids, longest)
         self._next_wave(i)
         return len(ids)
@@ -183,11 +193,11 @@ class PacedDrain:
         pace.queue = [rid for rid in pace.queue if self._live.get(rid) == i]
         wave: list[str] = []
         tokens = 0
-        for r in self.ledger.resubmissions(pace.queue):
-            size = len(r.prompt_token_ids) + len(r.output_token_ids)
+        for rid in pace.queue:
+            size = self.book.context(rid)
             if wave and tokens + size > pace.budget:
                 break
-            wave.append(r.request_id)
+            wave.append(rid)
             tokens += size
         taken = set(wave)
         pace.queue = [rid for rid in pace.queue if rid not in taken]
@@ -204,7 +214,8 @@ class PacedDrain:
             wave = pace.wave
             for o in outputs:
                 wave.discard(o.request_id)
-            if wave:  # a stream that ended meanwhile waits for nothing
-                wave.difference_update([rid for rid in wave if rid not in self._live])
+            if wave:  # a stream that ended meanwhile waits for nothing (a moving one is live)
+                wave.difference_update([rid for rid in wave if rid not in self._live
+                                        and rid not in self._moving and rid not in self._parked])
             if not wave and self.states[i] == "drained":
                 self._next_wave(i)

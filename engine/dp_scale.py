@@ -158,9 +158,7 @@ class EngineScaling:
                 new.start(self._sink(slot, self._on_outputs))
             self.states[slot] = UP
             self.router.engine_up(slot)
-            for j, st in enumerate(self.states):
-                if st == LOST:
-                    self._move_off(j, "lost")
+            self._resume_waiting()
 
     def remove_engine(self: Any, engine: int | None = None, timeout_s: float = 60.0) -> int:
         """Drain `engine` (default: the up engine holding the fewest

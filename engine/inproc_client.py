@@ -33,6 +33,12 @@ class InProcCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         self._require().submit("abort", list(request_ids))
 
+    def resume(self, tag: int, requests: list[EngineCoreRequest]) -> None:
+        """Never asked for (a core in this process loses no request: it
+        rebuilds its own workers); answered as new adds all the same."""
+        for r in requests:
+            self.add_request(r)
+
     def request_kv_snapshot(self) -> None:
         """The router saw a gap in this engine's events: send a full snapshot."""
         self._require().submit("kv_snapshot", None)

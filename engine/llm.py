@@ -17,7 +17,7 @@ from engine.core import EngineCore
 from engine.core_client import CoreClientFactory, core_in_actor, make_core_client
 from engine.frontend import Frontend, PreparedRequest, Prompt
 from engine.lora import LoRARequest
-from engine.output_processor import CompletionOutput, RequestOutput, RequestState
+from engine.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.metrics import SpecDecodeCounters
 from engine.sync_engine import SyncCoreEngine
@@ -99,7 +99,7 @@ class LLM:
         prep = self.frontend.prepare(prompt, sp, f"req{next(self._ids)}", priority,
                                      lora_request=lora_request)
         states = [RequestState.make(c.request_id, k, c.sampling_params, prep.prompt_token_ids,
-                                    self.tokenizer) for k, c in enumerate(prep.children)]
+                                    self.tokenizer, c) for k, c in enumerate(prep.children)]
         return prep, list(zip(prep.children, states))
 
     def _run(self, states: dict[str, RequestState], use_tqdm: bool) -> None:
@@ -110,6 +110,8 @@ class LLM:
                 outs, _ = self.engine.step_fn()
                 if outs is not None and outs.scheduler_stats is not None:
                     self._spec_counters.absorb(outs.scheduler_stats)
+                if outs is not None and outs.resume is not None:  # only a SyncCoreEngine asks
+                    self.engine.resume(outs.resume.tag, resumed_requests(outs.resume, states.get))
                 for o in (outs.outputs if outs is not None else ()):
                     st = states.get(o.request_id)
                     if st is None:

@@ -7,9 +7,12 @@ core (process() returns True)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.contracts import EngineCoreOutput, FinishReason, PromptLogprobs
+import msgspec
+
+from engine.contracts import EngineCoreOutput, EngineCoreRequest, FinishReason, PromptLogprobs, ResumeCall
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingFields
 from engine.tokenizer import Tokenizer
@@ -55,7 +58,12 @@ class RequestOutput:
 
 @dataclass
 class RequestState:
-    """One engine request (one of the n children of a user request)."""
+    """One engine request (one of the n children of a user request).
+
+    The one record of the tokens delivered to the user for it: a core client
+    that must resubmit the request (a lost engine, a data-parallel move) asks
+    for it through the outputs (ResumeCall) and gets resumed(), built here,
+    on the thread that delivers, after every output delivered before."""
     request_id: str
     index: int
     sampling_params: SamplingFields
@@ -71,16 +79,28 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # What was sent to the core (no output tokens): resumed() starts from it.
+    request: EngineCoreRequest | None = None
 
     @classmethod
     def make(cls, request_id: str, index: int, sp: SamplingFields, prompt_token_ids: list[int],
-             tokenizer: Tokenizer | None) -> RequestState:
+             tokenizer: Tokenizer | None, request: EngineCoreRequest | None = None) -> RequestState:
         detok = None
         if tokenizer is not None:
             detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, sp.skip_special_tokens,
                                            list(sp.stop), sp.include_stop_str_in_output,
                                            min_tokens=sp.min_tokens)
-        return cls(request_id, index, sp, detok, logprobs=[] if sp.logprobs is not None else None)
+        return cls(request_id, index, sp, detok, logprobs=[] if sp.logprobs is not None else None,
+                   request=request)
+
+    def resumed(self) -> EngineCoreRequest | None:
+        """The request to resubmit: as first sent, with every token delivered
+        so far as its output tokens (the new engine goes on at the next output
+        position, so seeded draws, max_tokens and penalties continue). None
+        once it finished (or when it was never sent)."""
+        if self.finished or self.request is None:
+            return None
+        return msgspec.structs.replace(self.request, output_token_ids=list(self.token_ids))
 
     @property
     def finished(self) -> bool:
@@ -135,6 +155,18 @@ class RequestState:
             cum = sum(d.get(t, 0.0) for d, t in zip(self.logprobs, self.token_ids))
         return CompletionOutput(self.index, self.text, list(self.token_ids), self.finish_reason,
                                 self.stop_reason, self.logprobs, cum)
+
+
+def resumed_requests(call: ResumeCall, state_of: Callable[[str], RequestState | None]
+                     ) -> list[EngineCoreRequest]:
+    """A frontend's answer to `call`: each asked request it still runs, resumed."""
+    out = []
+    for rid in call.request_ids:
+        st = state_of(rid)
+        r = st.resumed() if st is not None else None
+        if r is not None:
+            out.append(r)
+    return out
 
 
 def prompt_logprob_dicts(plp: PromptLogprobs, k: int) -> list[dict[int, float] | None]:

@@ -29,6 +29,13 @@ class SyncCoreEngine:
         self._live.difference_update(request_ids)
         self.client.abort_requests(request_ids)
 
+    def resume(self, tag: int, requests: list[EngineCoreRequest]) -> None:
+        """LLM's answer to a ResumeCall (the requests stay live)."""
+        try:
+            self.client.resume(tag, requests)
+        except EngineDeadError:
+            pass  # the engine's own error message comes next: step_fn raises it
+
     def has_work(self) -> bool:
         return bool(self._live)
 

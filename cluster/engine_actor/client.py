@@ -5,18 +5,22 @@ The reader thread delivers the actor's outputs and watches the actor (a
 pending call that fails when it dies, and a health check every
 PING_INTERVAL_S bounded by parallel.step_timeout_s for a wedged one). When the
 actor is lost it starts a new one from the same CoreActorSpec (same placement
-group, fresh plane keys) and resubmits every unfinished request with the
-tokens already delivered (engine/resume_ledger.py), within
-parallel.max_restarts per parallel.restart_window_s. Past that budget, or
-without a new actor within parallel.recovery_timeout_s, the engine is dead:
-one engine_error message ends every stream with "error" and health fails.
+group, fresh plane keys) within parallel.max_restarts per
+parallel.restart_window_s, and asks the frontend (a ResumeCall through the
+outputs, engine/contracts.py) for every request the lost actor held: the
+frontend resubmits each from its own record of the tokens it delivered, after
+every output that came before the loss, so none is repeated or missed.
+Requests added (or resubmitted) while no actor runs wait here and go to the
+new one. Past that budget, or without a new actor within
+parallel.recovery_timeout_s, the engine is dead: one engine_error message
+ends every stream with "error" and health fails.
 An engine that reports itself dead (its core's own fail-fast path) is not
 restarted: it already spent its worker-restart budget.
 
 Under data parallel (engine/dp_engine.py, hand_over_losses) the requests do
 not wait for the rebuild: the moment the actor is lost, on_lost moves them to
 the other engines, and the rebuild goes on in the background (on_back: it
-takes requests again). The data-parallel client then owns the only ledger.
+takes requests again). The data-parallel client then asks the frontend.
 
 The client of a core in an actor (parallel.engine_actor): Serve hands it in,
 and engine/core_client.py's actor_client_factory is its default for LLM/AsyncLLM.
@@ -31,11 +35,10 @@ from collections.abc import Callable
 from cluster.engine_actor.actor import CoreActorPlacement, CoreInput
 from cluster.engine_actor.link import CoreActorSpec, CoreLink
 from engine.config import EngineConfig
-from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
+from engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo, ResumeCall
 from engine.core_client import OutputHandler
 from engine.errors import DeadFlag, EngineDeadError
 from engine.recovery import RestartBudget
-from engine.resume_ledger import ResumeLedger
 from executors.ray_executor import ensure_ray
 
 log = logging.getLogger(__name__)
@@ -61,9 +64,12 @@ class RayCoreClient:
         self.num_restarts = 0
         self.recovering = False
         self.dead = DeadFlag()
-        self._ledger = ResumeLedger()
-        # Guards link, ledger and recovering: adds and aborts from the event
-        # loop against the reader thread's swap to a new actor.
+        # Ids of the requests the current actor holds (arrival order; no tokens:
+        # the frontend keeps those), and the requests that wait for a new actor.
+        self._sent: dict[str, None] = {}
+        self._waiting: dict[str, EngineCoreRequest] = {}
+        # Guards link, _sent, _waiting and recovering: adds and aborts from
+        # the event loop against the reader thread's swap to a new actor.
         self._lock = threading.Lock()
         self._closing = False
         self._reader: threading.Thread | None = None
@@ -80,10 +86,9 @@ class RayCoreClient:
 
     def hand_over_losses(self, on_lost: Callable[[str], None], on_back: Callable[[], None]) -> None:
         """Data parallel: call on_lost(cause) when the actor is lost (before
-        any rebuild) and on_back() once a new one runs; keep no ledger (the
-        caller's holds the delivered tokens and migrates the requests)."""
+        any rebuild) and on_back() once a new one runs; ask the frontend for
+        nothing (the caller moves the requests)."""
         self._on_lost, self._on_back = on_lost, on_back
-        self._ledger = ResumeLedger(keep=False)
 
     # ---- what the tests and tools look at (the current actor's) --------------------
 
@@ -115,18 +120,28 @@ class RayCoreClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Never blocks (the caller is the HTTP event loop): the sender thread
         sends; a known-dead engine raises here and now. During a restart the
-        request waits in the ledger and goes to the new actor."""
+        request waits here and goes to the new actor."""
         with self._lock:
             self._raise_if_dead()
-            self._ledger.add(request)
-            if not self.recovering:
+            if self.recovering:
+                self._waiting[request.request_id] = request
+            else:
+                self._sent[request.request_id] = None
                 self.link.send(CoreInput("add", request))
+
+    def resume(self, tag: int, requests: list[EngineCoreRequest]) -> None:
+        """The frontend's answer to this client's ResumeCall: the lost actor's
+        requests, each with the tokens it delivered, go to the new actor."""
+        for r in requests:
+            self.add_request(r)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         ids = list(request_ids)
         with self._lock:
             self._raise_if_dead()
-            self._ledger.drop(ids)
+            for rid in ids:
+                self._sent.pop(rid, None)
+                self._waiting.pop(rid, None)
             if not self.recovering:
                 self.link.send(CoreInput("abort", request_ids=ids))
 
@@ -197,7 +212,9 @@ class RayCoreClient:
                 if outs.engine_error is not None:
                     self._fail(outs.engine_error, on_outputs)
                     return
-                self._ledger.absorb(outs)  # before delivery: the ledger holds what was delivered
+                for o in outs.outputs:
+                    if o.finished:
+                        self._sent.pop(o.request_id, None)
                 on_outputs(outs)
             ping_due = time.monotonic() - last_ping > PING_INTERVAL_S
             if outs is not None and not ping_due:
@@ -209,7 +226,7 @@ class RayCoreClient:
                 continue
             if lost and self._on_lost is not None:
                 self._on_lost(cause)  # its requests go on elsewhere now
-            if not (lost and self._replace(link, cause)):
+            if not (lost and self._replace(link, cause, on_outputs)):
                 self._fail(cause, on_outputs)
                 return
             if self._on_back is not None:
@@ -228,18 +245,22 @@ class RayCoreClient:
         link.refresh_owned_pg()
         return None, True
 
-    def _replace(self, old: CoreLink, cause: str) -> bool:
-        """Start a new actor and resubmit what was in flight; False past the
-        restart budget or when no actor starts within recovery_timeout_s."""
+    def _replace(self, old: CoreLink, cause: str, on_outputs: OutputHandler) -> bool:
+        """Ask the frontend for what was in flight and start a new actor, which
+        gets it (and whatever was added meanwhile) once it runs; False past
+        the restart budget or when no actor starts within recovery_timeout_s."""
         if not self.budget.take():
             log.error("engine actor lost (%s); past parallel.max_restarts=%d per %gs: failing",
                       cause, self.config.parallel.max_restarts, self.config.parallel.restart_window_s)
             return False
         t0 = time.monotonic()
-        log.warning("engine actor lost (%s); starting a new one (restart %d, %d requests in flight)",
-                    cause, self.num_restarts + 1, len(self._ledger))
         with self._lock:
             self.recovering = True
+            lost, self._sent = list(self._sent), {}
+        log.warning("engine actor lost (%s); starting a new one (restart %d, %d requests in flight)",
+                    cause, self.num_restarts + 1, len(lost))
+        if lost and self._on_lost is None:  # under data parallel they moved already
+            on_outputs(EngineCoreOutputs(resume=ResumeCall(self.num_restarts, lost)))
         old.dead = cause
         old.close(graceful=False)
         link = self._start_new_link()
@@ -247,8 +268,9 @@ class RayCoreClient:
             return False
         with self._lock:
             self.link, self.kv_info = link, link.kv_info
-            for request in self._ledger.resubmissions():
+            for request in self._waiting.values():  # in the order they came
                 link.send(CoreInput("add", request))
+            self._sent, self._waiting = dict.fromkeys(self._waiting), {}
             self.recovering = False
         self.num_restarts += 1
         log.warning("engine actor replaced in %.1fs", time.monotonic() - t0)
@@ -281,6 +303,7 @@ class RayCoreClient:
             self.dead.set(message)
             self.link.dead = message  # its sender drops what is left
             self.recovering = False
-            self._ledger.clear()
+            self._sent.clear()
+            self._waiting.clear()
         on_outputs(EngineCoreOutputs(engine_error=message))
 

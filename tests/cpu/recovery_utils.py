@@ -75,3 +75,43 @@ async def expect_fail_fast(llm, firsts: list, streams: list, max_tokens: int,
     with pytest.raises(FrontendDeadError):
         llm.prepare([1, 2, 3], SamplingParams(max_tokens=2))  # new requests refused
     return outs
+
+
+class FakeFrontend:
+    """The frontend's part for a core client without a frontend: an output
+    handler that records what was delivered and each request's delivered
+    tokens, and answers the client's ResumeCalls, in order, when answer()
+    is called (a real frontend answers on its own thread, never inside the
+    handler: the client may hold its lock there)."""
+
+    def __init__(self) -> None:
+        self.got: list = []  # every message delivered, in order
+        self.asks: list = []  # ResumeCalls not answered yet
+        self.requests: dict = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.done: set[str] = set()
+
+    def __call__(self, outs) -> None:
+        self.got.append(outs)
+        for o in outs.outputs:
+            self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finished:
+                self.done.add(o.request_id)
+        if outs.resume is not None:
+            self.asks.append(outs.resume)
+
+    def add(self, client, request) -> None:
+        self.requests[request.request_id] = request
+        client.add_request(request)
+
+    def answer(self, client) -> int:
+        """Answer every ask so far; returns how many requests went back."""
+        import msgspec
+
+        asks, self.asks, n = self.asks, [], 0
+        for call in asks:
+            back = [msgspec.structs.replace(self.requests[rid], output_token_ids=list(self.tokens.get(rid, [])))
+                    for rid in call.request_ids if rid in self.requests and rid not in self.done]
+            client.resume(call.tag, back)
+            n += len(back)
+        return n

@@ -21,6 +21,7 @@ import threading
 import msgspec
 import pytest
 from llm_utils import make_checkpoint
+from recovery_utils import FakeFrontend
 
 from engine import SamplingParams
 from engine.scale_policy import EngineLoad, LoadSnapshot, ScalePolicy, ScaleSettings, wanted
@@ -133,15 +134,16 @@ def test_engines_added_removed_and_rolled_over_without_engines() -> None:
     cfg = build_config(data_parallel_size=2, router="round_robin", min_engines=1, max_engines=3,
                        **{"serve.autoscale_interval_s": 3600.0, "parallel.warm_drain": False})
     dp = DataParallelClient(cfg, [_Fake(), _Fake()], spawn=_Fake)
-    dp.start(lambda outs: None)
+    front = FakeFrontend()
+    dp.start(front)
     try:
         assert dp.autoscaler is not None and dp.add_engine() == 2 and dp.router.n == 3
         for i in range(3):
-            dp.add_request(_req(f"r{i}"))
+            front.add(dp, _req(f"r{i}"))
         assert [len(c.added) for c in dp.clients] == [1, 1, 1]  # the router routes to the new engine
         old = dp.clients[2]  # reports idle once the drain has moved r2 off it
         threading.Timer(0.05, lambda: old.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))).start()
-        assert dp.remove_engine(2) == 1
+        assert dp.remove_engine(2) == 1 and front.answer(dp) == 1  # r2 goes back through the frontend
         assert old.closed and [e["state"] for e in dp.engines()] == ["up", "up", "off"]
         assert sorted(r.request_id for c in dp.clients[:2] for r in c.added) == ["r0", "r1", "r2"]
         assert dp.add_engine() == 2 and dp.engine_count() == 3  # the emptied slot is reused

@@ -107,29 +107,6 @@ def test_resubmitted_request_continues_where_it_was(ckpt):
         assert finish[rid + "-again"] == ref_finish[rid], rid
 
 
-def test_resume_ledger_holds_exactly_what_was_delivered():
-    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-    from engine.resume_ledger import ResumeLedger
-
-    def req(rid: str) -> EngineCoreRequest:
-        return EngineCoreRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
-                                 sampling_params=SamplingParams(max_tokens=8))
-
-    ledger = ResumeLedger()
-    for rid in ("a", "b", "c"):
-        ledger.add(req(rid))
-    ledger.absorb(EngineCoreOutputs([EngineCoreOutput("a", [7], num_cached_tokens=2),
-                                     EngineCoreOutput("b", [8, 9]),
-                                     EngineCoreOutput("x", [1])]))  # not ours: ignored
-    later = EngineCoreOutput("a", [6], num_cached_tokens=0)  # a new engine's own count
-    ledger.absorb(EngineCoreOutputs([later, EngineCoreOutput("b", [5], FinishReason.LENGTH)]))
-    assert later.num_cached_tokens == 0  # messages in flight go on as they are
-    ledger.drop(["c"])  # aborted (a stop string, a client that left)
-    assert [(r.request_id, r.output_token_ids) for r in ledger.resubmissions()] == [("a", [7, 6])]
-    ledger.add(req("d"))
-    assert [r.request_id for r in ledger.resubmissions()] == ["a", "d"]  # arrival order
-
-
 def test_a_resumed_request_reports_its_first_prefix_cache_hit():
     """The frontend's RequestState owns what the client was told: a resumed
     request's new engine reports its own hit, and the first one stays."""
@@ -141,6 +118,124 @@ def test_a_resumed_request_reports_its_first_prefix_cache_hit():
     st.process(EngineCoreOutput("a", [6], num_cached_tokens=0))  # resumed elsewhere
     st.process(EngineCoreOutput("a", [5], FinishReason.LENGTH, num_cached_tokens=3))
     assert st.num_cached_tokens == 2 and st.token_ids == [7, 6, 5]
+
+
+class _LosingClient:
+    """A CoreClient (or one engine of a data-parallel one) whose engine is
+    lost while its outputs still wait for the event loop: `emit` runs on a
+    thread of its own, as a reader thread does."""
+
+    def __init__(self) -> None:
+        from engine.contracts import KVCacheInfo
+        from engine.errors import DeadFlag
+
+        self.kv_info, self.dead = KVCacheInfo(num_blocks=64, block_size=16, vocab_size=256), DeadFlag()
+        self.added, self.resumed, self.aborted = [], [], []
+        self.emit = None
+        self.answered, self.got_one = asyncio.Event(), asyncio.Event()
+
+    def start(self, on_outputs) -> None:
+        self.emit = on_outputs
+
+    def add_request(self, request) -> None:
+        self.added.append(request)
+        self.got_one.set()
+
+    def request_kv_snapshot(self) -> None:
+        pass
+
+    def check_health(self) -> str:
+        return "ok"
+
+    def resume(self, tag, requests) -> None:
+        self.resumed.append((tag, requests))
+        self.answered.set()
+
+    def abort_requests(self, ids) -> None:
+        self.aborted += ids
+
+    def shutdown(self) -> None:
+        pass
+
+    def from_reader(self, *messages) -> None:
+        """Hand every message over before the loop runs again (join blocks it)."""
+        import threading
+
+        t = threading.Thread(target=lambda: [self.emit(m) for m in messages])
+        t.start()
+        t.join()
+
+
+def test_resubmission_waits_for_the_outputs_queued_before_the_loss(ckpt):
+    """The engine is lost with outputs still queued for the frontend's loop:
+    the request is resubmitted with exactly the tokens delivered before the
+    loss (none missing, so none generated and delivered twice), and the
+    stream then carries each token once. A finished or aborted request is
+    not resubmitted."""
+    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason, ResumeCall
+
+    def out(rid, toks, done=False):
+        return EngineCoreOutputs([EngineCoreOutput(rid, toks, FinishReason.LENGTH if done else None)])
+
+    async def scenario():
+        client = _LosingClient()
+        llm = AsyncLLM(build_config(model=ckpt), client=client)
+        sp = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+        streams = [llm.generate([5, 6, 7, 8], sp) for _ in range(3)]
+        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        while len(client.added) < 3:
+            await asyncio.sleep(0)  # each generate() adds its request on its first step
+        a, b, c = (r.request_id for r in client.added)
+        client.from_reader(out(a, [11, 12]), out(b, [21], done=True), out(a, [13]),
+                           EngineCoreOutputs(resume=ResumeCall(7, [b, a, c])))
+        await llm.abort(next(rid for rid, s in llm.streams.items() if s.children[0].request_id == c))
+        await client.answered.wait()
+        ((tag, (resumed,)),) = client.resumed
+        assert (tag, resumed.request_id, resumed.output_token_ids) == (7, a, [11, 12, 13])
+        assert resumed.prompt_token_ids == [5, 6, 7, 8] and resumed.sampling_params.seed == 3
+        client.from_reader(out(a, [14, 15]), out(a, [16], done=True))  # the new engine goes on
+        got = [(await firsts[0]).outputs[0].token_ids]
+        got += [o.outputs[0].token_ids async for o in streams[0]]
+        await llm.shutdown()
+        return [t for d in got for t in d]
+
+    assert asyncio.run(scenario()) == [11, 12, 13, 14, 15, 16]
+
+
+def _out(rid, toks, done=False):
+    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    return EngineCoreOutputs([EngineCoreOutput(rid, toks, FinishReason.LENGTH if done else None)])
+
+
+def test_a_data_parallel_move_waits_for_the_outputs_queued_before_it(ckpt):
+    """Two engines behind the data-parallel client, one lost with outputs
+    still queued for the frontend's loop: its request moves to the other
+    with every token delivered before the loss, and the stream carries each
+    token once."""
+    from engine.contracts import EngineCoreOutputs
+    from engine.dp_engine import DataParallelClient
+
+    async def scenario():
+        engines = [_LosingClient(), _LosingClient()]
+        cfg = build_config(model=ckpt, data_parallel_size=2, router="round_robin")
+        llm = AsyncLLM(cfg, client=DataParallelClient(cfg, engines))
+        stream = llm.generate([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait([asyncio.ensure_future(e.got_one.wait()) for e in engines],
+                           return_when=asyncio.FIRST_COMPLETED)
+        owner, other = engines if engines[0].added else engines[::-1]
+        rid = owner.added[0].request_id
+        other.got_one.clear()
+        owner.from_reader(_out(rid, [11, 12]), _out(rid, [13]), EngineCoreOutputs(engine_error="gone"))
+        await other.got_one.wait()
+        assert [(r.request_id, r.output_token_ids) for r in other.added] == [(rid, [11, 12, 13])]
+        other.from_reader(_out(rid, [14, 15]), _out(rid, [16], done=True))
+        got = (await first).outputs[0].token_ids + [t async for o in stream for t in o.outputs[0].token_ids]
+        await llm.shutdown()
+        return got
+
+    assert asyncio.run(scenario()) == [11, 12, 13, 14, 15, 16]
 
 
 def _choices(outs):
@@ -190,10 +285,17 @@ def test_killed_engine_actor_costs_no_request(ray_local, ckpt, params, reference
     try:
         victim, workers_before = client.engine_pid(), llm.worker_pids()
         assert b"ray::EngineCoreActor" in _cmdline(victim)
-        delivered = []
+        delivered, seen = [], []
+        step = llm.engine.step_fn
+
+        def counted():  # the tokens the frontend was handed so far
+            outs, executed = step()
+            seen.extend(t for o in outs.outputs for t in o.new_token_ids)
+            return outs, executed
+        llm.engine.step_fn = counted
 
         def kill() -> None:
-            delivered.append(sum(len(r.output_token_ids) for r in client._ledger.resubmissions()))
+            delivered.append(len(seen))
             os.kill(victim, signal.SIGKILL)
         restore = before_step(llm, 12, kill)  # about a third of the way through
         outs = llm.generate(PROMPTS, params, use_tqdm=False)

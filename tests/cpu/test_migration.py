@@ -15,6 +15,7 @@ import jsonschema
 import msgspec
 import pytest
 from llm_utils import make_checkpoint
+from recovery_utils import FakeFrontend
 
 from engine import SamplingParams, StructuredOutputsParams
 
@@ -160,7 +161,7 @@ async def _scenario(llm, caplog) -> tuple[list[SamplingParams], list[dict]]:
     assert _diff(await _run(llm, _params([stop]), kill), ref) is None
     assert dp.states == ["dead", "up"] and llm.check_health() == "ok"
     assert await _kv_idle(llm, [1]) == [0.0]
-    assert not dp.ledger._entries and not dp._live and dp.router.inflight.sum() == 0
+    assert not len(dp.book) and not dp._live and not dp._moving and dp.router.inflight.sum() == 0
     m = dp.metrics()
     assert m['conveyor:migrations_total{engine="0",cause="drain"}'] == moved[0]
     assert m['conveyor:migrations_total{engine="0",cause="lost"}'] > 0
@@ -215,9 +216,9 @@ def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False, paced: bool
     dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin",
                                          **{"parallel.warm_drain": warm, "parallel.paced_drain": paced}),
                              engines)
-    got: list = []
-    dp.start(got.append)
-    return dp, engines, got
+    front = FakeFrontend()
+    dp.start(front)
+    return dp, engines, front
 
 
 def _req(rid: str):
@@ -237,19 +238,22 @@ def _out(rid: str, toks: list[int], finished: bool = False):
 def test_loss_moves_delivered_tokens_as_output_tokens_and_drops_late_outputs() -> None:
     from engine.contracts import EngineCoreOutputs, SchedulerStats
 
-    dp, (a, b), got = _fake_dp()
-    dp.add_request(_req("r0"))
-    dp.add_request(_req("r1"))
+    dp, (a, b), front = _fake_dp()
+    front.add(dp, _req("r0"))
+    front.add(dp, _req("r1"))
     owner = a if a.added and a.added[0].request_id == "r0" else b
     other = b if owner is a else a
     owner.emit(_out("r0", [7, 8]))
     owner.emit(EngineCoreOutputs(engine_error="boom"))  # lost: r0 moves, no error reaches the frontend
-    assert all(o.engine_error is None for o in got)
+    assert all(o.engine_error is None for o in front.got)
+    n = len(other.added)
+    assert front.answer(dp) == 1  # resubmitted from what the frontend was handed
+    assert len(other.added) == n + 1
     moved = other.added[-1]
     assert (moved.request_id, moved.prompt_token_ids, moved.output_token_ids) == ("r0", list(range(5, 25)), [7, 8])
     owner.emit(_out("r0", [9]))  # a late output of the lost engine: dropped
     other.emit(_out("r0", [9], finished=True))
-    toks = [t for o in got for x in o.outputs if x.request_id == "r0" for t in x.new_token_ids]
+    toks = [t for o in front.got for x in o.outputs if x.request_id == "r0" for t in x.new_token_ids]
     assert toks == [7, 8, 9]
     src = 0 if owner is a else 1
     assert dp.check_health() == "ok"
@@ -258,15 +262,16 @@ def test_loss_moves_delivered_tokens_as_output_tokens_and_drops_late_outputs() -
     with pytest.raises(ValueError, match="only one up"):
         dp.drain(1 if owner is a else 0)
     # Drained with requests: they are aborted there, resubmitted, and drain returns on the idle stats.
-    dp2, (c, d), _ = _fake_dp()
+    dp2, (c, d), front2 = _fake_dp()
     for i in range(4):
-        dp2.add_request(_req(f"q{i}"))
+        front2.add(dp2, _req(f"q{i}"))
     import threading
     t = threading.Timer(0.05, lambda: c.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats())))
     t.start()
     assert dp2.drain(0, timeout_s=10) == 2
     on_c = [r.request_id for r in c.added]
     assert len(on_c) == 2 and sorted(c.aborted) == on_c
+    assert front2.answer(dp2) == 2
     assert sorted(r.request_id for r in d.added) == ["q0", "q1", "q2", "q3"]
     dp2.add_request(_req("q4"))
     assert d.added[-1].request_id == "q4"
@@ -287,29 +292,31 @@ def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
 
     from engine.contracts import EngineCoreOutputs, SchedulerStats
 
-    dp, engines, got = _fake_dp(warm=True)
+    dp, engines, front = _fake_dp(warm=True)
     for i in range(6):
-        dp.add_request(_req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
+        front.add(dp, _req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
     ia = 0 if engines[0].added[0].request_id == "w0" else 1
     a, b = engines[ia], engines[1 - ia]
     a.emit(_out("w0", [7, 8]))
     done = threading.Event()
     t = threading.Thread(target=lambda: (dp.drain(ia, timeout_s=10), done.set()))
     t.start()
-    for _ in range(500):
-        if len(b.added) == 6:
+    for _ in range(500):  # the drain asks the frontend for the contexts to warm
+        if front.asks:
             break
         threading.Event().wait(0.01)
+    assert front.answer(dp) == 3 and len(b.added) == 6
     warms = [r for r in b.added if r.request_id.endswith("~warm")]
     assert [r.request_id for r in warms] == ["w0~warm", "w2~warm", "w4~warm"] and not a.aborted
     assert warms[0].prompt_token_ids == list(range(5, 25)) + [7, 8] and warms[0].sampling_params.max_tokens == 1
     a.emit(_out("w0", [9]))  # still a's: delivered
     b.emit(_out("w0~warm", [1], finished=True))  # warmed: w0 moves now, with 7, 8, 9
+    assert a.aborted == ["w0"] and front.answer(dp) == 1
     assert a.aborted == ["w0"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w0", [7, 8, 9])
     a.emit(_out("w2", [3], finished=True))  # finished before its warm-up: stays done
     b.emit(_out("w2~warm", [1], finished=True))
     assert a.aborted == ["w0"]
-    assert not any(x.request_id.endswith("~warm") for o in got for x in o.outputs)
+    assert not any(x.request_id.endswith("~warm") for o in front.got for x in o.outputs)
     b.emit(EngineCoreOutputs(engine_error="gone"))  # lost: no engine is up, w4 stays on a
     a.emit(_out("w4", [5], finished=True))
     a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
@@ -331,23 +338,25 @@ def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplo
     from engine.contracts import EngineCoreOutputs, SchedulerStats
 
     caplog.set_level(logging.INFO, logger="engine.migration")
-    dp, engines, got = _fake_dp(paced=True)
+    dp, engines, front = _fake_dp(paced=True)
     for i in range(6):
-        dp.add_request(_req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
+        front.add(dp, _req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
     ia = 0 if engines[0].added[0].request_id == "w0" else 1
     a, b = engines[ia], engines[1 - ia]
     a.emit(_out("w0", [7, 8]))  # the longest context (22 tokens): the wave budget
     done: list[int] = []
     t = threading.Thread(target=lambda: done.append(dp.drain(ia, timeout_s=10)))
     t.start()
-    for _ in range(500):
-        if len(b.added) == 4:
+    for _ in range(500):  # the first wave is off engine a, the frontend asked for it
+        if front.asks:
             break
         threading.Event().wait(0.01)
+    assert a.aborted == ["w0"] and front.answer(dp) == 1 and len(b.added) == 4
     assert a.aborted == ["w0"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w0", [7, 8])
     a.emit(_out("w2", [3]))  # not moved yet: still a's, delivered
     assert len(b.added) == 4
     b.emit(_out("w0", [9]))  # w0 produced on b: the next wave (w2, with its token) moves
+    assert front.answer(dp) == 1
     assert a.aborted == ["w0", "w2"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w2", [3])
     a.emit(_out("w4", [5], finished=True))  # finished before its wave: never moves
     b.emit(_out("w2", [4]))
@@ -362,30 +371,50 @@ def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplo
     assert len(logged) == 1 and re.fullmatch(
         rf"request w0 migrated from engine {ia} to engine {1 - ia} \(drain\): largest gap between tokens "
         r"\d+\.\d ms, 22 context tokens, 0 cached on the new engine", logged[0]), logged
-    toks = {x.request_id: [] for o in got for x in o.outputs}
-    for o in got:
+    toks = {x.request_id: [] for o in front.got for x in o.outputs}
+    for o in front.got:
         for x in o.outputs:
             toks[x.request_id] += x.new_token_ids
     assert (toks["w0"], toks["w2"], toks["w4"]) == ([7, 8, 9, 10], [3, 4], [5])
 
 
 def test_actor_loss_moves_at_once_and_the_rebuilt_engine_comes_back() -> None:
-    dp, (a, b), got = _fake_dp(ray_like=True)
-    dp.add_request(_req("r0"))
-    dp.add_request(_req("r1"))
+    dp, (a, b), front = _fake_dp(ray_like=True)
+    front.add(dp, _req("r0"))
+    front.add(dp, _req("r1"))
     lost, back = a.hooks
     lost("actor died")
     assert dp.states == ["lost", "up"] and dp.check_health() == "recovering"
-    assert sorted(r.request_id for r in b.added) == ["r0", "r1"]
+    assert front.answer(dp) == 1 and sorted(r.request_id for r in b.added) == ["r0", "r1"]
     back()
     assert dp.states == ["up", "up"]
     # Every engine lost at once: the requests wait for a rebuild and go back to it.
     lost2, _ = b.hooks
     lost("again")
     lost2("too")
-    assert len(b.added) == 2 and len(a.added) == 1
+    assert front.answer(dp) == 0 and len(b.added) == 2 and len(a.added) == 1
     back()
-    assert sorted(r.request_id for r in a.added[-2:]) == ["r0", "r1"]
+    assert front.answer(dp) == 2 and sorted(r.request_id for r in a.added[-2:]) == ["r0", "r1"]
+
+
+def test_a_move_answered_while_no_engine_is_up_waits_for_one() -> None:
+    """The frontend answers a move once every engine is lost: the request
+    waits (on no engine) and goes to the first engine back, with the tokens
+    the frontend had when it answered; an abort meanwhile ends the move."""
+    dp, (a, b), front = _fake_dp(ray_like=True)
+    front.add(dp, _req("r0"))
+    front.add(dp, _req("r1"))
+    if a.added[0].request_id != "r0":
+        a, b = b, a
+    a.emit(_out("r0", [7]))
+    (lost_a, back_a), (lost_b, _) = a.hooks, b.hooks
+    lost_a("gone")  # r0 moves: asked, not answered yet
+    lost_b("gone too")  # r1 waits for b's rebuild
+    assert front.answer(dp) == 1 and dp._parked.keys() == {"r0"}
+    dp.abort_requests(["r1"])
+    back_a()
+    assert front.answer(dp) == 0 and not dp._parked and not dp._moving
+    assert [(r.request_id, r.output_token_ids) for r in a.added[1:]] == [("r0", [7])]
 
 
 def test_drain_cli_and_admin_body_checks(capsys) -> None:
