@@ -54,8 +54,7 @@ class MigrationLog:
         self._live[request_id] = _Move(src, dst, cause, context_tokens, last_token_at, gap)
 
     def observe(self, engine: int, outputs: list[EngineCoreOutput], now: float) -> None:
-        """Outputs of `engine` about to be delivered (before the ledger
-        rewrites their num_cached_tokens to the first engine's)."""
+        """Outputs of `engine` about to be delivered to the frontend."""
         if not self._live:
             return
         for o in outputs:
