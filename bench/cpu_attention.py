@@ -7,12 +7,15 @@ requests whose blocks are scattered at random, every layer read in turn as a
 forward does. Reports per layer the median time over `--rounds`, the K/V bytes
 read per second, and a sequential read of a large tensor (`sum`) on the same
 threads as the ceiling; the cpu backend once per kernel table this CPU runs
-(`--isa`, default all of them: avx512, avx2, portable). Shapes default to bench/offline_throughput.py's 30M
-Llama (8 query / 4 KV heads, head size 64, block 16), fp32.
+(`--isa`, default all of them: avx512, avx2, portable, then torch; a given list times only what
+it names, `torch` included). Shapes default to bench/offline_throughput.py's 30M Llama (8 query /
+4 KV heads, head size 64, block 16), fp32 (`--dtype bfloat16`: cache and queries in bf16).
+`--no-split` turns split-KV decode off, so one task runs each request (the kernel alone).
 
 Usage:
   .venv/bin/python bench/cpu_attention.py                 # one thread, ctx 96/160/256
   .venv/bin/python bench/cpu_attention.py --threads 2 --ctx 512 --isa avx2
+  .venv/bin/python bench/cpu_attention.py --batch 1 --ctx 8192 --dtype bfloat16 --isa avx512,avx2
 """
 from __future__ import annotations
 
@@ -43,7 +46,10 @@ def _args() -> argparse.Namespace:
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--isa", default="", help="comma list of kernel tables (default: every one this CPU runs)")
+    p.add_argument("--isa", default="",
+                   help="comma list of kernel tables and/or torch (default: every one this CPU runs, then torch)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--no-split", action="store_true", help="no split-KV decode (part_len 0)")
     return p.parse_args()
 
 
@@ -62,13 +68,14 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     hq, hkv = (int(x) for x in a.heads.split(","))
     d, bs = a.head_size, a.block_size
-    caches = [torch.randn(a.blocks, 2, bs, hkv, d) for _ in range(a.layers)]
+    dt = getattr(torch, a.dtype)
+    caches = [torch.randn(a.blocks, 2, bs, hkv, d).to(dt) for _ in range(a.layers)]
     big = torch.randn(100_000_000)
     seq_gbs = big.numel() * 4 / _median_s(lambda: big.sum(), 3, 1) / 1e9
     big = torch.empty(0)  # frees the 400 MB before the caches are read
-    print(f"{a.threads} thread(s); sequential read (sum of 400 MB): {seq_gbs:.1f} GB/s; "
-          f"{a.layers} layers x {a.blocks} blocks ({a.layers * caches[0].numel() * 4 / 2**20:.0f} MiB)")
-    isas = a.isa.split(",") if a.isa else cpu_attention.supported_isas()
+    print(f"{a.threads} thread(s), {a.dtype}; sequential read (sum of 400 MB): {seq_gbs:.1f} GB/s; "
+          f"{a.layers} layers x {a.blocks} blocks ({a.layers * caches[0].nbytes / 2**20:.0f} MiB)")
+    names = a.isa.split(",") if a.isa else cpu_attention.supported_isas() + ["torch"]
     rng = np.random.default_rng(0)
     for ctx in (int(c) for c in a.ctx.split(",")):
         nblk = -(-ctx // bs)
@@ -76,13 +83,13 @@ def main() -> None:
             raise SystemExit(f"--blocks {a.blocks} < batch x blocks per request ({a.batch * nblk})")
         table = torch.from_numpy(rng.permutation(a.blocks)[: a.batch * nblk].reshape(a.batch, nblk)
                                  .astype(np.int32))
-        query = torch.randn(a.batch, hq, d)
+        query = torch.randn(a.batch, hq, d).to(dt)
         qsl = np.arange(a.batch + 1, dtype=np.int64)
         lens = np.full(a.batch, ctx, dtype=np.int64)
-        plan = cpu_attention._StepPlan(table, qsl, lens)
-        gb = a.batch * ctx * hkv * d * 4 * 2 / 1e9
+        plan = cpu_attention._StepPlan(table, qsl, lens, *([0] if a.no_split else []))
+        gb = a.batch * ctx * hkv * d * caches[0].element_size() * 2 / 1e9
         row = [f"ctx {ctx}:"]
-        for name in isas + ["torch"]:
+        for name in names:
             if name == "torch":
                 def attend(c: torch.Tensor) -> object:
                     return torch_attention.paged_attention_torch(query, c, table, qsl, lens, 0.125)

@@ -94,6 +94,21 @@ struct SiluMulArgs {
 };
 using SiluMulRowsFn = void (*)(const SiluMulArgs&, int64_t lo, int64_t hi);
 
+// One long query chunk of one request (prefill), fp32: query/out [T, Hq, D]
+// (strides in s), keys 0..seq_len-1 through `blocks`; query token i sits at
+// position seq_len - q_len + i and sees keys 0..that position.
+struct PrefillArgs {
+  const float* query;
+  const float* cache;
+  float* out;
+  const int32_t* blocks;
+  float scale;
+  Shape s;
+  int64_t start, q_len, seq_len;
+};
+// One task: kv head `kv_head` (its whole query group), query tokens [q0, q0 + KernelTable::prefill_rows).
+using PrefillFn = void (*)(const PrefillArgs&, int64_t kv_head, int64_t q0, float* scratch);
+
 struct KernelTable {
   const char* name;
   AttendFn<float> (*attend_f32)(int64_t dim);  // the fastest fp32 kernel for this head size
@@ -105,7 +120,17 @@ struct KernelTable {
   RmsRowsFn<c10::BFloat16> rms_bf16;
   Int8LinearFn int8_linear;
   SiluMulRowsFn silu_mul;
+  PrefillFn (*prefill_f32)(int64_t dim);  // nullptr: no prefill kernel for this head size (SDPA runs)
+  int64_t prefill_rows;                   // query tokens per prefill task
+  int64_t prefill_lanes;                  // query tokens per row set (2 vectors)
 };
+
+// Floats of scratch a prefill task needs (at most): a 64-key score tile of
+// `lanes` queries, and per row set (group x rows / lanes of them) its queries
+// and outputs transposed, max and sum.
+inline int64_t prefill_scratch_floats(int64_t dim, int64_t group, int64_t rows, int64_t lanes) {
+  return 64 * lanes + group * (rows / lanes) * (2 * dim * lanes + 2 * lanes);
+}
 
 const KernelTable* table_portable();
 const KernelTable* table_avx2();    // nullptr off x86

@@ -3,6 +3,7 @@
 // this file's vocabulary, and the generic loops compiled for AVX2.
 #include "cpu_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -111,6 +112,8 @@ struct KvRow {
       _mm256_storeu_ps(acc + 8 * j, _mm256_fmadd_ps(w, _mm256_loadu_ps(p + 8 * j), _mm256_loadu_ps(acc + 8 * j)));
   }
 };
+
+constexpr int64_t kMr = 4;  // prefill register block: 4 x 2 accumulators of 16 ymm
 
 #include "simd_kernels.inc"
 }  // namespace

@@ -3,6 +3,7 @@
 // this file's vocabulary, and the generic loops compiled for AVX-512.
 #include "cpu_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -83,6 +84,8 @@ struct KvRow {
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, _mm512_fmadd_ps(w, r[j], _mm512_loadu_ps(acc + 16 * j)));
   }
 };
+
+constexpr int64_t kMr = 8;  // prefill register block: 8 x 2 accumulators of 32 zmm
 
 #include "simd_kernels.inc"
 }  // namespace

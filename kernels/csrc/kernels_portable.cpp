@@ -9,6 +9,7 @@ namespace {
 #include "generic_kernels.inc"
 
 conveyor_cpu::AttendFn<float> attend_f32(int64_t) { return &attend_generic<float>; }
+conveyor_cpu::PrefillFn no_prefill(int64_t) { return nullptr; }  // prefill runs on SDPA
 }  // namespace
 
 namespace conveyor_cpu {
@@ -17,7 +18,7 @@ const KernelTable* table_portable() {
   static const KernelTable t{"portable", &attend_f32, &attend_generic<c10::Half>,
                              &attend_generic<c10::BFloat16>, &rotary_rows_generic, &rms_rows<float>,
                              &rms_rows<c10::Half>, &rms_rows<c10::BFloat16>,
-                             &int8_linear_generic, &silu_mul_rows_generic};
+                             &int8_linear_generic, &silu_mul_rows_generic, &no_prefill, 0, 0};
   return &t;
 }
 

@@ -184,6 +184,42 @@ void paged_attention_short(const torch::Tensor& query, const torch::Tensor& kv_c
   });
 }
 
+// One request's long query chunk (prefill), fp32: query/out [T, Hq, D] (D
+// contiguous), blocks int32 [>= ceil(seq_len / block_size)], the chunk's
+// tokens [start, start + q_len) at positions seq_len - q_len + i. Returns false
+// (nothing written) when the active table has no prefill kernel for this
+// head size or dtype: the caller runs SDPA. Tasks (kv head x prefill_rows
+// tokens) go longest first over torch's threads: later tokens see more keys.
+bool paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& blocks,
+                   int64_t start, int64_t q_len, int64_t seq_len, double scale, torch::Tensor out) {
+  const KernelTable& k = active();
+  const conveyor_cpu::PrefillFn fn =
+      query.scalar_type() == torch::kFloat32 && kv_cache.scalar_type() == torch::kFloat32 && kv_cache.dim() == 5
+          ? k.prefill_f32(kv_cache.size(4)) : nullptr;
+  if (fn == nullptr) return false;
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && out.strides() == query.strides(),
+              "query/out [T, Hq, D], D contiguous, same strides");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache contiguous");
+  TORCH_CHECK(blocks.scalar_type() == torch::kInt32 && blocks.is_contiguous() &&
+              blocks.numel() * kv_cache.size(2) >= seq_len, "blocks int32 covering seq_len");
+  TORCH_CHECK(q_len > 0 && q_len <= seq_len && start + q_len <= query.size(0), "query rows out of range");
+  const conveyor_cpu::PrefillArgs a{
+      query.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>(), blocks.data_ptr<int32_t>(),
+      static_cast<float>(scale),
+      conveyor_cpu::Shape{kv_cache.size(2), kv_cache.size(3), kv_cache.size(4), query.size(1) / kv_cache.size(3),
+                          blocks.numel(), query.stride(0), query.stride(1)},
+      start, q_len, seq_len};
+  const int64_t rows = k.prefill_rows, nblk = (q_len + rows - 1) / rows, heads = a.s.hkv;
+  const int64_t floats = conveyor_cpu::prefill_scratch_floats(a.s.dim, a.s.group, rows, k.prefill_lanes);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
+  for (int64_t t = 0; t < nblk * heads; ++t) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(floats));
+    fn(a, t % heads, (nblk - 1 - t / heads) * rows, scratch.data());
+  }
+  return true;
+}
+
 // cache[s / bs, 0|1, s % bs] = key|value[t] for every slot s = slot_mapping[t] >= 0.
 // key/value [T, Hkv, D] with each token's heads contiguous (a row may be strided).
 void write_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor cache,
@@ -321,6 +357,7 @@ void set_isa(const std::string& name) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_short", &paged_attention_short, "paged attention for short queries (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged attention for one long query chunk, fp32 (CPU)");
   m.def("write_kv", &write_kv, "store K/V rows at their slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the fused residual add (CPU)");
   m.def("rotary_neox", &rotary_neox, "neox rotary embedding in place, fp32 (CPU)");

@@ -62,6 +62,15 @@ def test_parity_split_kv_decode(family, ckpts, prompts, refs, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == refs[family]
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_parity_head_64_prefill_chunks(family, prompts, tmp_path):
+    """Head size 64: the CPU vector tables' own fp32 prefill kernel (head 16,
+    as above, takes torch's flash attention), chunks after a cached prefix."""
+    path = make_checkpoint(family, str(tmp_path / family), head_dim=64)
+    outs, _ = _generate(path, prompts, max_num_batched_tokens=64)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 32)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_parity_max_num_seqs_2(family, ckpts, prompts, refs):
     outs, _ = _generate(ckpts[family], prompts, max_num_seqs=2)
