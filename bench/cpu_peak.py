@@ -11,7 +11,13 @@
    o, gate_up and down, and the lm_head (M <= 256: the model computes logits
    only for the rows that sample). GFLOP/s, share of the all-core FMA peak
    (prefill MFU) and, at M = 1, the weight bytes read per second as a share of
-   the measured read bandwidth (decode bandwidth use).
+   the measured read bandwidth (decode bandwidth use). Calls at M <= 16 cycle
+   through 512 MiB of distinct weights, so the bytes come from DRAM.
+
+The peak loop is checked: objdump must show 12 FMAs in it, and the core clock
+(a chain of dependent 1-cycle adds) turns GFLOP/s into flop per cycle, which
+must match the core's FMA width x ports (e.g. 2 x 16 lanes x 2 = 64 on a core
+with two 512-bit FMA pipes).
 
 Usage:
   .venv/bin/python bench/cpu_peak.py                       # everything
@@ -35,6 +41,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from kernels.cpu_attention import keep_freed_memory  # noqa: E402
 from parallel.layers import linear  # noqa: E402
 
 # (hidden, intermediate, query heads, kv heads, head dim, vocab)
@@ -45,16 +52,22 @@ SHAPES = {
 }
 
 # 12 independent FMA chains per width: enough to cover 4-cycle latency on 2 ports.
+# Each chain starts from its own value and the empty asm makes every register an
+# opaque input to the next iteration: with equal starts GCC merged the 12 chains
+# into one (one vfmadd per iteration, counted as 12: a 12x inflated "peak").
+# `_fma_count` checks the compiled loop still holds 12 FMAs.
 _FMA_SRC = r"""
 #include <immintrin.h>
 #define CHAINS(T, SET1, FMA, ADD, RED) \
-  T a0 = SET1(0.f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0, \
-    a8 = a0, a9 = a0, a10 = a0, a11 = a0; \
+  T a0 = SET1(0.f), a1 = SET1(1.f), a2 = SET1(2.f), a3 = SET1(3.f), a4 = SET1(4.f), a5 = SET1(5.f), \
+    a6 = SET1(6.f), a7 = SET1(7.f), a8 = SET1(8.f), a9 = SET1(9.f), a10 = SET1(10.f), a11 = SET1(11.f); \
   const T b = SET1(1e-7f), c = SET1(0.999999f); \
   for (long i = 0; i < iters; ++i) { \
     a0 = FMA(a0, c, b); a1 = FMA(a1, c, b); a2 = FMA(a2, c, b); a3 = FMA(a3, c, b); \
     a4 = FMA(a4, c, b); a5 = FMA(a5, c, b); a6 = FMA(a6, c, b); a7 = FMA(a7, c, b); \
-    a8 = FMA(a8, c, b); a9 = FMA(a9, c, b); a10 = FMA(a10, c, b); a11 = FMA(a11, c, b); } \
+    a8 = FMA(a8, c, b); a9 = FMA(a9, c, b); a10 = FMA(a10, c, b); a11 = FMA(a11, c, b); \
+    __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), \
+                     "+v"(a6), "+v"(a7), "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11)); } \
   T s = ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7))); \
   s = ADD(s, ADD(ADD(a8, a9), ADD(a10, a11))); \
   float out[sizeof(T) / 4]; RED(out, s); return out[0];
@@ -64,6 +77,15 @@ __attribute__((target("avx512f"))) float fma512(long iters) {
 }
 __attribute__((target("avx2,fma"))) float fma256(long iters) {
   CHAINS(__m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_add_ps, _mm256_storeu_ps)
+}
+/* 8 dependent integer adds per iteration, 1 cycle each on every x86 core since
+   P6: 8 * iters / seconds is the core clock (no perf counters in a VM). */
+float addchain(long iters) {
+  long x = 0;
+  for (long i = 0; i < iters; ++i)
+    __asm__ volatile("add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\t"
+                     "add $1,%0\n\tadd $1,%0\n\tadd $1,%0\n\tadd $1,%0" : "+r"(x));
+  return (float)x;
 }
 /* Streaming read of n floats with 4 independent AVX2 sums (memory-bound, not
    add-latency-bound as torch's sum can be): the read bandwidth a GEMV could use. */
@@ -78,19 +100,42 @@ __attribute__((target("avx2,fma"))) float read256(const float* p, long n) {
 """
 
 
+_LIB_PATH: list[str] = []
+
+
 def _fma_lib() -> ctypes.CDLL:
     d = tempfile.mkdtemp(prefix="cpu_peak_")
     src, lib = os.path.join(d, "fma.c"), os.path.join(d, "fma.so")
     with open(src, "w") as f:
         f.write(_FMA_SRC)
     subprocess.run(["gcc", "-O2", "-shared", "-fPIC", src, "-o", lib], check=True)
+    _LIB_PATH[:] = [lib]
     dll = ctypes.CDLL(lib)  # ctypes drops the GIL during each call
-    for name in ("fma512", "fma256"):
+    for name in ("fma512", "fma256", "addchain"):
         getattr(dll, name).argtypes = [ctypes.c_long]
         getattr(dll, name).restype = ctypes.c_float
     dll.read256.argtypes = [ctypes.c_void_p, ctypes.c_long]
     dll.read256.restype = ctypes.c_float
     return dll
+
+
+def _fma_count(func: str) -> int | None:
+    """vfmadd instructions in the compiled function (objdump), or None without
+    objdump: 12 means the 12 chains survived the compiler."""
+    try:
+        asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", _LIB_PATH[0]],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return None
+    body = asm.split(f"<{func}>:", 1)[1].split("\n\n", 1)[0]
+    return body.count("vfmadd")
+
+
+def clock_ghz(dll: ctypes.CDLL) -> float:
+    """The core clock under load, from a chain of dependent 1-cycle adds."""
+    iters = 100_000_000
+    dll.addchain(iters // 10)
+    return 8 * iters / min(_parallel_s(lambda: dll.addchain(iters), 1) for _ in range(3)) / 1e9
 
 
 def _cpu_flags() -> set[str]:
@@ -122,19 +167,24 @@ def _parallel_s(fn: Callable[[], object], threads: int) -> float:
     return time.perf_counter() - t0
 
 
-def fma_peak(cores: int) -> dict[str, tuple[float, float]]:
-    """width name -> (GFLOP/s on one core, GFLOP/s per core with all busy)."""
+def fma_peak(cores: int) -> tuple[dict[str, tuple[float, float]], float]:
+    """(width name -> (GFLOP/s on one core, GFLOP/s per core with all busy),
+    core clock GHz)."""
     flags, dll, out = _cpu_flags(), _fma_lib(), {}
     for name, lanes, need in (("avx512", 16, "avx512f"), ("avx2", 8, "fma")):
         if need not in flags:
             continue
-        fn, iters = getattr(dll, "fma512" if lanes == 16 else "fma256"), 50_000_000
+        func = "fma512" if lanes == 16 else "fma256"
+        count = _fma_count(func)
+        if count is not None and count != 12:
+            raise RuntimeError(f"{func} compiled to {count} FMAs per iteration, not 12")
+        fn, iters = getattr(dll, func), 50_000_000
         flops = iters * 12 * lanes * 2
         fn(iters // 10)
         one = min(_parallel_s(lambda: fn(iters), 1) for _ in range(3))
         alln = min(_parallel_s(lambda: fn(iters), cores) for _ in range(3))
         out[name] = (flops / one / 1e9, flops / alln / 1e9)
-    return out
+    return out, clock_ghz(dll)
 
 
 def _median_s(fn: Callable[[], object], rounds: int) -> float:
@@ -183,15 +233,30 @@ def _layer_linears(spec: tuple[int, ...]) -> dict[str, tuple[int, int]]:
             "down": (i, h), "lm_head": (h, v)}
 
 
+# Decode-sized calls cycle through distinct weights at least this large in all, as
+# the model's layers do, so no cache (L3 here: 32 MiB) holds the weight between
+# calls and the GB/s at M = 1 is DRAM's.
+_COLD_BYTES = 512 << 20
+
+
 def _time_linear(k: int, n: int, m: int) -> float:
     """Median seconds of one linear [m, k] x [n, k]^T as the model runs it."""
-    holder = torch.nn.Module()
-    w = torch.randn(n, k) * 0.02
+    copies = max(1, min(256, -(-_COLD_BYTES // (k * n * 4)))) if m <= 16 else 1
+    holders = [torch.nn.Module() for _ in range(copies)]
+    ws = [torch.randn(n, k) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k)
     flops = 2 * m * n * k
     rounds = max(3, min(20, int(2e10 // max(flops, 1))))
+    it = iter(range(1 << 62))
+
+    def call() -> None:
+        i = next(it) % copies
+        linear(holders[i], x, ws[i])
+
     with torch.inference_mode():
-        return _median_s(lambda: linear(holder, x, w), rounds)
+        for _ in range(copies):  # pack every copy before timing
+            call()
+        return _median_s(call, max(rounds, copies))
 
 
 def linears(models: list[str], rows: list[int], peak_all: float, read_bw: float) -> None:
@@ -256,14 +321,17 @@ def main() -> None:
     torch.set_num_threads(a.cores)
     flags = sorted(f for f in _cpu_flags() if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
     print(f"{a.cores} cores; flags: {' '.join(flags)}")
-    peaks = fma_peak(a.cores)
+    peaks, ghz = fma_peak(a.cores)
+    print(f"core clock (dependent adds): {ghz:.2f} GHz")
     for name, (one, per_core) in peaks.items():
-        print(f"fp32 FMA peak {name}: {one:.1f} GFLOP/s on one core alone, {per_core:.1f} per core "
-              f"with {a.cores} busy ({per_core * a.cores:.1f} all)")
+        print(f"fp32 FMA peak {name} (12 FMAs per loop, objdump-checked): {one:.1f} GFLOP/s on one "
+              f"core alone = {one / ghz:.1f} flop/cycle, {per_core:.1f} per core with {a.cores} busy "
+              f"({per_core * a.cores:.1f} all)")
     bw = bandwidth(a.cores)
     print("memory bandwidth: " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bw.items()))
     best = next(iter(peaks.values()), (0.0, 0.0))
     read_bw = max(bw[f"read x{a.cores}"], bw.get(f"stream-read x{a.cores}", 0.0))
+    keep_freed_memory()  # as the engine's cpu backend does: no fresh mmap per output
     linears([m.strip() for m in a.models.split(",")], [int(r) for r in a.rows.split(",")],
             best[1] * a.cores, read_bw)
 

@@ -85,10 +85,13 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 # oneDNN has native bf16 kernels (AVX512_BF16 / AMX: bf16 math, fp32 accumulation).
 _PACKED_DTYPES = (torch.float32,) + (
     (torch.bfloat16,) if _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported() else ())
-# Above this many rows a bf16 linear goes to F.linear (oneDNN's own matmul,
-# weight reordered per call): at M = 2048 it ran 1.2-1.9x the packed primitive
-# (AMX; /tmp microbench in BENCHMARKS "bf16"), which wins below (1.1-1.4x at M <= 256).
-_BF16_PACKED_ROWS = 256
+# On AMX, above this many rows a bf16 linear goes to F.linear (oneDNN's own
+# matmul, weight reordered per call): at M = 2048 it ran 1.2-1.9x the packed
+# primitive, which wins below (1.1-1.4x at M <= 256; BENCHMARKS "bf16"). With
+# AVX512_BF16 and no AMX the packed primitive wins or ties at every M (30M
+# shapes 1.1-1.2x at M = 512-2048; BENCHMARKS "Zen 5"), so every row count packs.
+_AMX = hasattr(torch.cpu, "_is_amx_tile_supported") and bool(torch.cpu._is_amx_tile_supported())
+_BF16_PACKED_ROWS = 256 if _AMX else 1 << 62
 
 
 def onednn_rows(m: int) -> int:

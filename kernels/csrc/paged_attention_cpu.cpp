@@ -270,11 +270,50 @@ std::vector<torch::Tensor> rms_norm(const torch::Tensor& x, const c10::optional<
 }
 
 
-// Neox rotary embedding in place on fp32 query [T, Hq*D] and key [T, Hkv*D]
-// (each row's heads contiguous; rows may be strided views of the qkv output):
-// the first rd = cos_sin.size(1) dims of each head, (x1, x2) ->
+// bf16 rows go through the tables' fp32 row kernels: widened into scratch,
+// computed in fp32, rounded back once to nearest even (as vLLM's CPU kernels
+// round; the torch bf16 forms round after every op). Compiled for the
+// baseline ISA: -O3 vectorizes both loops.
+static void widen_bf16(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+    std::memcpy(dst + i, &u, 4);
+  }
+}
+
+static void round_bf16(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, 4);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    d[i] = static_cast<uint16_t>(src[i] != src[i] ? 0x7fc0u : rounded);  // NaN stays NaN
+  }
+}
+
+// Rotary rows [lo, hi) of bf16 q/k (a's x/stride describe the bf16 tensors).
+static void rotary_rows_bf16(const conveyor_cpu::RotaryArgs& a, int64_t lo, int64_t hi,
+                             conveyor_cpu::RotaryRowsFn rows) {
+  const int64_t n = hi - lo, w[2] = {a.heads[0] * a.head_size, a.heads[1] * a.head_size};
+  std::vector<float> buf(static_cast<size_t>(n * (w[0] + w[1])));
+  float* f[2] = {buf.data(), buf.data() + n * w[0]};
+  for (int x = 0; x < 2; ++x)
+    for (int64_t r = 0; r < n; ++r)
+      widen_bf16(reinterpret_cast<const c10::BFloat16*>(a.x[x]) + (lo + r) * a.stride[x], f[x] + r * w[x], w[x]);
+  const conveyor_cpu::RotaryArgs fa{a.pos + lo, a.table, a.rd, a.head_size, {f[0], f[1]}, {w[0], w[1]},
+                                    {a.heads[0], a.heads[1]}};
+  rows(fa, 0, n);
+  for (int x = 0; x < 2; ++x)
+    for (int64_t r = 0; r < n; ++r)
+      round_bf16(f[x] + r * w[x], reinterpret_cast<c10::BFloat16*>(a.x[x]) + (lo + r) * a.stride[x], w[x]);
+}
+
+// Neox rotary embedding in place on fp32 or bf16 query [T, Hq*D] and key
+// [T, Hkv*D] (each row's heads contiguous; rows may be strided views of the
+// qkv output): the first rd = cos_sin.size(1) dims of each head, (x1, x2) ->
 // (x1 c - x2 s, x2 c + x1 s), c|s = cos_sin[position]. Built with
-// -ffp-contract=off, so each product is rounded as the torch form rounds it.
+// -ffp-contract=off, so each fp32 product is rounded as the torch form rounds it.
 void rotary_neox(const torch::Tensor& positions, torch::Tensor query, torch::Tensor key,
                  const torch::Tensor& cos_sin, int64_t head_size) {
   TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.dim() == 1,
@@ -283,17 +322,24 @@ void rotary_neox(const torch::Tensor& positions, torch::Tensor query, torch::Ten
               "cos_sin fp32 [P, rd]");
   const int64_t t = positions.numel(), rd = cos_sin.size(1), max_pos = cos_sin.size(0);
   TORCH_CHECK(rd % 2 == 0 && rd <= head_size, "rotary dim must be even and at most the head size");
+  const bool bf16 = query.scalar_type() == torch::kBFloat16;
   for (const torch::Tensor* x : {&query, &key}) {
-    TORCH_CHECK(x->scalar_type() == torch::kFloat32 && x->dim() == 2 && x->size(0) == t && x->stride(1) == 1 &&
-                x->size(1) % head_size == 0, "query/key fp32 [T, H*D], D contiguous");
+    TORCH_CHECK((x->scalar_type() == torch::kFloat32 || x->scalar_type() == torch::kBFloat16) &&
+                x->scalar_type() == query.scalar_type() && x->dim() == 2 && x->size(0) == t &&
+                x->stride(1) == 1 && x->size(1) % head_size == 0,
+                "query/key fp32 or bf16 (both the same) [T, H*D], D contiguous");
   }
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "position out of range");
   const conveyor_cpu::RotaryArgs a{
-      pos, cos_sin.data_ptr<float>(), rd, head_size, {query.data_ptr<float>(), key.data_ptr<float>()},
+      pos, cos_sin.data_ptr<float>(), rd, head_size,
+      {static_cast<float*>(query.data_ptr()), static_cast<float*>(key.data_ptr())},
       {query.stride(0), key.stride(0)}, {query.size(1) / head_size, key.size(1) / head_size}};
   const conveyor_cpu::RotaryRowsFn rows = active().rotary;
-  at::parallel_for(0, t, 16, [&](int64_t lo, int64_t hi) { rows(a, lo, hi); });
+  at::parallel_for(0, t, 16, [&](int64_t lo, int64_t hi) {
+    if (bf16) rotary_rows_bf16(a, lo, hi, rows);
+    else rows(a, lo, hi);
+  });
 }
 
 // Weight-only int8 linear: x fp32 [M, K] contiguous, w int8 [N, K], scale fp32
@@ -318,16 +364,30 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   return y;
 }
 
-// silu(gate) * up for the fused gate_up output: x fp32 [T, 2d] contiguous ->
-// a new contiguous [T, d] (the down projection reads it without a copy).
+// silu(gate) * up for the fused gate_up output: x fp32 or bf16 [T, 2d]
+// contiguous -> a new contiguous [T, d] of x's dtype (the down projection reads
+// it without a copy). bf16 is computed in fp32 and rounded once.
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) % 2 == 0,
-              "x fp32 [T, 2d] contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0 &&
+              (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x fp32 or bf16 [T, 2d] contiguous");
   const int64_t t = x.size(0), d = x.size(1) / 2;
   torch::Tensor out = torch::empty({t, d}, x.options());
-  const conveyor_cpu::SiluMulArgs a{x.data_ptr<float>(), out.data_ptr<float>(), d};
   const conveyor_cpu::SiluMulRowsFn fn = active().silu_mul;
-  at::parallel_for(0, t, 8, [&](int64_t lo, int64_t hi) { fn(a, lo, hi); });
+  if (x.scalar_type() == torch::kFloat32) {
+    const conveyor_cpu::SiluMulArgs a{x.data_ptr<float>(), out.data_ptr<float>(), d};
+    at::parallel_for(0, t, 8, [&](int64_t lo, int64_t hi) { fn(a, lo, hi); });
+    return out;
+  }
+  const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+  c10::BFloat16* ob = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, t, 8, [&](int64_t lo, int64_t hi) {
+    const int64_t n = hi - lo;
+    std::vector<float> buf(static_cast<size_t>(n * 3 * d));
+    widen_bf16(xb + lo * 2 * d, buf.data(), n * 2 * d);
+    fn(conveyor_cpu::SiluMulArgs{buf.data(), buf.data() + n * 2 * d, d}, 0, n);
+    round_bf16(buf.data() + n * 2 * d, ob + lo * d, n * d);
+  });
   return out;
 }
 
@@ -360,9 +420,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "paged attention for one long query chunk, fp32 (CPU)");
   m.def("write_kv", &write_kv, "store K/V rows at their slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the fused residual add (CPU)");
-  m.def("rotary_neox", &rotary_neox, "neox rotary embedding in place, fp32 (CPU)");
+  m.def("rotary_neox", &rotary_neox, "neox rotary embedding in place, fp32 or bf16 (CPU)");
   m.def("int8_linear", &int8_linear, "weight-only int8 linear, fp32 math (CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output, fp32 (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output, fp32 or bf16 (CPU)");
   m.def("isa", &isa, "the kernel table in use: avx512, avx2 or portable");
   m.def("supported_isas", &supported_isas, "the kernel tables this CPU runs, best first");
   m.def("set_isa", &set_isa, "use this kernel table ('auto': the best supported)");

@@ -487,30 +487,74 @@ def test_cpu_silu_and_mul_matches_torch(cpu_isa) -> None:
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6, msg=f"seed {seed}, d {d}")
 
 
+def test_cpu_silu_and_mul_bf16_rounds_once(cpu_isa) -> None:
+    """bf16 gate_up: fp32 math on the widened rows, one rounding: equal to
+    torch's fp32 form rounded to bf16 (within one bf16 step where vexp and
+    expf straddle a rounding boundary)."""
+    from workers.layers.activation import SiluAndMul
+
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    for d in (1408, 37):
+        x = (torch.randn(9, 2 * d, generator=gen) * 4).to(torch.bfloat16)
+        with torch.inference_mode():
+            cpu_attention.load_extension()
+            out = SiluAndMul()(x.clone())
+        xf = x.float()
+        ref = (F.silu(xf[:, :d]) * xf[:, d:]).to(torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape == (9, d)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-6, msg=f"seed {seed}, d {d}")
+        assert (out != ref).float().mean() < 0.01, f"seed {seed}: more than rare 1-step differences"
+
+
+def _rope_case(head: int, rotary_dim: int, dtype: torch.dtype, seed: int) -> tuple:
+    from workers.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(head, rotary_dim, max_position=512, base=10000.0)
+    hq, hkv, t = 6, 2, 37
+    qkv = torch.randn(t, (hq + 2 * hkv) * head, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (t,), generator=gen)
+    return rope, qkv, positions, [hq * head, hkv * head, hkv * head]
+
+
 @pytest.mark.parametrize("head,rotary_dim", [(64, 64), (40, 20), (128, 64)])
 def test_cpu_rotary_matches_torch_bit_for_bit(head, rotary_dim, cpu_isa) -> None:
     """The native neox rotary (in place, on the strided q/k views a qkv split
     gives) rounds every product as the torch form does: equal, not close."""
-    from workers.layers.rotary import RotaryEmbedding
-
     seed = _seed()
-    gen = torch.Generator().manual_seed(seed)
-    rope = RotaryEmbedding(head, rotary_dim, max_position=512, base=10000.0)
-    hq, hkv, t = 6, 2, 37
-    qkv = torch.randn(t, (hq + 2 * hkv) * head, generator=gen)
-    positions = torch.randint(0, 512, (t,), generator=gen)
+    rope, qkv, positions, split = _rope_case(head, rotary_dim, torch.float32, seed)
+    hq, hkv, t = split[0] // head, split[1] // head, qkv.shape[0]
     with torch.inference_mode():
         cpu_attention.load_extension()
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(cpu_attention, "_ext", None)  # the torch path
-            ref_q, ref_k = rope(positions, *qkv.split([hq * head, hkv * head, hkv * head], dim=-1)[:2])
-        q, k, v = qkv.clone().split([hq * head, hkv * head, hkv * head], dim=-1)
+            ref_q, ref_k = rope(positions, *qkv.split(split, dim=-1)[:2])
+        q, k, v = qkv.clone().split(split, dim=-1)
         out_q, out_k = rope(positions, q, k)
         assert out_q.data_ptr() == q.data_ptr(), "the native path rotates in place"
         assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k), f"seed={seed}"
         assert torch.equal(v, qkv[:, (hq + hkv) * head:]), "v is left as it was"
         with pytest.raises(RuntimeError, match="position out of range"):
             rope(torch.tensor([0] * (t - 1) + [512]), q, k)
+
+
+@pytest.mark.parametrize("head,rotary_dim", [(64, 64), (40, 20)])
+def test_cpu_rotary_bf16_is_fp32_rounded_once(head, rotary_dim, cpu_isa) -> None:
+    """bf16 q/k rotate in place as the fp32 form of the widened rows, rounded
+    once to bf16: bit for bit; v and the unrotated dims are untouched."""
+    seed = _seed()
+    rope, qkv, positions, split = _rope_case(head, rotary_dim, torch.bfloat16, seed)
+    with torch.inference_mode():
+        cpu_attention.load_extension()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(cpu_attention, "_ext", None)  # the torch path, in fp32
+            ref = [r.to(torch.bfloat16) for r in rope(positions, *qkv.float().split(split, dim=-1)[:2])]
+        q, k, v = qkv.clone().split(split, dim=-1)
+        out = rope(positions, q, k)
+        assert out[0].data_ptr() == q.data_ptr() and out[0].dtype == torch.bfloat16
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]), f"seed={seed}"
+        assert torch.equal(v, qkv[:, split[0] + split[1]:]), "v is left as it was"
 
 
 def test_cpu_isa_choice() -> None:

@@ -284,3 +284,13 @@ def test_onednn_linear_buckets_rows_and_matches_f_linear():
         y = linear(mod, x, w, b)
         assert y.shape == (m, 96)
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # bf16 above 256 rows: packed on a CPU without AMX, F.linear with AMX; same product.
+    from parallel import layers
+
+    bmod, wb, bb = torch.nn.Module(), w.bfloat16(), b.bfloat16()
+    xb = torch.randn(300, 40).bfloat16()
+    y = linear(bmod, xb, wb, bb)
+    assert y.shape == (300, 96) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), F.linear(xb, wb, bb).float(), rtol=2e-2, atol=2e-2)
+    packed = torch.bfloat16 in layers._PACKED_DTYPES and not layers._AMX
+    assert ("_packed_weight" in bmod.__dict__) == packed

@@ -12,11 +12,13 @@ class SiluAndMul(nn.Module):
     """[..., 2d] = [gate | up] -> silu(gate) * up, [..., d]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # With the CPU kernels loaded (the cpu backend), fp32 rows take one
-        # native pass into a contiguous output: the in-place torch form below
-        # ran silu, mul and then a copy for the down projection's strided input.
+        # With the CPU kernels loaded (the cpu backend), fp32 and bf16 rows take
+        # one native pass into a contiguous output (bf16: fp32 math, one
+        # rounding): the in-place torch form below ran silu, mul and then a
+        # copy for the down projection's strided input.
         ext = cpu_attention.loaded()
-        if (ext is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+        if (ext is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and x.dim() == 2
                 and x.is_contiguous() and not x.requires_grad):
             return ext.silu_and_mul(x)
         d = x.shape[-1] // 2

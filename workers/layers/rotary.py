@@ -91,8 +91,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor,
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, Hq*D], key [T, Hkv*D] -> rotated, same shapes.
-        With the CPU kernels loaded, fp32 rows are rotated in place by one
-        native pass (same roundings as the torch form below)."""
+        With the CPU kernels loaded, fp32 and bf16 rows are rotated in place by
+        one native pass: fp32 with the torch form's roundings, bf16 computed in
+        fp32 and rounded once (the torch form rounds after every op)."""
         ext = cpu_attention.loaded()
         if ext is not None and self._native_ok(positions, query, key):
             ext.rotary_neox(positions, query, key, self.cos_sin_cache, self.head_size)
@@ -101,7 +102,8 @@ class RotaryEmbedding(nn.Module):
         return self._rotate_heads(query, cos, sin), self._rotate_heads(key, cos, sin)
 
     def _native_ok(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> bool:
-        return (query.device.type == "cpu" and query.dtype == key.dtype == torch.float32
+        return (query.device.type == "cpu" and query.dtype == key.dtype
+                and query.dtype in (torch.float32, torch.bfloat16)
                 and positions.dtype == torch.int64 and positions.is_contiguous()
                 and query.dim() == key.dim() == 2 and query.stride(1) == key.stride(1) == 1
                 and self.cos_sin_cache.dtype == torch.float32)
