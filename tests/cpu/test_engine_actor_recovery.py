@@ -363,7 +363,9 @@ _SERVE_BASE = ["The cat runs", "A dog sees the ball today.", "My friend builds",
                "Seven blue birds", "Under the old bridge", "She said that", "Numbers like"]
 # 24 concurrent streams (the count), all generating when the actor dies.
 SERVE_PROMPTS = [f"{p} {w}".strip() for w in ("", "now", "again") for p in _SERVE_BASE]
-SERVE_TOKENS = 48
+# Long enough that every stream still runs when the last one starts: the proxy
+# connects them up to ~0.3 s apart, and 48 tokens took ~0.25 s on a fast CPU.
+SERVE_TOKENS = 160
 
 
 def _serve_body(i: int) -> dict:
