@@ -122,15 +122,9 @@ struct KernelTable {
   SiluMulRowsFn silu_mul;
   PrefillFn (*prefill_f32)(int64_t dim);  // nullptr: no prefill kernel for this head size (SDPA runs)
   int64_t prefill_rows;                   // query tokens per prefill task
-  int64_t prefill_lanes;                  // query tokens per row set (2 vectors)
+  // Floats of scratch one prefill task needs at most (the kernel's own layout).
+  int64_t (*prefill_scratch)(int64_t dim, int64_t group);
 };
-
-// Floats of scratch a prefill task needs (at most): a 64-key score tile of
-// `lanes` queries, and per row set (group x rows / lanes of them) its queries
-// and outputs transposed, max and sum.
-inline int64_t prefill_scratch_floats(int64_t dim, int64_t group, int64_t rows, int64_t lanes) {
-  return 64 * lanes + group * (rows / lanes) * (2 * dim * lanes + 2 * lanes);
-}
 
 const KernelTable* table_portable();
 const KernelTable* table_avx2();    // nullptr off x86

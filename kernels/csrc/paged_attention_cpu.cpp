@@ -210,7 +210,7 @@ bool paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, co
                           blocks.numel(), query.stride(0), query.stride(1)},
       start, q_len, seq_len};
   const int64_t rows = k.prefill_rows, nblk = (q_len + rows - 1) / rows, heads = a.s.hkv;
-  const int64_t floats = conveyor_cpu::prefill_scratch_floats(a.s.dim, a.s.group, rows, k.prefill_lanes);
+  const int64_t floats = k.prefill_scratch(a.s.dim, a.s.group);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
   for (int64_t t = 0; t < nblk * heads; ++t) {
     thread_local std::vector<float> scratch;
