@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "lora_kernels.h"
 
 namespace {
@@ -25,18 +26,10 @@ using conveyor_lora::LoraRowsFn;
 
 constexpr int64_t kChunkRows = 16;  // rows per parallel work item (A, B re-read per chunk)
 
-bool cpu_has(const char* isa) {
-#if defined(__x86_64__)
-  if (std::string(isa) == "avx512") return __builtin_cpu_supports("avx512f");
-  if (std::string(isa) == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#endif
-  return std::string(isa) == "portable";
-}
-
 LoraRowsFn pick(const std::string& isa) {
-  if ((isa == "avx512" || isa == "auto") && cpu_has("avx512") && conveyor_lora::lora_rows_avx512())
+  if ((isa == "avx512" || isa == "auto") && conveyor_cpu::cpu_runs("avx512") && conveyor_lora::lora_rows_avx512())
     return conveyor_lora::lora_rows_avx512();
-  if ((isa == "avx2" || isa == "auto") && cpu_has("avx2") && conveyor_lora::lora_rows_avx2())
+  if ((isa == "avx2" || isa == "auto") && conveyor_cpu::cpu_runs("avx2") && conveyor_lora::lora_rows_avx2())
     return conveyor_lora::lora_rows_avx2();
   TORCH_CHECK(isa == "portable" || isa == "auto", "LoRA kernel ISA '", isa, "' is not supported on this CPU");
   return conveyor_lora::lora_rows_portable();
@@ -119,7 +112,7 @@ void lora_add(const at::Tensor& x, at::Tensor& y, const at::Tensor& a_t, at::Ten
 std::vector<std::string> lora_isas() {
   std::vector<std::string> out;
   for (const char* isa : {"avx512", "avx2"})
-    if (cpu_has(isa) && (std::string(isa) == "avx512" ? conveyor_lora::lora_rows_avx512() != nullptr
+    if (conveyor_cpu::cpu_runs(isa) && (std::string(isa) == "avx512" ? conveyor_lora::lora_rows_avx512() != nullptr
                                                       : conveyor_lora::lora_rows_avx2() != nullptr))
       out.emplace_back(isa);
   out.emplace_back("portable");

@@ -25,23 +25,29 @@
 
 #include "cpu_kernels.h"
 
+namespace conveyor_cpu {
+bool cpu_runs(const char* isa) {
+  const std::string name(isa);
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (name == "avx512") return __builtin_cpu_supports("avx512f");
+  if (name == "avx2")
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+  return name == "portable";
+}
+}  // namespace conveyor_cpu
+
 namespace {
 
 using conveyor_cpu::KernelTable;
 
-// Every table this CPU can run, best first: AVX-512 needs avx512f, AVX2 needs
-// avx2, fma and f16c (cpuid, and the OS saving the wider registers: GCC's
-// __builtin_cpu_supports checks both); the portable one runs anywhere.
+// Every table this CPU can run, best first (conveyor_cpu::cpu_runs); the
+// portable one runs anywhere.
 std::vector<const KernelTable*> supported_tables() {
   std::vector<const KernelTable*> out;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && conveyor_cpu::table_avx512())
-    out.push_back(conveyor_cpu::table_avx512());
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-      conveyor_cpu::table_avx2())
-    out.push_back(conveyor_cpu::table_avx2());
-#endif
+  if (conveyor_cpu::cpu_runs("avx512") && conveyor_cpu::table_avx512()) out.push_back(conveyor_cpu::table_avx512());
+  if (conveyor_cpu::cpu_runs("avx2") && conveyor_cpu::table_avx2()) out.push_back(conveyor_cpu::table_avx2());
   out.push_back(conveyor_cpu::table_portable());
   return out;
 }
