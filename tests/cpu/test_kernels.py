@@ -298,6 +298,24 @@ def test_cpu_prefill_kernel_matches_reference(hq, hkv, d, bs, cpu_isa) -> None:
     assert own == (cpu_isa != "portable")
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_cpu_prefill_kernel_moving_max(d, cpu_isa) -> None:
+    """fp32 prefill chunk after a prefix several key tiles long, keys scaled up
+    along their position so every tile raises the running max (the output's
+    rescale, folded into the output GEMM, runs on every tile) and the
+    prefetched next tile is always real. Tolerance: fp32's 1e-5 (relative to
+    the reference's largest magnitude)."""
+    seed = _seed()
+    specs = [(70, 330), (33, 33 + 64 * 3 + 1)]
+    b = Batch(seed, specs, 8, 2, d, 16, torch.float32)
+    for r, (_, seq_len) in enumerate(specs):  # K row at position p times 1 + p / 64
+        pos = torch.arange(seq_len)
+        blocks = b.block_table[r, pos // 16].long()
+        b.cache[blocks, 0, pos % 16] *= (1 + pos / 64).view(-1, 1, 1)
+    out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu, b.seq_lens_cpu, b.scale)
+    _check(out, b.ref(), torch.float32, seed, f"prefill moving max ({cpu_isa}) d={d} specs={specs}")
+
+
 def test_cpu_split_kv_slice_length() -> None:
     """Split only when the batch's keys leave a thread idle: batch 1 at 8k on
     2 threads -> 4 slices of 2048; batch 64 at 256 -> slices of 4096 (none split)."""
