@@ -301,9 +301,9 @@ def test_cpu_prefill_kernel_matches_reference(hq, hkv, d, bs, cpu_isa) -> None:
 @pytest.mark.parametrize("d", [64, 128])
 def test_cpu_prefill_kernel_moving_max(d, cpu_isa) -> None:
     """fp32 prefill chunk after a prefix several key tiles long, keys scaled up
-    along their position so every tile raises the running max (the output's
-    rescale, folded into the output GEMM, runs on every tile) and the
-    prefetched next tile is always real. Tolerance: fp32's 1e-5 (relative to
+    along their position so the running max keeps moving from tile to tile
+    (the output's rescale, folded into the output GEMM, matters) and the
+    kernel prefetches real next tiles. Tolerance: fp32's 1e-5 (relative to
     the reference's largest magnitude)."""
     seed = _seed()
     specs = [(70, 330), (33, 33 + 64 * 3 + 1)]
