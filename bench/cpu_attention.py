@@ -11,11 +11,16 @@ threads as the ceiling; the cpu backend once per kernel table this CPU runs
 it names, `torch` included). Shapes default to bench/offline_throughput.py's 30M Llama (8 query /
 4 KV heads, head size 64, block 16), fp32 (`--dtype bfloat16`: cache and queries in bf16).
 `--no-split` turns split-KV decode off, so one task runs each request (the kernel alone).
+`--prefill CHUNK` times prefill instead: one request's CHUNK-token query chunk after each `--ctx`
+value of cached prefix (the engine's chunked prefill: 2048-token chunks after 0, 2048, 4096,
+6144 keys make an 8k prompt), one layer's cache, the own kernel per table (fp32; the portable
+table and other dtypes run SDPA) against `torch` (ATen's flash SDPA), in GFLOP/s of causal attention.
 
 Usage:
   .venv/bin/python bench/cpu_attention.py                 # one thread, ctx 96/160/256
   .venv/bin/python bench/cpu_attention.py --threads 2 --ctx 512 --isa avx2
   .venv/bin/python bench/cpu_attention.py --batch 1 --ctx 8192 --dtype bfloat16 --isa avx512,avx2
+  .venv/bin/python bench/cpu_attention.py --threads 2 --prefill 2048 --ctx 0,2048,4096,6144
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ def _args() -> argparse.Namespace:
                    help="comma list of kernel tables and/or torch (default: every one this CPU runs, then torch)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--no-split", action="store_true", help="no split-KV decode (part_len 0)")
+    p.add_argument("--prefill", type=int, default=0, help="time a prefill chunk of this many tokens")
     return p.parse_args()
 
 
@@ -63,9 +69,41 @@ def _median_s(fn: Callable[[], None], rounds: int, calls: int) -> float:
     return statistics.median(times)
 
 
+def _prefill(a: argparse.Namespace, names: list[str]) -> None:
+    """One request's a.prefill-token chunk after each --ctx prefix, one layer."""
+    hq, hkv = (int(x) for x in a.heads.split(","))
+    d, bs, n, dt = a.head_size, a.block_size, a.prefill, getattr(torch, a.dtype)
+    rng = np.random.default_rng(0)
+    for prefix in (int(c) for c in a.ctx.split(",")):
+        seq = prefix + n
+        nblk = -(-seq // bs)
+        cache = torch.randn(nblk + 1, 2, bs, hkv, d).to(dt)
+        table = torch.from_numpy(rng.permutation(nblk + 1)[None, :nblk].astype(np.int32))
+        query = torch.randn(n, hq, d).to(dt)
+        qsl, lens = np.array([0, n], dtype=np.int64), np.array([seq], dtype=np.int64)
+        flop = 4 * d * hq * (n * prefix + n * (n + 1) / 2)
+        row = [f"prefix {prefix} + chunk {n}:"]
+        for name in names:
+            if name == "torch":
+                def attend() -> object:
+                    return torch_attention.paged_attention_torch(query, cache, table, qsl, lens, 0.125)
+            else:
+                cpu_attention.select_isa(name)
+
+                def attend() -> object:
+                    return cpu_attention.paged_attention_cpu(query, cache, table, qsl, lens, 0.125)
+            s = _median_s(attend, a.rounds, 1)
+            row.append(f"{name if name == 'torch' else 'cpu/' + name} {s * 1e3:.1f} ms {flop / s / 1e9:.0f} GFLOP/s")
+        print("  ".join(row), flush=True)
+
+
 def main() -> None:
     a = _args()
     torch.set_num_threads(a.threads)
+    if a.prefill:
+        _prefill(a, a.isa.split(",") if a.isa else cpu_attention.supported_isas() + ["torch"])
+        cpu_attention.select_isa("auto")
+        return
     hq, hkv = (int(x) for x in a.heads.split(","))
     d, bs = a.head_size, a.block_size
     dt = getattr(torch, a.dtype)

@@ -230,7 +230,7 @@ def paged_attention_cpu(
     q = query.contiguous()  # the kernels write out with the query's strides
     if plan.num_short:
         ext.paged_attention_short(q, kv_cache, plan.table, *plan.short, float(scale), out, plan.part_len)
-    for r, start, q_len, seq_len in plan.long:  # fp32 on a vector table: own kernel, else SDPA
+    for r, start, q_len, seq_len in plan.long:  # fp32/bf16 on a vector table: own kernel, else SDPA
         if not ext.paged_prefill(q, kv_cache, plan.table[r], start, q_len, seq_len, float(scale), out):
             _prefill_one(query, kv_cache, block_table[r], start, q_len, seq_len, scale, out)
     return out

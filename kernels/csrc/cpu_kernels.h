@@ -94,13 +94,14 @@ struct SiluMulArgs {
 };
 using SiluMulRowsFn = void (*)(const SiluMulArgs&, int64_t lo, int64_t hi);
 
-// One long query chunk of one request (prefill), fp32: query/out [T, Hq, D]
+// One long query chunk of one request (prefill): query/out [T, Hq, D]
 // (strides in s), keys 0..seq_len-1 through `blocks`; query token i sits at
-// position seq_len - q_len + i and sees keys 0..that position.
+// position seq_len - q_len + i and sees keys 0..that position. query, cache
+// and out hold the dtype of the kernel they are passed to (fp32 or bf16).
 struct PrefillArgs {
-  const float* query;
-  const float* cache;
-  float* out;
+  const void* query;
+  const void* cache;
+  void* out;
   const int32_t* blocks;
   float scale;
   Shape s;
@@ -120,7 +121,8 @@ struct KernelTable {
   RmsRowsFn<c10::BFloat16> rms_bf16;
   Int8LinearFn int8_linear;
   SiluMulRowsFn silu_mul;
-  PrefillFn (*prefill_f32)(int64_t dim);  // nullptr: no prefill kernel for this head size (SDPA runs)
+  PrefillFn (*prefill_f32)(int64_t dim);   // nullptr: no prefill kernel for this head size (SDPA runs)
+  PrefillFn (*prefill_bf16)(int64_t dim);  // the same over bf16 query/cache/out (fp32 math)
   int64_t prefill_rows;                   // query tokens per prefill task
   // Floats of scratch one prefill task needs at most (the kernel's own layout).
   int64_t (*prefill_scratch)(int64_t dim, int64_t group);

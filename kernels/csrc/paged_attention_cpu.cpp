@@ -190,18 +190,21 @@ void paged_attention_short(const torch::Tensor& query, const torch::Tensor& kv_c
   });
 }
 
-// One request's long query chunk (prefill), fp32: query/out [T, Hq, D] (D
-// contiguous), blocks int32 [>= ceil(seq_len / block_size)], the chunk's
-// tokens [start, start + q_len) at positions seq_len - q_len + i. Returns false
-// (nothing written) when the active table has no prefill kernel for this
-// head size or dtype: the caller runs SDPA. Tasks (kv head x prefill_rows
-// tokens) go longest first over torch's threads: later tokens see more keys.
+// One request's long query chunk (prefill), fp32 or bf16 (fp32 math):
+// query/out [T, Hq, D] (D contiguous), blocks int32 [>= ceil(seq_len /
+// block_size)], the chunk's tokens [start, start + q_len) at positions
+// seq_len - q_len + i. Returns false (nothing written) when the active table
+// has no prefill kernel for this head size or dtype: the caller runs SDPA.
+// Tasks (kv head x prefill_rows tokens) go longest first over torch's
+// threads: later tokens see more keys.
 bool paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& blocks,
                    int64_t start, int64_t q_len, int64_t seq_len, double scale, torch::Tensor out) {
   const KernelTable& k = active();
-  const conveyor_cpu::PrefillFn fn =
-      query.scalar_type() == torch::kFloat32 && kv_cache.scalar_type() == torch::kFloat32 && kv_cache.dim() == 5
-          ? k.prefill_f32(kv_cache.size(4)) : nullptr;
+  const auto dt = query.scalar_type();
+  const bool same = kv_cache.scalar_type() == dt && out.scalar_type() == dt && kv_cache.dim() == 5;
+  const conveyor_cpu::PrefillFn fn = !same ? nullptr
+      : dt == torch::kFloat32 ? k.prefill_f32(kv_cache.size(4))
+      : dt == torch::kBFloat16 ? k.prefill_bf16(kv_cache.size(4)) : nullptr;
   if (fn == nullptr) return false;
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && out.strides() == query.strides(),
               "query/out [T, Hq, D], D contiguous, same strides");
@@ -210,7 +213,7 @@ bool paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, co
               blocks.numel() * kv_cache.size(2) >= seq_len, "blocks int32 covering seq_len");
   TORCH_CHECK(q_len > 0 && q_len <= seq_len && start + q_len <= query.size(0), "query rows out of range");
   const conveyor_cpu::PrefillArgs a{
-      query.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>(), blocks.data_ptr<int32_t>(),
+      query.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), blocks.data_ptr<int32_t>(),
       static_cast<float>(scale),
       conveyor_cpu::Shape{kv_cache.size(2), kv_cache.size(3), kv_cache.size(4), query.size(1) / kv_cache.size(3),
                           blocks.numel(), query.stride(0), query.stride(1)},
@@ -423,7 +426,7 @@ void set_isa(const std::string& name) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_short", &paged_attention_short, "paged attention for short queries (CPU)");
-  m.def("paged_prefill", &paged_prefill, "paged attention for one long query chunk, fp32 (CPU)");
+  m.def("paged_prefill", &paged_prefill, "paged attention for one long query chunk, fp32 or bf16 (CPU)");
   m.def("write_kv", &write_kv, "store K/V rows at their slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the fused residual add (CPU)");
   m.def("rotary_neox", &rotary_neox, "neox rotary embedding in place, fp32 or bf16 (CPU)");

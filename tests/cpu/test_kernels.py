@@ -282,20 +282,40 @@ def test_cpu_split_kv_matches_reference(dtype, part_len, cpu_isa) -> None:
     _check(out, b.ref(), dtype, seed, f"split-kv ({cpu_isa}) part_len={part_len} specs={specs}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 64, 16), (14, 2, 64, 16), (4, 4, 128, 32), (4, 1, 32, 8)])
-def test_cpu_prefill_kernel_matches_reference(hq, hkv, d, bs, cpu_isa) -> None:
-    """fp32 prefill chunks through the vector tables' own kernel (SDPA on the
-    portable one): chunks spanning several tasks and key tiles, with and
-    without a cached prefix, lengths off every tile edge, GQA groups of 1 to 7."""
+def test_cpu_prefill_kernel_matches_reference(hq, hkv, d, bs, dtype, cpu_isa) -> None:
+    """fp32 and bf16 prefill chunks through the vector tables' own kernel
+    (fp32 math; SDPA on the portable one): chunks spanning several tasks and
+    key tiles, with and without a cached prefix, lengths off every tile edge,
+    GQA groups of 1 to 7. Tolerances: TOL (fp32 1e-5, bf16 1e-2)."""
     seed = _seed()
     rng = np.random.default_rng(seed)
     specs = [(150, 150), (97, 97 + int(rng.integers(1, 120))), (65, 64 + 65), (10, 10), (1, 70)]
-    b = Batch(seed, specs, hq, hkv, d, bs, torch.float32)
+    b = Batch(seed, specs, hq, hkv, d, bs, dtype)
     out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu, b.seq_lens_cpu, b.scale)
-    _check(out, b.ref(), torch.float32, seed, f"prefill ({cpu_isa}) specs={specs}")
+    _check(out, b.ref(), dtype, seed, f"prefill ({cpu_isa}, {dtype}) specs={specs}")
     own = cpu_attention.load_extension().paged_prefill(b.query, b.cache, b.block_table[0].contiguous(), 0, 150,
                                                        150, b.scale, torch.empty_like(b.query))
     assert own == (cpu_isa != "portable")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_cpu_prefill_kernel_moving_max(d, cpu_isa) -> None:
+    """fp32 prefill chunk after a prefix several key tiles long, keys scaled up
+    along their position so the running max keeps moving from tile to tile
+    (the output's rescale, folded into the output GEMM, matters) and the
+    kernel prefetches real next tiles. Tolerance: fp32's 1e-5 (relative to
+    the reference's largest magnitude)."""
+    seed = _seed()
+    specs = [(70, 330), (33, 33 + 64 * 3 + 1)]
+    b = Batch(seed, specs, 8, 2, d, 16, torch.float32)
+    for r, (_, seq_len) in enumerate(specs):  # K row at position p times 1 + p / 64
+        pos = torch.arange(seq_len)
+        blocks = b.block_table[r, pos // 16].long()
+        b.cache[blocks, 0, pos % 16] *= (1 + pos / 64).view(-1, 1, 1)
+    out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu, b.seq_lens_cpu, b.scale)
+    _check(out, b.ref(), torch.float32, seed, f"prefill moving max ({cpu_isa}) d={d} specs={specs}")
 
 
 def test_cpu_split_kv_slice_length() -> None:
