@@ -28,9 +28,15 @@ SMALL_ROWS = 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+# Tables the engine routes decode linears to: measured ahead of oneDNN's
+# packed GEMM there. The portable loops are a reference, far behind oneDNN.
+ENGINE_ISAS = ("avx512bf16", "avx512")
+
+
 def kernel_isa() -> str | None:
-    """The table the op runs now, or None: the extension is not loaded (torch
-    backend, no compiler) and the caller keeps oneDNN. The attention table's
+    """The table the engine's linears use, or None: the extension is not
+    loaded (torch backend, no compiler) or its table is not one of
+    ENGINE_ISAS, and the caller keeps oneDNN. The attention table's
     ``avx512`` takes ``avx512bf16`` where this CPU has it (bf16 weights only;
     fp32 is the same kernel)."""
     ext = cpu_attention.loaded()
@@ -38,8 +44,8 @@ def kernel_isa() -> str | None:
         return None
     isa = str(ext.isa())
     if isa == "avx512" and "avx512bf16" in _supported():
-        return "avx512bf16"
-    return isa
+        isa = "avx512bf16"
+    return isa if isa in ENGINE_ISAS else None
 
 
 _SUPPORTED: list[str] = []
