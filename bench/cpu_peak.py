@@ -13,6 +13,9 @@
    (prefill MFU) and, at M = 1, the weight bytes read per second as a share of
    the measured read bandwidth (decode bandwidth use). Calls at M <= 16 cycle
    through 512 MiB of distinct weights, so the bytes come from DRAM.
+   ``--small-kernel`` loads the CPU extension first, so M <= 16 takes the
+   small-M kernel (kernels/cpu_linear.py) as in the engine; without it every
+   M runs oneDNN (the "before" of that kernel).
 
 The peak loop is checked: objdump must show 12 FMAs in it, and the core clock
 (a chain of dependent 1-cycle adds) turns GFLOP/s into flop per cycle, which
@@ -260,7 +263,7 @@ def _time_linear(k: int, n: int, m: int) -> float:
 
 
 def linears(models: list[str], rows: list[int], peak_all: float, read_bw: float) -> None:
-    print(f"\nlinears, fp32, {torch.get_num_threads()} threads (parallel.layers.linear: oneDNN, packed "
+    print(f"\nlinears, fp32, {torch.get_num_threads()} threads (parallel.layers.linear: packed "
           f"weight); % of the all-core FMA peak {peak_all:.0f} GFLOP/s; at M=1 the weight GB/s read "
           f"as % of the {read_bw:.1f} GB/s read bandwidth")
     for model in models:
@@ -313,6 +316,8 @@ def main() -> None:
     p.add_argument("--rows", default="1,16,64,256,2048")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--int8", action="store_true", help="only the int8-vs-fp32 decode linears (M <= 16)")
+    p.add_argument("--small-kernel", action="store_true",
+                   help="M <= 16 on the small-M kernel (kernels/cpu_linear.py), as the engine runs it")
     a = p.parse_args()
     if a.int8:
         torch.set_num_threads(a.cores)
@@ -332,6 +337,11 @@ def main() -> None:
     best = next(iter(peaks.values()), (0.0, 0.0))
     read_bw = max(bw[f"read x{a.cores}"], bw.get(f"stream-read x{a.cores}", 0.0))
     keep_freed_memory()  # as the engine's cpu backend does: no fresh mmap per output
+    if a.small_kernel:
+        from kernels import cpu_attention, cpu_linear
+
+        cpu_attention.load_extension()
+        print(f"M <= {cpu_linear.SMALL_ROWS}: the small-M kernel, table {cpu_linear.kernel_isa()}")
     linears([m.strip() for m in a.models.split(",")], [int(r) for r in a.rows.split(",")],
             best[1] * a.cores, read_bw)
 

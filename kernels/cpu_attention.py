@@ -59,10 +59,12 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [os.path.join(_CSRC, f) for f in
             ("paged_attention_cpu.cpp", "kernels_portable.cpp", "kernels_avx2.cpp", "kernels_avx512.cpp",
              # multi-LoRA (kernels/lora_cpu.py): its op registers with torch's dispatcher
-             "lora_cpu.cpp", "lora_portable.cpp", "lora_avx2.cpp", "lora_avx512.cpp")]
+             "lora_cpu.cpp", "lora_portable.cpp", "lora_avx2.cpp", "lora_avx512.cpp",
+             # small-M linears (kernels/cpu_linear.py): its op registers with torch's dispatcher
+             "linear_cpu.cpp", "linear_portable.cpp", "linear_avx2.cpp", "linear_avx512.cpp")]
 # Headers the sources include: hashed into the build directory's name.
 _HEADERS = ("cpu_kernels.h", "generic_kernels.inc", "simd_kernels.inc", "simd_prefill.inc", "lora_kernels.h",
-            "lora_simd.inc")
+            "lora_simd.inc", "linear_kernels.h", "linear_simd.inc")
 ISAS = ("auto", "avx512", "avx2", "portable")
 _EXT_NAME = "conveyor_paged_attention_cpu"
 _lock = threading.Lock()

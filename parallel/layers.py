@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_linear
 from parallel import state
 from parallel.state import divide
 
@@ -106,16 +107,35 @@ def onednn_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+def _small_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """The small-M kernel's table for this call (decode-sized fp32/bf16 on CPU
+    with the extension loaded), else None."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > cpu_linear.SMALL_ROWS \
+            or x.dtype not in cpu_linear.DTYPES or w.dtype != x.dtype:
+        return None
+    return cpu_linear.kernel_isa()
+
+
 def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
            b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except fp32 (and bf16 where oneDNN has bf16 kernels) on CPU
-    runs oneDNN with the weight packed once (MKL's sgemm takes a slow path on
+    """F.linear, except on CPU: decode-sized M (<= cpu_linear.SMALL_ROWS, fp32
+    or bf16) runs the small-M kernel over its own packed copy of the weight,
+    and fp32 (and bf16 where oneDNN has bf16 kernels) otherwise runs oneDNN
+    with the weight packed once (MKL's sgemm takes a slow path on
     some CPUs; oneDNN measured ~2x here).
-    The packed copy is keyed by the weight's version, so reloading refreshes it.
+    Each packed copy is keyed by the weight's version, so reloading refreshes it.
     A quantized layer (``workers/layers/quant.py``) runs its own forward."""
     quantized = module.__dict__.get("_quantized_forward")
     if quantized is not None:
         return quantized(x, b)
+    small = _small_isa(x, w)
+    if small is not None:
+        packed = module.__dict__.get("_small_packed")
+        key = (w.data_ptr(), w._version)
+        if packed is None or packed[0] != key:
+            packed = (key, cpu_linear.pack(w))
+            module.__dict__["_small_packed"] = packed
+        return cpu_linear.small_linear(x, packed[1], w.shape[0], b, small)
     if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
             or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and x.shape[0] > _BF16_PACKED_ROWS):
         return F.linear(x, w, b)

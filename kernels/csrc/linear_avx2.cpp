@@ -1,0 +1,49 @@
+// Small-M linears in AVX2 + FMA (raised target for this file's own code only,
+// see cpu_kernels.h): a packed block's 16 columns are two ymm; 5 rows' sums
+// (10 registers) stay in the 16 ymm with the block's (widened) weights and
+// the broadcasts; bf16 weights are widened in registers (fp32 math).
+#include "linear_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <array>
+#include <utility>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace {
+struct V {
+  using Reg = __m256;
+  static constexpr int kWidth = 8;
+  static constexpr int kMaxRows = 5;
+  static Reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Reg r) { _mm256_storeu_ps(p, r); }
+  static Reg zero() { return _mm256_setzero_ps(); }
+  static Reg set1(float f) { return _mm256_set1_ps(f); }
+  static Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static void widen_pairs(const uint32_t* p, Reg& even, Reg& odd) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+
+#include "linear_simd.inc"
+
+const conveyor_linear::LinearTable kTable{"avx2", &linear_blocks<F32>, &linear_blocks<Bf16Wide>, nullptr};
+}  // namespace
+
+#pragma GCC pop_options
+
+namespace conveyor_linear {
+const LinearTable* linear_avx2() { return &kTable; }
+}  // namespace conveyor_linear
+
+#else
+namespace conveyor_linear {
+const LinearTable* linear_avx2() { return nullptr; }
+}  // namespace conveyor_linear
+#endif

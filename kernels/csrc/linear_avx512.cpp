@@ -1,0 +1,97 @@
+// Small-M linears in AVX-512 (raised target for this file's own code only, see
+// cpu_kernels.h): a packed block's 16 columns are one zmm, up to 16 rows' sums
+// stay in registers. A second region adds AVX512_BF16 for bf16 weights:
+// vdpbf16ps multiplies a pair of k per lane, products exact, summed into fp32
+// (the glue checks cpuid before choosing that table).
+#include "linear_kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include <array>
+#include <utility>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+
+namespace {
+struct V {
+  using Reg = __m512;
+  static constexpr int kWidth = 16;
+  static constexpr int kMaxRows = 16;
+  static Reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Reg r) { _mm512_storeu_ps(p, r); }
+  static Reg zero() { return _mm512_setzero_ps(); }
+  static Reg set1(float f) { return _mm512_set1_ps(f); }
+  static Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static void widen_pairs(const uint32_t* p, Reg& even, Reg& odd) {
+    const __m512i v = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+};
+
+#include "linear_simd.inc"
+
+constexpr conveyor_linear::LinearFn kF32 = &linear_blocks<F32>;
+constexpr conveyor_linear::LinearFn kBf16Wide = &linear_blocks<Bf16Wide>;
+const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr};
+}  // namespace
+
+#pragma GCC pop_options
+
+#if defined(__GNUC__) && __GNUC__ >= 10
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,avx2,fma")
+
+namespace {
+namespace dot {
+// bf16 weights and x: rows [m0, m0 + MB) of block nb over k in [k0, k1) (k0,
+// k1 even). Each uint32 of x holds one row's (k, k + 1) bf16 pair, broadcast
+// to all lanes; vdpbf16ps adds both exact products to the lane's fp32 sum.
+template <int MB>
+void bf16_dot_rows(const LinearArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1) {
+  __m512 acc[MB][kNv];
+  float* y = a.y + m0 * a.np + nb * kBlockN;
+  load_sums<MB>(a, y, k0, acc);
+  const uint32_t* w = static_cast<const uint32_t*>(a.w) + (nb * a.k + k0) / 2 * kBlockN;
+  const uint32_t* x = static_cast<const uint32_t*>(a.x) + k0 / 2 * a.m + m0;
+  for (int64_t k = k0; k < k1; k += 2, w += kBlockN, x += a.m) {
+    __builtin_prefetch(w + kAhead);
+    const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
+    for (int i = 0; i < MB; ++i)
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[i]))),
+                                   wv);
+  }
+  store_sums<MB>(a, y, chunk_bias(a, nb, k1), acc);
+}
+
+template <int MB>
+struct Bf16Dot {
+  static constexpr RowsFn fn = &bf16_dot_rows<MB>;
+};
+}  // namespace dot
+
+const conveyor_linear::LinearTable kTableBf16{"avx512bf16", kF32, kBf16Wide, &linear_blocks<dot::Bf16Dot>};
+}  // namespace
+
+#pragma GCC pop_options
+#define CONVEYOR_LINEAR_AVX512BF16 1
+#endif
+
+namespace conveyor_linear {
+const LinearTable* linear_avx512() { return &kTable; }
+#ifdef CONVEYOR_LINEAR_AVX512BF16
+const LinearTable* linear_avx512bf16() { return &kTableBf16; }
+#else
+const LinearTable* linear_avx512bf16() { return nullptr; }
+#endif
+}  // namespace conveyor_linear
+
+#else
+namespace conveyor_linear {
+const LinearTable* linear_avx512() { return nullptr; }
+const LinearTable* linear_avx512bf16() { return nullptr; }
+}  // namespace conveyor_linear
+#endif

@@ -1,0 +1,105 @@
+// The small-M linear CPU op: torch.ops.conveyor_linear.linear (registered with
+// the dispatcher, so the attention glue's pybind module needs no change).
+//
+//   linear(x [M, K], packed, n, bias [n]?, isa) -> y [M, n] of x's dtype
+// x fp32 or bf16, packed = cpu_linear.pack(w [n, K]) of the same dtype, bias
+// any float dtype. Packed blocks are split over torch's threads, each thread
+// one contiguous range. bf16: where the table has vdpbf16ps (avx512bf16) x's
+// pairs go to it as they are; else x is widened to fp32 once and the weights
+// in registers. Sums are fp32; y is rounded to bf16 once, to nearest even.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "linear_kernels.h"
+
+namespace {
+using conveyor_linear::LinearTable;
+
+bool runs_avx512bf16() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return conveyor_cpu::cpu_runs("avx512") && __builtin_cpu_supports("avx512bf16") &&
+         conveyor_linear::linear_avx512bf16() != nullptr;
+#else
+  return false;
+#endif
+}
+
+// The tables this CPU runs, best first: each name with its table.
+std::vector<std::pair<std::string, const LinearTable*>> tables() {
+  std::vector<std::pair<std::string, const LinearTable*>> out;
+  if (runs_avx512bf16()) out.emplace_back("avx512bf16", conveyor_linear::linear_avx512bf16());
+  if (conveyor_cpu::cpu_runs("avx512") && conveyor_linear::linear_avx512())
+    out.emplace_back("avx512", conveyor_linear::linear_avx512());
+  if (conveyor_cpu::cpu_runs("avx2") && conveyor_linear::linear_avx2())
+    out.emplace_back("avx2", conveyor_linear::linear_avx2());
+  out.emplace_back("portable", conveyor_linear::linear_portable());
+  return out;
+}
+
+const LinearTable* pick(const std::string& isa) {
+  static const std::vector<std::pair<std::string, const LinearTable*>> all = tables();
+  if (isa == "auto") return all.front().second;
+  for (const auto& [name, t] : all)
+    if (name == isa) return t;
+  TORCH_CHECK(false, "linear kernel ISA '", isa, "' is not supported on this CPU (best: ", all.front().first, ")");
+}
+
+// Packed blocks per thread below which a call stays on one thread (the
+// fork/join costs more than 16 KiB-ish of weights).
+constexpr int64_t kGrainBlocks = 4;
+
+// x [M, K] as the kernel reads it: x^T fp32 [Kp, M], or for vdpbf16ps x's bf16
+// pairs as int32 [Kp / 2, M]; k past K reads zeros (their weights are zero too).
+at::Tensor x_operand(const at::Tensor& x, int64_t kp, bool pairs) {
+  at::Tensor v = pairs ? x : x.to(at::kFloat);
+  if (kp != x.size(1)) v = at::constant_pad_nd(v, {0, kp - x.size(1)});
+  if (pairs) v = v.contiguous().view(at::kInt);
+  return v.t().contiguous();
+}
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        const c10::optional<at::Tensor>& bias, c10::string_view isa) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "linear: x must be fp32 or bf16 [M, K]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous() && packed.dim() == (bf16 ? 4 : 3) &&
+                  packed.size(2) == conveyor_linear::kBlockN && (!bf16 || packed.size(3) == 2),
+              "linear: packed weight must come from cpu_linear.pack for x's dtype");
+  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(0), np = nb * conveyor_linear::kBlockN;
+  const int64_t kp = bf16 ? 2 * packed.size(1) : packed.size(1);
+  TORCH_CHECK(kp == k + (bf16 ? k % 2 : 0) && n <= np && n > np - conveyor_linear::kBlockN,
+              "linear: packed weight does not match x's K or n");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "linear: bias must have n values");
+  const LinearTable* t = pick(std::string(isa.data(), isa.size()));
+  const bool dot = bf16 && t->bf16_dot != nullptr;
+  const at::Tensor xo = x_operand(x, kp, dot);
+  at::Tensor b;
+  if (bias.has_value()) b = at::constant_pad_nd(bias->to(at::kFloat), {0, np - n}).contiguous();
+  at::Tensor y = at::empty({m, np}, x.options().dtype(at::kFloat));
+  const conveyor_linear::LinearFn fn = !bf16 ? t->f32 : (dot ? t->bf16_dot : t->bf16_wide);
+  const conveyor_linear::LinearArgs a{packed.data_ptr(), xo.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
+                                      y.data_ptr<float>(), m, kp, np};
+  at::parallel_for(0, nb, kGrainBlocks, [&](int64_t lo, int64_t hi) { fn(a, lo, hi); });
+  if (np != n) y = y.narrow(1, 0, n);
+  return bf16 ? y.to(at::kBFloat16) : (np != n ? y.contiguous() : y);
+}
+
+std::vector<std::string> linear_isas() {
+  std::vector<std::string> out;
+  for (const auto& entry : tables()) out.push_back(entry.first);
+  return out;
+}
+}  // namespace
+
+TORCH_LIBRARY(conveyor_linear, m) {
+  m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, str isa) -> Tensor");
+  m.def("supported_isas() -> str[]", &linear_isas);
+}
+
+TORCH_LIBRARY_IMPL(conveyor_linear, CPU, m) { m.impl("linear", &small_linear); }

@@ -1,0 +1,49 @@
+// Small-M linears (decode batches) on CPU over weights packed once.
+//
+// Packed layout (kernels/cpu_linear.py packs it): output columns in blocks of
+// kBlockN = 16, N zero-padded to a multiple of 16 (np).
+//   fp32: block b is [k][16]: per k the block's 16 weights, 64 bytes.
+//   bf16: block b is [k / 2][16][2] (k zero-padded to even): per pair of k the
+//         16 columns' two weights side by side, 64 bytes (vdpbf16ps' operand).
+// A thread's range of blocks is one contiguous stream, read once per call for
+// all rows in address order, and each 64-byte line feeds one vector FMA per
+// row with that row's x broadcast (x^T, so a step's broadcasts share a line).
+// oneDNN's packed GEMM reached half the FMA peak at M = 16 where this reaches
+// 1.3-1.4x its speed (BENCHMARKS.md, "Small-M linears").
+//
+// Built into the CPU attention extension under cpu_kernels.h's rules: each ISA
+// file raises its own target and keeps its code in an anonymous namespace; no
+// torch headers and no allocation here (the glue, linear_cpu.cpp, owns the
+// scratch and the threads).
+#pragma once
+
+#include <cstdint>
+
+namespace conveyor_linear {
+
+constexpr int64_t kBlockN = 16;   // output columns per packed block
+constexpr int64_t kChunkK = 512;  // k per pass of a row block (the chunk's weights stay in L1/L2 for the next rows)
+
+// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for the blocks [lo, hi).
+struct LinearArgs {
+  const void* w;      // packed weights, fp32 or bf16 (above)
+  const void* x;      // fp32 x^T [k][m]; for bf16_dot, x's bf16 pairs as uint32 [k / 2][m]
+  const float* bias;  // [np] or nullptr
+  float* y;           // [m][np], fp32
+  int64_t m, k, np;   // k: even for bf16 (padded)
+};
+using LinearFn = void (*)(const LinearArgs&, int64_t lo, int64_t hi);
+
+struct LinearTable {
+  const char* name;
+  LinearFn f32;        // fp32 weights, fp32 x^T
+  LinearFn bf16_wide;  // bf16 weights widened to fp32 in registers (exact), fp32 x^T: fp32 math
+  LinearFn bf16_dot;   // bf16 weights and x pairs, vdpbf16ps (exact products, fp32 sums); nullptr: none
+};
+
+const LinearTable* linear_portable();
+const LinearTable* linear_avx2();        // nullptr off x86
+const LinearTable* linear_avx512();      // nullptr off x86
+const LinearTable* linear_avx512bf16();  // nullptr off x86 or without compiler support
+
+}  // namespace conveyor_linear

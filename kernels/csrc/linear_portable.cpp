@@ -1,0 +1,49 @@
+// Small-M linears as plain loops for the baseline ISA (any CPU), over the same
+// packed layout and in the same k order per column as the vector paths.
+#include <cstring>
+
+#include "linear_kernels.h"
+
+namespace {
+using conveyor_linear::kBlockN;
+using conveyor_linear::LinearArgs;
+
+// bf16 bits -> fp32 (exact: bf16 is fp32's upper half).
+inline float widen(uint32_t bits16) {
+  const uint32_t u = bits16 << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Weight (k, column c) of block nb.
+template <bool kBf16>
+inline float weight(const LinearArgs& a, int64_t nb, int64_t k, int64_t c) {
+  if constexpr (kBf16) {
+    const uint32_t pair = static_cast<const uint32_t*>(a.w)[(nb * a.k + k) / 2 * kBlockN + c];
+    return widen(k % 2 ? pair >> 16 : pair & 0xFFFFu);
+  } else {
+    return static_cast<const float*>(a.w)[(nb * a.k + k) * kBlockN + c];
+  }
+}
+
+template <bool kBf16>
+void blocks(const LinearArgs& a, int64_t lo, int64_t hi) {
+  const float* x = static_cast<const float*>(a.x);
+  for (int64_t nb = lo; nb < hi; ++nb)
+    for (int64_t i = 0; i < a.m; ++i)
+      for (int64_t c = 0; c < kBlockN; ++c) {
+        float s = 0.f;
+        for (int64_t k = 0; k < a.k; ++k) s += x[k * a.m + i] * weight<kBf16>(a, nb, k, c);
+        const int64_t col = nb * kBlockN + c;
+        a.y[i * a.np + col] = s + (a.bias ? a.bias[col] : 0.f);
+      }
+}
+}  // namespace
+
+namespace conveyor_linear {
+const LinearTable* linear_portable() {
+  static const LinearTable t{"portable", &blocks<false>, &blocks<true>, nullptr};
+  return &t;
+}
+}  // namespace conveyor_linear

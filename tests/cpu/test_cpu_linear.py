@@ -1,0 +1,100 @@
+"""The small-M linear op (kernels/cpu_linear.py) on every kernel table this
+CPU runs, against float64 math, and its use by parallel.layers.linear.
+
+Tolerances, from the standard bound on a sum of K products in fp32 (each
+FMA or add rounds once, relative error u = 2^-24 per operation, in any
+order): |y - exact| <= K * u * sum_k |x_k w_k|. The tests allow twice that
+(the order of the kernel's lane-wise sums differs from any reference's, so
+bit equality is not expected). bf16 weights and inputs are exact in fp32 and
+vdpbf16ps' products are exact, so the same bound holds before the output's
+one rounding to bf16, which adds at most half a bf16 ulp of |y|; the test
+allows one ulp (2^-8 |y|) plus the fp32 bound.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_attention
+
+_U = 2.0 ** -24
+# (M, K, N): a lone row, row-block tails (AVX2 blocks 5 rows), odd K (bf16
+# pairs padded), column counts off the 16-column blocks, the 16-row cap, and a
+# K past one chunk (kChunkK = 512: sums carried through y).
+_CASES = [(1, 64, 48), (3, 45, 7), (8, 96, 50), (13, 131, 33), (16, 32, 3), (7, 1100, 20)]
+
+
+def _ext_or_skip() -> None:
+    if not cpu_attention.available():
+        pytest.skip(f"the CPU kernel did not build: {cpu_attention.build_error()}")
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return 2 * x.shape[1] * _U * (x.double().abs() @ w.double().abs().t())
+
+
+def _case(seed: int, m: int, k: int, n: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(seed)
+    # x a column slice of a wider tensor: rows strided, as a narrowed input.
+    x = torch.randn(m, k + 6, generator=g)[:, 3:k + 3].to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
+def test_small_linear_fp32_matches_float64(isa: str) -> None:
+    _ext_or_skip()
+    from kernels.cpu_linear import pack, small_linear, supported_isas
+
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    for seed, (m, k, n) in enumerate(_CASES):
+        x, w, b = _case(seed, m, k, n, torch.float32)
+        exact = x.double() @ w.double().t() + b.double()
+        for bias in (None, b):
+            y = small_linear(x, pack(w), n, bias, isa)
+            assert y.dtype == torch.float32 and y.shape == (m, n)
+            ref = exact if bias is not None else exact - b.double()
+            err = (y.double() - ref).abs()
+            assert bool((err <= _bound(x, w) + 1e-30).all()), f"{isa} {m}x{k}x{n}: max err {err.max()}"
+        # And F.linear (oneDNN/MKL, its own order) within the sum of both bounds.
+        assert bool(((y - torch.nn.functional.linear(x, w, b)).abs().double() <= 2 * _bound(x, w)).all())
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
+def test_small_linear_bf16_is_fp32_math_rounded_once(isa: str) -> None:
+    _ext_or_skip()
+    from kernels.cpu_linear import pack, small_linear, supported_isas
+
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+    for seed, (m, k, n) in enumerate(_CASES):
+        x, w, b = _case(seed, m, k, n, torch.bfloat16)
+        y = small_linear(x, pack(w), n, b, isa)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        exact = x.double() @ w.double().t() + b.double()
+        err = (y.double() - exact).abs()
+        tol = exact.abs() * 2.0 ** -8 + _bound(x, w)
+        assert bool((err <= tol).all()), f"{isa} {m}x{k}x{n}: max err {err.max()}"
+
+
+def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
+    """parallel.layers.linear: up to SMALL_ROWS rows the op (same bits as a
+    direct call), above it oneDNN; results agree either way."""
+    _ext_or_skip()
+    cpu_attention.load_extension()
+    from kernels.cpu_linear import SMALL_ROWS, kernel_isa, pack, small_linear
+    from parallel.layers import linear
+
+    isa = kernel_isa()
+    assert isa is not None
+    holder = torch.nn.Module()
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 72, generator=g)
+    for m in (1, SMALL_ROWS, SMALL_ROWS + 1):
+        x = torch.randn(m, 72, generator=g)
+        y = linear(holder, x, w)
+        if m <= SMALL_ROWS:
+            assert torch.equal(y, small_linear(x, pack(w), 40, None, isa))
+        assert bool(((y - x @ w.t()).abs().double() <= 2 * _bound(x, w)).all())
