@@ -107,6 +107,18 @@ def onednn_rows(m: int) -> int:
     return -(-m // step) * step
 
 
+def _packed_copy(module: nn.Module, slot: str, w: torch.Tensor,
+                 pack: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``pack(w)``, kept in ``module.__dict__[slot]`` and keyed by the weight's
+    storage and version, so a reload (in place or a new tensor) repacks."""
+    cached = module.__dict__.get(slot)
+    key = (w.data_ptr(), w._version)
+    if cached is None or cached[0] != key:
+        cached = (key, pack(w))
+        module.__dict__[slot] = cached
+    return cached[1]
+
+
 def _small_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """The small-M kernel's table for this call (decode-sized fp32/bf16 on CPU
     with the extension loaded), else None."""
@@ -130,25 +142,18 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
         return quantized(x, b)
     small = _small_isa(x, w)
     if small is not None:
-        packed = module.__dict__.get("_small_packed")
-        key = (w.data_ptr(), w._version)
-        if packed is None or packed[0] != key:
-            packed = (key, cpu_linear.pack(w))
-            module.__dict__["_small_packed"] = packed
-        return cpu_linear.small_linear(x, packed[1], w.shape[0], b, small)
+        packed = _packed_copy(module, "_small_packed", w, cpu_linear.pack)
+        return cpu_linear.small_linear(x, packed, w.shape[0], b, small)
     if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
             or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and x.shape[0] > _BF16_PACKED_ROWS):
         return F.linear(x, w, b)
-    cached = module.__dict__.get("_packed_weight")
-    key = (w.data_ptr(), w._version)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        module.__dict__["_packed_weight"] = cached
+    packed = _packed_copy(module, "_packed_weight", w,
+                          lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
     m = x.shape[0]
     rows = onednn_rows(m)
     if rows != m:
         x = F.pad(x, (0, 0, 0, rows - m))
-    y = torch.ops.mkldnn._linear_pointwise(x, cached[1], b, "none", [None], "")
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [None], "")
     return y if rows == m else y[:m]
 
 
