@@ -33,6 +33,14 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 2 * x.shape[1] * _U * (x.double().abs() @ w.double().abs().t())
 
 
+def _isa_or_skip(isa: str) -> None:
+    _ext_or_skip()
+    from kernels.cpu_linear import supported_isas
+
+    if isa not in supported_isas():
+        pytest.skip(f"this CPU does not run {isa}")
+
+
 def _case(seed: int, m: int, k: int, n: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(seed)
     # x a column slice of a wider tensor: rows strided, as a narrowed input.
@@ -44,11 +52,8 @@ def _case(seed: int, m: int, k: int, n: int, dtype: torch.dtype):
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
 def test_small_linear_fp32_matches_float64(isa: str) -> None:
-    _ext_or_skip()
-    from kernels.cpu_linear import pack, small_linear, supported_isas
-
-    if isa not in supported_isas():
-        pytest.skip(f"this CPU does not run {isa}")
+    _isa_or_skip(isa)
+    from kernels.cpu_linear import pack, small_linear
     for seed, (m, k, n) in enumerate(_CASES):
         x, w, b = _case(seed, m, k, n, torch.float32)
         exact = x.double() @ w.double().t() + b.double()
@@ -64,11 +69,8 @@ def test_small_linear_fp32_matches_float64(isa: str) -> None:
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
 def test_small_linear_bf16_is_fp32_math_rounded_once(isa: str) -> None:
-    _ext_or_skip()
-    from kernels.cpu_linear import pack, small_linear, supported_isas
-
-    if isa not in supported_isas():
-        pytest.skip(f"this CPU does not run {isa}")
+    _isa_or_skip(isa)
+    from kernels.cpu_linear import pack, small_linear
     for seed, (m, k, n) in enumerate(_CASES):
         x, w, b = _case(seed, m, k, n, torch.bfloat16)
         y = small_linear(x, pack(w), n, b, isa)
