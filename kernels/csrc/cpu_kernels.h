@@ -132,10 +132,10 @@ const KernelTable* table_portable();
 const KernelTable* table_avx2();    // nullptr off x86
 const KernelTable* table_avx512();  // nullptr off x86
 
-// Whether this CPU runs code built for `isa` ("avx512": avx512f; "avx2": avx2,
-// fma and f16c; "portable": always), by cpuid and the OS saving the wider
+// Whether this CPU runs code built for `isa` ("avx512": avx512f; "avx512bf16":
+// avx512f and avx512bf16; "avx2": avx2, fma and f16c; "portable": always), by cpuid and the OS saving the wider
 // registers (GCC's __builtin_cpu_supports checks both). Every kernel family
-// (attention tables, multi-LoRA) picks its tables by this one check.
+// (attention tables, multi-LoRA, small-M linears) picks its tables by this one check.
 bool cpu_runs(const char* isa);
 
 }  // namespace conveyor_cpu

@@ -20,20 +20,11 @@
 namespace {
 using conveyor_linear::LinearTable;
 
-bool runs_avx512bf16() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return conveyor_cpu::cpu_runs("avx512") && __builtin_cpu_supports("avx512bf16") &&
-         conveyor_linear::linear_avx512bf16() != nullptr;
-#else
-  return false;
-#endif
-}
-
 // The tables this CPU runs, best first: each name with its table.
 std::vector<std::pair<std::string, const LinearTable*>> tables() {
   std::vector<std::pair<std::string, const LinearTable*>> out;
-  if (runs_avx512bf16()) out.emplace_back("avx512bf16", conveyor_linear::linear_avx512bf16());
+  if (conveyor_cpu::cpu_runs("avx512bf16") && conveyor_linear::linear_avx512bf16())
+    out.emplace_back("avx512bf16", conveyor_linear::linear_avx512bf16());
   if (conveyor_cpu::cpu_runs("avx512") && conveyor_linear::linear_avx512())
     out.emplace_back("avx512", conveyor_linear::linear_avx512());
   if (conveyor_cpu::cpu_runs("avx2") && conveyor_linear::linear_avx2())

@@ -31,6 +31,7 @@ bool cpu_runs(const char* isa) {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (name == "avx512") return __builtin_cpu_supports("avx512f");
+  if (name == "avx512bf16") return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
   if (name == "avx2")
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #endif
