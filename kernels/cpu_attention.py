@@ -32,7 +32,9 @@ The extension is compiled on first use with ``torch.utils.cpp_extension``
 ``~/.cache/torch_extensions``, in a directory named by the hash of the sources,
 headers, flags and torch version: two checkouts with different kernels never
 rebuild over each other, and a process loading one never waits on the other's
-build lock); ``available()`` says whether that worked.
+build lock). A process finding a finished build there imports it directly,
+so a copy of the tree at another path loads the same build instead of
+rebuilding it. ``available()`` says whether that worked.
 """
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ _HEADERS = ("cpu_kernels.h", "generic_kernels.inc", "simd_kernels.inc", "simd_pr
             "lora_simd.inc", "linear_kernels.h", "linear_simd.inc")
 ISAS = ("auto", "avx512", "avx2", "portable")
 _EXT_NAME = "conveyor_paged_attention_cpu"
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_BUILT_MARKER = "built"  # written once a build in that directory has loaded
 _lock = threading.Lock()
 _ext: ModuleType | None = None
 _error: str | None = None
@@ -100,18 +104,50 @@ def load_extension() -> ModuleType:
             raise RuntimeError(_error)
         t0 = time.perf_counter()
         try:
-            _put_ninja_on_path()
-            from torch.utils.cpp_extension import load
-
-            cflags = ["-O3", "-fopenmp", "-ffp-contract=off"]
-            _ext = load(name=_EXT_NAME, sources=_SOURCES, extra_include_paths=[_CSRC],
-                        extra_cflags=cflags, extra_ldflags=["-fopenmp"],
-                        build_directory=_build_directory(cflags), verbose=False)
+            _ext = _import_built(_build_directory(_CFLAGS)) or _build_and_import()
         except Exception as e:  # compiler missing, headers missing, ...
             _error = f"the CPU attention kernel did not build: {type(e).__name__}: {e}"
             raise RuntimeError(_error) from e
         logger.info("CPU attention kernel ready in %.1f s", time.perf_counter() - t0)
         return _ext
+
+
+def _import_built(build_dir: str) -> ModuleType | None:
+    """The extension built earlier from these very sources, headers and flags
+    (the directory is named by their hash), imported without asking torch's
+    builder, or None when no build finished there. torch's builder writes the
+    sources' absolute paths into its build.ninja, so a copy of this tree at
+    another path (a `ray job submit --working-dir` package, a second clone)
+    would rebuild identical code, about a minute of CPU, and the next process
+    of the first tree would rebuild it back."""
+    import importlib.util
+
+    library = os.path.join(build_dir, f"{_EXT_NAME}.so")
+    if not (os.path.exists(os.path.join(build_dir, _BUILT_MARKER)) and os.path.exists(library)):
+        return None
+    spec = importlib.util.spec_from_file_location(_EXT_NAME, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_and_import() -> ModuleType:
+    """Build with torch's builder (under its lock in the build directory),
+    then mark the directory done: the marker is written only after the
+    library loaded, so `_import_built` never opens a half-linked file."""
+    _put_ninja_on_path()
+    from torch.utils.cpp_extension import load
+
+    build_dir = _build_directory(_CFLAGS)
+    module = load(name=_EXT_NAME, sources=_SOURCES, extra_include_paths=[_CSRC], extra_cflags=_CFLAGS,
+                  extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
+    tmp = os.path.join(build_dir, f"{_BUILT_MARKER}.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(f"{_EXT_NAME}.so built from {_CSRC}\n")
+    os.replace(tmp, os.path.join(build_dir, _BUILT_MARKER))
+    return module
 
 
 def _build_directory(cflags: list[str]) -> str:

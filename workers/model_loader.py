@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from parallel.layers import WeightLike, default_weight_loader
+from workers.hf_config import HFConfig, read_hf_config
 from workers.models import get_model_class
 from workers.models.utils import PPMissingLayer
 
@@ -31,10 +32,9 @@ _INDEX = "model.safetensors.index.json"
 _SKIP_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def load_hf_config(model_dir: str) -> Any:
+def load_hf_config(model_dir: str) -> HFConfig:
     """The HF config of a local checkpoint directory (never downloads)."""
-    from transformers import AutoConfig  # heavy import, only where needed
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    return read_hf_config(model_dir)
 
 
 def load_model(model_dir: str, hf_config: Any, dtype: torch.dtype,

@@ -410,6 +410,30 @@ def test_auto_falls_back_to_torch_when_the_kernel_does_not_build(monkeypatch, ca
     assert get_attention_backend("triton", "cpu").name == "triton"  # interpreter is on
 
 
+def test_a_copy_of_the_tree_loads_the_finished_build_without_rebuilding(tmp_path) -> None:
+    """A tree at another path (a Ray job's working dir, a second clone) hashes
+    to the same build directory and imports the library built there; torch's
+    builder would rewrite build.ninja with the copy's paths and rebuild."""
+    import shutil
+    import subprocess
+    import sys
+
+    cpu_attention.load_extension()
+    build_dir = cpu_attention._build_directory(cpu_attention._CFLAGS)
+    ninja_file = os.path.join(build_dir, "build.ninja")
+    before = (os.stat(ninja_file).st_mtime_ns, os.stat(os.path.join(build_dir, cpu_attention._EXT_NAME + ".so")).st_mtime_ns)
+    here = os.path.dirname(os.path.dirname(cpu_attention.__file__))
+    shutil.copytree(os.path.join(here, "kernels"), tmp_path / "kernels")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from kernels import cpu_attention as k; "
+            "assert k.__file__.startswith(sys.argv[1]), k.__file__; print(k.load_extension().isa())")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == cpu_attention.isa()
+    assert (os.stat(ninja_file).st_mtime_ns, os.stat(os.path.join(build_dir, cpu_attention._EXT_NAME + ".so")).st_mtime_ns) == before
+    assert cpu_attention._import_built(str(tmp_path)) is None  # no finished build there
+
+
 # Compiles the real (non-interpreted) kernels for sm_90 in a subprocess: the
 # interpreter does not catch compile-time errors. Integer args equal to 1 are
 # passed as constexpr, as the launcher specialises them.

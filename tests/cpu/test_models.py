@@ -17,6 +17,7 @@ from parallel import state
 from parallel.communication import IntermediateTensors, recv_tensor_dict, send_tensor_dict
 from parallel.layers import QKVParallelLinear, narrow_load
 from parallel.state import divide
+from workers.hf_config import HFConfig
 from workers.layers.attention import find_attention_layers
 from workers.model_loader import load_hf_config, load_model
 from workers.models import get_model_class
@@ -103,9 +104,62 @@ def test_missing_parameter_is_named(tmp_path: Path, ckpts: dict[str, str]) -> No
 def test_registry(ckpts: dict[str, str]) -> None:
     cfg = load_hf_config(ckpts["mistral"])
     assert get_model_class(cfg).__name__ == "LlamaForCausalLM"
-    cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
-        get_model_class(cfg)
+        get_model_class(HFConfig({**cfg.to_dict(), "architectures": ["GPT2LMHeadModel"]}))
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM"}
+
+
+def _what_models_read(c) -> dict:
+    """Every value the model classes, the rotary table and the dtype choice
+    take from an HF config, as they read it."""
+    from workers.layers.rotary import rope_params_from_config
+    from workers.models.llama import head_dim_of
+    from workers.worker import resolve_dtype
+
+    window = getattr(c, "sliding_window", None)
+    base, scaling, rotary_dim = rope_params_from_config(c)
+    scaling = None if scaling is None else {k: v for k, v in scaling.items() if k != "rope_theta"}
+    return {**{k: getattr(c, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "hidden_act", "max_position_embeddings", "rms_norm_eps", "architectures")},
+        "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        "head_dim": head_dim_of(c), "rope": (base, scaling, rotary_dim),
+        "tied": bool(getattr(c, "tie_word_embeddings", False)),
+        "biases": (bool(getattr(c, "attention_bias", False)), bool(getattr(c, "mlp_bias", False))),
+        "window": window if window and getattr(c, "use_sliding_window", True) else None,
+        "dtype": resolve_dtype("auto", c, torch.device("cuda"))}
+
+
+def test_config_reader_reads_what_transformers_reads(ckpts: dict[str, str], tmp_path: Path) -> None:
+    """workers.hf_config (no transformers import in the ranks) against
+    AutoConfig: the tiny checkpoints, each family's class defaults (a
+    config.json with nothing else), a switched-on Qwen2 window and legacy
+    rope keys with Llama-3 scaling."""
+    from transformers import AutoConfig
+
+    dirs = dict(ckpts)
+    extra = {f"bare-{t}": {"model_type": t, "architectures": [a]} for t, a in _ARCH.items()}
+    extra["qwen2-window"] = {"model_type": "qwen2", "architectures": [_ARCH["qwen2"]],
+                             "use_sliding_window": True, "sliding_window": 64, "torch_dtype": "bfloat16"}
+    extra["qwen3-no-head-dim"] = {"model_type": "qwen3", "architectures": [_ARCH["qwen3"]],
+                                  "hidden_size": 64, "num_attention_heads": 4}  # head_dim 128, not 16
+    extra["llama-legacy-rope"] = {"model_type": "llama", "architectures": [_ARCH["llama"]], "rope_theta": 5e5,
+                                  "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0}, "num_key_value_heads": 4}
+    for name, raw in extra.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+        dirs[name] = str(tmp_path / name)
+    for name, path in dirs.items():
+        ours, ref = _what_models_read(load_hf_config(path)), _what_models_read(
+            AutoConfig.from_pretrained(path, local_files_only=True))
+        assert ours == ref, name
+    assert _what_models_read(load_hf_config(dirs["qwen2-window"]))["window"] == 64
+    with pytest.raises(AttributeError):
+        getattr(load_hf_config(dirs["bare-llama"]), "no_such_key")  # noqa: B009 - the access is the test
 
 
 def test_attention_layers_for_kv_allocation(ckpts: dict[str, str]) -> None:
