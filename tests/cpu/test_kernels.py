@@ -551,6 +551,20 @@ def test_cpu_silu_and_mul_bf16_rounds_once(cpu_isa) -> None:
         assert (out != ref).float().mean() < 0.01, f"seed {seed}: more than rare 1-step differences"
 
 
+def test_cpu_silu_and_mul_bf16_tiles_equal_the_fp32_kernel(cpu_isa) -> None:
+    """The bf16 op widens 1024-column tiles into a small scratch: bit for bit
+    the fp32 op on the widened input, rounded once, across several tiles plus
+    a remainder (2085), one tile exactly (1024) and a scalar tail (37), with
+    rows enough to split over the threads."""
+    ext = cpu_attention.load_extension()
+    gen = torch.Generator().manual_seed(_seed())
+    for d in (2085, 1024, 37):
+        x = (torch.randn(67, 2 * d, generator=gen) * 4).to(torch.bfloat16)
+        with torch.inference_mode():
+            out, ref = ext.silu_and_mul(x), ext.silu_and_mul(x.float()).to(torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, ref), d
+
+
 def _rope_case(head: int, rotary_dim: int, dtype: torch.dtype, seed: int) -> tuple:
     from workers.layers.rotary import RotaryEmbedding
 
