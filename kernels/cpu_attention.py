@@ -104,7 +104,8 @@ def load_extension() -> ModuleType:
             raise RuntimeError(_error)
         t0 = time.perf_counter()
         try:
-            _ext = _import_built(_build_directory(_CFLAGS)) or _build_and_import()
+            build_dir = _build_directory(_CFLAGS)
+            _ext = _import_built(build_dir) or _build_and_import(build_dir)
         except Exception as e:  # compiler missing, headers missing, ...
             _error = f"the CPU attention kernel did not build: {type(e).__name__}: {e}"
             raise RuntimeError(_error) from e
@@ -133,14 +134,13 @@ def _import_built(build_dir: str) -> ModuleType | None:
     return module
 
 
-def _build_and_import() -> ModuleType:
+def _build_and_import(build_dir: str) -> ModuleType:
     """Build with torch's builder (under its lock in the build directory),
     then mark the directory done: the marker is written only after the
     library loaded, so `_import_built` never opens a half-linked file."""
     _put_ninja_on_path()
     from torch.utils.cpp_extension import load
 
-    build_dir = _build_directory(_CFLAGS)
     module = load(name=_EXT_NAME, sources=_SOURCES, extra_include_paths=[_CSRC], extra_cflags=_CFLAGS,
                   extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
     tmp = os.path.join(build_dir, f"{_BUILT_MARKER}.{os.getpid()}")
