@@ -309,9 +309,9 @@ class DataParallelClient(ResumeAsks, WarmHandover, PacedDrain, EngineScaling):
     def drain(self, engine: int, timeout_s: float = 60.0) -> int:
         """Route nothing more to `engine`, hand its requests to the others
         (aborted there, resubmitted with their delivered tokens; in waves with
-        parallel.paced_drain, else at once) and return, with how many it held
-        (each moves unless it finishes first), once the engine holds none. It
-        stays idle until undrain(engine)."""
+        parallel.paced_drain, else at once) and return, once the engine holds
+        none and every move is made, how many moved (a request that finished
+        on it before its move does not). It stays idle until undrain(engine)."""
         with self._lock:
             if not 0 <= engine < len(self.clients):
                 raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
@@ -323,20 +323,26 @@ class DataParallelClient(ResumeAsks, WarmHandover, PacedDrain, EngineScaling):
                 raise ValueError(f"engine {engine} is the only one up: no engine to take its requests")
             self.states[engine] = DRAINED
             self.router.engine_down(engine)
+            counted = self.migrations.moved.get((engine, "drain"), 0)
             idle = self._idle[engine] = threading.Event()
             # With prefix caching the new engines compute the contexts first (warm handover).
             par = self.config.parallel
             warm = self.config.cache.enable_prefix_caching and par.warm_drain
-            moved = (self._warm_off(engine) if warm else self._pace_off(engine) if par.paced_drain
-                     else self._move_off(engine, "drain"))
-            if not moved:
+            held = (self._warm_off(engine) if warm else self._pace_off(engine) if par.paced_drain
+                    else self._move_off(engine, "drain"))
+            if not held:
                 idle.set()
-        log.info("draining engine %d: %d requests handed over", engine, moved)
+        log.info("draining engine %d: %d requests to hand over", engine, held)
+        deadline = time.monotonic() + timeout_s
         if not idle.wait(timeout_s):
             raise TimeoutError(f"engine {engine} still holds requests after {timeout_s:g}s")
         with self._lock:
             self._idle.pop(engine, None)
-        return moved
+            # The last moves' answers may still be on their way from the frontend.
+            if not self._wait_answers(engine, deadline - time.monotonic()):
+                raise TimeoutError(f"the frontend did not resume engine {engine}'s requests "
+                                   f"within {timeout_s:g}s")
+            return self.migrations.moved.get((engine, "drain"), 0) - counted
 
     def undrain(self, engine: int) -> None:
         """A drained engine takes requests again (its cache re-indexed from a snapshot)."""

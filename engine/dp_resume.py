@@ -24,6 +24,7 @@ resume(), which takes it.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,8 @@ class ResumeAsks:
     def _init_asks(self: Any) -> None:
         self._asks, self._moving, self._parked = {}, {}, {}
         self._tags = itertools.count()
+        # Notified (under the client's lock) whenever an ask is answered.
+        self._answered = threading.Condition(self._lock)
 
     def _ask(self: Any, ask: Ask, request_ids: list[str]) -> None:
         """Ask the frontend for these requests as delivered so far."""
@@ -109,6 +112,7 @@ class ResumeAsks:
             ask = self._asks.pop(tag, None)
             if ask is None:
                 return
+            self._answered.notify_all()
             if ask.cause == WARM:
                 self._warm_answer(ask.src, requests)
                 return
@@ -132,6 +136,12 @@ class ResumeAsks:
         parked, self._parked = self._parked, {}
         for r, ask in parked.values():
             self._complete_move(r, ask)
+
+    def _wait_answers(self: Any, src: int, timeout_s: float) -> bool:
+        """Under the lock: wait until every ask about engine src's requests
+        is answered (their moves are counted then); False on timeout."""
+        return self._answered.wait_for(
+            lambda: not any(a.src == src for a in self._asks.values()), max(timeout_s, 0.0))
 
     def _end_moves(self: Any, request_ids: list[str]) -> None:
         """Aborted: a move in progress ends here."""

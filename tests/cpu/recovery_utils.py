@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable, Collection
+from typing import Any
 
 import pytest
 
@@ -115,3 +116,27 @@ class FakeFrontend:
             client.resume(call.tag, back)
             n += len(back)
         return n
+
+    def answering(self, client, call: Callable[[], Any]) -> tuple[Any, int]:
+        """call() on its own thread while this one answers the client's asks
+        until it returns, as a real frontend does; (its result, requests sent back)."""
+        import threading
+
+        out: list = []
+
+        def run() -> None:
+            try:
+                out.append((True, call()))
+            except BaseException as e:  # raised again on the caller's thread
+                out.append((False, e))
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        n = 0
+        while t.is_alive():
+            n += self.answer(client)
+            t.join(0.01)
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value, n + self.answer(client)

@@ -143,7 +143,7 @@ def test_engines_added_removed_and_rolled_over_without_engines() -> None:
         assert [len(c.added) for c in dp.clients] == [1, 1, 1]  # the router routes to the new engine
         old = dp.clients[2]  # reports idle once the drain has moved r2 off it
         threading.Timer(0.05, lambda: old.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))).start()
-        assert dp.remove_engine(2) == 1 and front.answer(dp) == 1  # r2 goes back through the frontend
+        assert front.answering(dp, lambda: dp.remove_engine(2)) == (1, 1)  # r2 goes back through the frontend
         assert old.closed and [e["state"] for e in dp.engines()] == ["up", "up", "off"]
         assert sorted(r.request_id for c in dp.clients[:2] for r in c.added) == ["r0", "r1", "r2"]
         assert dp.add_engine() == 2 and dp.engine_count() == 3  # the emptied slot is reused

@@ -261,17 +261,27 @@ def test_loss_moves_delivered_tokens_as_output_tokens_and_drops_late_outputs() -
     # Drain the survivor: nothing is up to take its requests.
     with pytest.raises(ValueError, match="only one up"):
         dp.drain(1 if owner is a else 0)
-    # Drained with requests: they are aborted there, resubmitted, and drain returns on the idle stats.
+    # Drained with requests: they are aborted there and resubmitted; drain
+    # returns how many moved once the engine is idle and the frontend answered.
     dp2, (c, d), front2 = _fake_dp()
     for i in range(4):
         front2.add(dp2, _req(f"q{i}"))
     import threading
-    t = threading.Timer(0.05, lambda: c.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats())))
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(dp2.drain(0, timeout_s=10)))
     t.start()
-    assert dp2.drain(0, timeout_s=10) == 2
+    for _ in range(500):  # the drain asks the frontend for the requests it moves
+        if front2.asks:
+            break
+        threading.Event().wait(0.01)
     on_c = [r.request_id for r in c.added]
     assert len(on_c) == 2 and sorted(c.aborted) == on_c
+    c.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))  # idle, the moves not made yet
+    t.join(0.2)
+    assert t.is_alive() and not got
     assert front2.answer(dp2) == 2
+    t.join(10)
+    assert got == [2]
     assert sorted(r.request_id for r in d.added) == ["q0", "q1", "q2", "q3"]
     dp2.add_request(_req("q4"))
     assert d.added[-1].request_id == "q4"
@@ -298,8 +308,8 @@ def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
     ia = 0 if engines[0].added[0].request_id == "w0" else 1
     a, b = engines[ia], engines[1 - ia]
     a.emit(_out("w0", [7, 8]))
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (dp.drain(ia, timeout_s=10), done.set()))
+    done: list[int] = []
+    t = threading.Thread(target=lambda: done.append(dp.drain(ia, timeout_s=10)))
     t.start()
     for _ in range(500):  # the drain asks the frontend for the contexts to warm
         if front.asks:
@@ -321,7 +331,7 @@ def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
     a.emit(_out("w4", [5], finished=True))
     a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
     t.join(10)
-    assert done.is_set() and sorted(dp.states) == ["dead", "drained"]
+    assert done == [1] and sorted(dp.states) == ["dead", "drained"]  # w0 moved; w2, w4 finished on a
 
 
 def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplog) -> None:
@@ -364,7 +374,7 @@ def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplo
     a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
     t.join(10)
     m = dp.metrics()
-    assert done == [3] and m[f'conveyor:migrations_total{{engine="{ia}",cause="drain"}}'] == 2
+    assert done == [2] and m[f'conveyor:migrations_total{{engine="{ia}",cause="drain"}}'] == 2
     assert m[f'conveyor:migration_reprefill_tokens_total{{engine="{1 - ia}"}}'] == 22 + 21  # nothing cached
     b.emit(_out("w0", [10], finished=True))
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request w0 ")]

@@ -1006,6 +1006,7 @@ def test_32_streams_survive_engine_loss_and_drain(dp_url):
         assert r.status_code == 200, r.text
         assert [e["state"] for e in engines()] == ["up", "up"]
 
+    assert [e["state"] for e in engines()] == ["up", "up"]  # a module-shared app: no drain left over
     probe = asyncio.run(run_streams(dp_url, AUTH, bodies("\x00")[27:]))[0]["choices"][1]["text"]
     stop = probe[len(probe) // 2:len(probe) // 2 + 2]
     assert stop.strip(), probe
