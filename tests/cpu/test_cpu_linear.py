@@ -82,21 +82,65 @@ def test_small_linear_bf16_is_fp32_math_rounded_once(isa: str) -> None:
 
 
 def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
-    """parallel.layers.linear: up to SMALL_ROWS rows the op (same bits as a
-    direct call), above it oneDNN; results agree either way."""
+    """parallel.layers.linear: up to the table's row limit the op (same bits
+    as a direct call), above it oneDNN; results agree either way."""
     _ext_or_skip()
     cpu_attention.load_extension()
-    from kernels.cpu_linear import SMALL_ROWS, kernel_isa, pack, small_linear
+    from kernels.cpu_linear import kernel_isa, max_rows, pack, small_linear
     from parallel.layers import linear
 
     isa = kernel_isa()
-    assert isa is not None
+    if isa is None:
+        pytest.skip(f"the engine keeps oneDNN on the {cpu_attention.isa()} table")
+    lim = max_rows(isa, torch.float32)
     holder = torch.nn.Module()
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 72, generator=g)
-    for m in (1, SMALL_ROWS, SMALL_ROWS + 1):
+    for m in (1, lim, lim + 1):
         x = torch.randn(m, 72, generator=g)
         y = linear(holder, x, w)
-        if m <= SMALL_ROWS:
+        if m <= lim:
             assert torch.equal(y, small_linear(x, pack(w), 40, None, isa))
         assert bool(((y - x @ w.t()).abs().double() <= 2 * _bound(x, w)).all())
+
+
+@pytest.mark.parametrize("table", ["avx512", "avx2"])
+def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
+    """With the attention backend on `table`, parallel.layers.linear runs the
+    small kernel up to max_rows(isa, dtype) rows and oneDNN above: AVX-512 16
+    rows for fp32 and bf16; AVX2 8 fp32 rows (it ties oneDNN at 16) and 16 bf16
+    rows (no packed bf16 oneDNN there)."""
+    _ext_or_skip()
+    if table not in cpu_attention.supported_isas():
+        pytest.skip(f"this CPU does not run {table}")
+    from kernels import cpu_linear
+    from parallel.layers import linear
+
+    calls: list[tuple[int, str]] = []
+    real = cpu_linear.small_linear
+
+    def spy(x, packed, n, b, isa):
+        calls.append((x.shape[0], isa))
+        return real(x, packed, n, b, isa)
+
+    monkeypatch.setattr(cpu_linear, "small_linear", spy)
+    cpu_attention.load_extension()
+    try:
+        cpu_attention.select_isa(table)
+        isa = cpu_linear.kernel_isa()
+        assert isa is not None and isa.startswith(table)
+        want = {torch.float32: 16 if table == "avx512" else 8, torch.bfloat16: 16}
+        g = torch.Generator().manual_seed(3)
+        for dtype, lim in want.items():
+            assert cpu_linear.max_rows(isa, dtype) == lim
+            w = torch.randn(40, 72, generator=g).to(dtype)
+            for m in (1, lim, lim + 1):
+                calls.clear()
+                x = torch.randn(m, 72, generator=g).to(dtype)
+                y = linear(torch.nn.Module(), x, w)
+                assert calls == ([(m, isa)] if m <= lim else []), (dtype, m)
+                ref = x.double() @ w.double().t()
+                tol = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 0) + 2 * _bound(x, w)
+                assert bool(((y.double() - ref).abs() <= tol).all()), (dtype, m)
+    finally:
+        cpu_attention.select_isa("auto")
