@@ -24,6 +24,16 @@ struct V {
   static Reg set1(float f) { return _mm256_set1_ps(f); }
   static Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static void store_bf16(uint16_t* p, Reg r) {
+    const __m256i u = _mm256_castps_si256(r);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i b = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+    b = _mm256_blendv_epi8(b, _mm256_set1_epi32(0x7FC0), nan);
+    // Each value fits 16 bits: the unsigned-saturating pack keeps it.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+  }
   static void widen_pairs(const uint32_t* p, Reg& even, Reg& odd) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));

@@ -25,6 +25,13 @@ struct V {
   static Reg set1(float f) { return _mm512_set1_ps(f); }
   static Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static void store_bf16(uint16_t* p, Reg r) {
+    const __m512i u = _mm512_castps_si512(r);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
+  }
   static void widen_pairs(const uint32_t* p, Reg& even, Reg& odd) {
     const __m512i v = _mm512_loadu_si512(p);
     even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -64,7 +71,7 @@ void bf16_dot_rows(const LinearArgs& a, int64_t nb, int64_t m0, int64_t k0, int6
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[i]))),
                                    wv);
   }
-  store_sums<MB>(a, y, chunk_bias(a, nb, k1), acc);
+  store_sums<MB>(a, nb, m0, k1, acc);
 }
 
 template <int MB>

@@ -6,11 +6,14 @@
 // any float dtype. Packed blocks are split over torch's threads, each thread
 // one contiguous range. bf16: where the table has vdpbf16ps (avx512bf16) x's
 // pairs go to it as they are; else x is widened to fp32 once and the weights
-// in registers. Sums are fp32; y is rounded to bf16 once, to nearest even.
+// in registers. Sums are fp32; a bf16 y is rounded once, to nearest even, by
+// the kernel as it stores the last chunk.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -45,13 +48,50 @@ const LinearTable* pick(const std::string& isa) {
 // fork/join costs more than 16 KiB-ish of weights).
 constexpr int64_t kGrainBlocks = 4;
 
-// x [M, K] as the kernel reads it: x^T fp32 [Kp, M], or for vdpbf16ps x's bf16
-// pairs as int32 [Kp / 2, M]; k past K reads zeros (their weights are zero too).
+// x [M, K] (any strides) as the kernel reads it: x^T fp32 [kp][m] (bf16 x
+// widened, exact), or for vdpbf16ps x's bf16 pairs as uint32 [kp / 2][m]; k
+// past K reads zeros (their weights are zero too). Written here rather than
+// as torch ops: the transpose and casts cost ~15-30 us a call through
+// TensorIterator, more than the kernel at small N. Tiles of kTile k keep the
+// rows' source lines and the destination lines in L1 together.
+constexpr int64_t kTile = 16;
+
+template <typename T, typename F>
+void transpose_into(const at::Tensor& x, int64_t cols, T* dst, F value) {
+  const int64_t m = x.size(0);
+  for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+    const int64_t c1 = std::min(c0 + kTile, cols);
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = c0; c < c1; ++c) dst[c * m + i] = value(i, c);
+  }
+}
+
 at::Tensor x_operand(const at::Tensor& x, int64_t kp, bool pairs) {
-  at::Tensor v = pairs ? x : x.to(at::kFloat);
-  if (kp != x.size(1)) v = at::constant_pad_nd(v, {0, kp - x.size(1)});
-  if (pairs) v = v.contiguous().view(at::kInt);
-  return v.t().contiguous();
+  const int64_t m = x.size(0), k = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
+  if (pairs) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    at::Tensor out = at::empty({kp / 2, m}, x.options().dtype(at::kInt));
+    transpose_into(x, kp / 2, reinterpret_cast<uint32_t*>(out.data_ptr()), [&](int64_t i, int64_t c) {
+      const uint16_t* r = src + i * s0 + 2 * c * s1;
+      return static_cast<uint32_t>(r[0]) | (2 * c + 1 < k ? static_cast<uint32_t>(r[s1]) << 16 : 0u);
+    });
+    return out;
+  }
+  at::Tensor out = at::empty({kp, m}, x.options().dtype(at::kFloat));
+  float* dst = out.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat) {
+    const float* src = x.data_ptr<float>();
+    transpose_into(x, kp, dst, [&](int64_t i, int64_t c) { return c < k ? src[i * s0 + c * s1] : 0.f; });
+  } else {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    transpose_into(x, kp, dst, [&](int64_t i, int64_t c) {
+      const uint32_t u = c < k ? static_cast<uint32_t>(src[i * s0 + c * s1]) << 16 : 0u;
+      float f;
+      std::memcpy(&f, &u, sizeof f);
+      return f;
+    });
+  }
+  return out;
 }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
@@ -72,13 +112,16 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const at::Tensor xo = x_operand(x, kp, dot);
   at::Tensor b;
   if (bias.has_value()) b = at::constant_pad_nd(bias->to(at::kFloat), {0, np - n}).contiguous();
+  // bf16: the kernel rounds the last chunk's sums into yb; y holds partial sums.
   at::Tensor y = at::empty({m, np}, x.options().dtype(at::kFloat));
+  at::Tensor yb = bf16 ? at::empty({m, np}, x.options()) : at::Tensor();
   const conveyor_linear::LinearFn fn = !bf16 ? t->f32 : (dot ? t->bf16_dot : t->bf16_wide);
   const conveyor_linear::LinearArgs a{packed.data_ptr(), xo.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
-                                      y.data_ptr<float>(), m, kp, np};
+                                      y.data_ptr<float>(),
+                                      bf16 ? reinterpret_cast<uint16_t*>(yb.data_ptr()) : nullptr, m, kp, np};
   at::parallel_for(0, nb, kGrainBlocks, [&](int64_t lo, int64_t hi) { fn(a, lo, hi); });
-  if (np != n) y = y.narrow(1, 0, n);
-  return bf16 ? y.to(at::kBFloat16) : (np != n ? y.contiguous() : y);
+  at::Tensor out = bf16 ? yb : y;
+  return np != n ? out.narrow(1, 0, n).contiguous() : out;
 }
 
 std::vector<std::string> linear_isas() {

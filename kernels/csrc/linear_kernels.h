@@ -29,9 +29,19 @@ struct LinearArgs {
   const void* w;      // packed weights, fp32 or bf16 (above)
   const void* x;      // fp32 x^T [k][m]; for bf16_dot, x's bf16 pairs as uint32 [k / 2][m]
   const float* bias;  // [np] or nullptr
-  float* y;           // [m][np], fp32
+  float* y;           // [m][np], fp32: the sums (between k chunks: partial ones)
+  uint16_t* yb;       // [m][np] bf16, or nullptr: the last chunk's sums go here, rounded once
   int64_t m, k, np;   // k: even for bf16 (padded)
 };
+
+// fp32 -> bf16 bits, round to nearest even (NaN -> a quiet NaN), as torch's
+// scalar conversion; the vector tables round the same way.
+inline uint16_t round_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 using LinearFn = void (*)(const LinearArgs&, int64_t lo, int64_t hi);
 
 struct LinearTable {

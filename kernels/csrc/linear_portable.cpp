@@ -36,7 +36,11 @@ void blocks(const LinearArgs& a, int64_t lo, int64_t hi) {
         float s = 0.f;
         for (int64_t k = 0; k < a.k; ++k) s += x[k * a.m + i] * weight<kBf16>(a, nb, k, c);
         const int64_t col = nb * kBlockN + c;
-        a.y[i * a.np + col] = s + (a.bias ? a.bias[col] : 0.f);
+        const float out = s + (a.bias ? a.bias[col] : 0.f);
+        if (a.yb)
+          a.yb[i * a.np + col] = conveyor_linear::round_bf16(out);
+        else
+          a.y[i * a.np + col] = out;
       }
 }
 }  // namespace

@@ -81,6 +81,35 @@ def test_small_linear_bf16_is_fp32_math_rounded_once(isa: str) -> None:
         assert bool((err <= tol).all()), f"{isa} {m}x{k}x{n}: max err {err.max()}"
 
 
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
+def test_small_linear_bf16_output_rounds_as_torch(isa: str) -> None:
+    """The kernel rounds its bf16 output itself: with x = 0 the output is the
+    fp32 bias rounded once, bit for bit torch's rounding (nearest, ties to
+    even both ways, overflow to inf, denormals), NaN stays NaN; the
+    wide tables' bf16 output is their fp32 result rounded, bit for bit."""
+    _isa_or_skip(isa)
+    from kernels.cpu_linear import pack, small_linear
+    one = 1.0
+    ties = [one + 2.0 ** -8, one + 3 * 2.0 ** -8, -(one + 2.0 ** -8), 3.0 + 2.0 ** -7]
+    near = [one + 2.0 ** -8 + 2.0 ** -20, one + 2.0 ** -8 - 2.0 ** -20, 1e-40, -3e-39, 3.4e38,
+            float("inf"), -float("inf"), 65504.0, 1e-3]
+    bias = torch.tensor(ties + near + [float("nan")] * 3, dtype=torch.float32)
+    n = bias.numel()
+    w = torch.randn(n, 32, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    for m in (1, 7, 16):
+        y = small_linear(torch.zeros(m, 32, dtype=torch.bfloat16), pack(w), n, bias, isa)
+        want = bias.to(torch.bfloat16).expand(m, n)
+        nan = torch.isnan(want)
+        assert bool(torch.isnan(y)[nan].all())
+        assert torch.equal(y[~nan].view(torch.int16), want[~nan].view(torch.int16)), isa
+    if isa == "avx512bf16":
+        return  # vdpbf16ps sums pairs its own way: no fp32 twin
+    for seed, (m, k, n) in enumerate(_CASES):
+        x, w, b = _case(seed, m, k, n, torch.bfloat16)
+        y = small_linear(x, pack(w), n, b, isa)
+        y32 = small_linear(x.float(), pack(w.float()), n, b.float(), isa)
+        assert torch.equal(y.view(torch.int16), y32.to(torch.bfloat16).view(torch.int16)), (isa, m, k, n)
+
 def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
     """parallel.layers.linear: up to the table's row limit the op (same bits
     as a direct call), above it oneDNN; results agree either way."""
