@@ -135,7 +135,8 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     or bf16) runs the small-M kernel over its own packed copy of the weight,
     and fp32 (and bf16 where oneDNN has bf16 kernels) otherwise runs oneDNN
     with the weight packed once (MKL's sgemm takes a slow path on
-    some CPUs; oneDNN measured ~2x here).
+    some CPUs; oneDNN measured ~2x here); bf16 where oneDNN has no bf16
+    kernels runs fp32 oneDNN over an fp32 packed copy (bf16 storage, fp32 math).
     Each packed copy is keyed by the weight's version, so reloading refreshes it.
     A quantized layer (``workers/layers/quant.py``) runs its own forward."""
     quantized = module.__dict__.get("_quantized_forward")
@@ -145,11 +146,29 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     if small is not None:
         packed = _packed_copy(module, "_small_packed", w, cpu_linear.pack)
         return cpu_linear.small_linear(x, packed, w.shape[0], b, small)
+    if _widened_bf16(x, w):
+        # bf16 storage, fp32 math: oneDNN has no bf16 kernels on this CPU, and
+        # F.linear's bf16 path ran 4-5x slower than fp32 at 8-16 rows (AVX2).
+        packed = _packed_copy(module, "_packed_weight_f32", w,
+                              lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None))
+        return _onednn(x.float(), packed, b.float() if b is not None else None).to(torch.bfloat16)
     if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
             or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and x.shape[0] > _BF16_PACKED_ROWS):
         return F.linear(x, w, b)
     packed = _packed_copy(module, "_packed_weight", w,
                           lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+    return _onednn(x, packed, b)
+
+
+def _widened_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """A bf16 linear on a CPU whose oneDNN has no bf16 kernels (AVX2): it runs
+    fp32 oneDNN over an fp32 packed copy of the weight, the output rounded once."""
+    return (_ONEDNN and torch.bfloat16 not in _PACKED_DTYPES and x.device.type == "cpu" and x.dim() == 2
+            and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16)
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over a packed weight, rows bucketed (onednn_rows)."""
     m = x.shape[0]
     rows = onednn_rows(m)
     if rows != m:

@@ -348,3 +348,31 @@ def test_onednn_linear_buckets_rows_and_matches_f_linear():
     torch.testing.assert_close(y.float(), F.linear(xb, wb, bb).float(), rtol=2e-2, atol=2e-2)
     packed = torch.bfloat16 in layers._PACKED_DTYPES and not layers._AMX
     assert ("_packed_weight" in bmod.__dict__) == packed
+
+
+def test_bf16_linear_without_onednn_bf16_runs_fp32_math(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN has no bf16 kernels (AVX2: emulated by dropping bf16 from
+    the packed dtypes), a bf16 linear above the small kernel's rows runs fp32
+    oneDNN over an fp32 packed copy: bit for bit that product rounded once to
+    bf16; a reloaded weight is packed again."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    from parallel import layers
+
+    monkeypatch.setattr(layers, "_PACKED_DTYPES", (torch.float32,))
+    g = torch.Generator().manual_seed(11)
+    mod, w, b = torch.nn.Module(), torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, generator=g)
+    for m in (17, 65, 300):
+        x = torch.randn(m, 40, generator=g).bfloat16()
+        y = layers.linear(mod, x, w, b.bfloat16())
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.float(), None)
+        rows = layers.onednn_rows(m)
+        want = torch.ops.mkldnn._linear_pointwise(torch.nn.functional.pad(x.float(), (0, 0, 0, rows - m)), packed,
+                                                  b.bfloat16().float(), "none", [None], "")[:m]
+        assert y.dtype == torch.bfloat16 and torch.equal(y, want.to(torch.bfloat16)), m
+    assert "_packed_weight_f32" in mod.__dict__ and "_packed_weight" not in mod.__dict__
+    w.mul_(2)  # in place, as a reload: the fp32 copy follows the weight's version
+    x = torch.randn(20, 40, generator=g).bfloat16()
+    want = torch.ops.mkldnn._linear_pointwise(x.float(), torch.ops.mkldnn._reorder_linear_weight(w.float(), None),
+                                              None, "none", [None], "")
+    assert torch.equal(layers.linear(mod, x, w, None), want.to(torch.bfloat16))
