@@ -290,6 +290,7 @@ def int8_decode(models: list[str], rows: list[int]) -> None:
     """Weight-only int8 (workers/layers/quant.py) against the fp32 linear at
     decode-sized M: the per-layer linears' time and speedup."""
     from kernels import cpu_attention
+    from kernels.cpu_linear import pack
     from workers.layers.quant import int8_linear, quantize_int8
 
     cpu_attention.load_extension()
@@ -303,9 +304,10 @@ def int8_decode(models: list[str], rows: list[int]) -> None:
                     continue
                 w, x = torch.randn(n, k) * 0.02, torch.randn(m, k)
                 q, scale = quantize_int8(w)
+                packed = pack(q)
                 with torch.inference_mode():
                     t32 += _median_s(lambda: linear(holder, x, w), 10)
-                    t8 += _median_s(lambda: int8_linear(x, None, q=q, scale=scale), 10)
+                    t8 += _median_s(lambda: int8_linear(x, None, packed=packed, scale=scale), 10)
             print(f"  {model:5} M={m:<3} layer linears fp32 {t32 * 1e3:.3f} ms, int8 {t8 * 1e3:.3f} ms: "
                   f"{t32 / t8:.2f}x")
 

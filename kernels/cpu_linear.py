@@ -81,8 +81,8 @@ BLOCK_N = 16  # output columns per packed block (linear_kernels.h kBlockN)
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] fp32 -> [ceil(N/16), K, 16]; bf16 -> [ceil(N/16), ceil(K/2), 16, 2]
-    (pairs of k side by side, vdpbf16ps' operand). Padding is zeros."""
+    """w [N, K] fp32 or int8 -> [ceil(N/16), K, 16]; bf16 -> [ceil(N/16),
+    ceil(K/2), 16, 2] (pairs of k side by side, vdpbf16ps' operand). Padding is zeros."""
     n, k = w.shape
     np_, kp = -(-n // BLOCK_N) * BLOCK_N, k + (k % 2 if w.dtype == torch.bfloat16 else 0)
     w = torch.nn.functional.pad(w.detach(), (0, kp - k, 0, np_ - n))
@@ -96,3 +96,15 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor 
     """x [M, K] @ w[n, K]^T (+ b) with ``packed = pack(w)``: fp32 or bf16 (x
     and w alike); fp32 sums, a bf16 output rounded once."""
     return torch.ops.conveyor_linear.linear(x, packed, n, b, isa)
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """pack's inverse for fp32/int8: [N/16, K, 16] -> w [n, K] (a view's copy)."""
+    return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
+
+
+def small_linear_i8(x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
+                    b: torch.Tensor | None, isa: str) -> torch.Tensor:
+    """Weight-only int8: x [M, K] fp32 @ (q * scale[:, None])^T (+ b) with
+    ``packed = pack(q)``; fp32 sums times the column's scale, fp32 out."""
+    return torch.ops.conveyor_linear.linear_i8(x, packed, n, scale, b, isa)

@@ -74,18 +74,6 @@ struct RmsArgs {
 template <typename T>
 using RmsRowsFn = void (*)(const RmsArgs<T>&, int64_t lo, int64_t hi);
 
-// Weight-only int8 linear over output columns [lo, hi): y[m, n] =
-// scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]); x [m, k] fp32, w [n, k] int8.
-struct Int8LinearArgs {
-  const float* x;
-  const int8_t* w;
-  const float* scale;
-  const float* bias;  // nullptr: none
-  float* y;           // [m, n]
-  int64_t m, k, n;
-};
-using Int8LinearFn = void (*)(const Int8LinearArgs&, int64_t lo, int64_t hi);
-
 // silu(gate) * up over rows [lo, hi) of fp32 x [T, 2d] = [gate | up] -> out [T, d].
 struct SiluMulArgs {
   const float* x;
@@ -119,7 +107,6 @@ struct KernelTable {
   RmsRowsFn<float> rms_f32;
   RmsRowsFn<c10::Half> rms_f16;
   RmsRowsFn<c10::BFloat16> rms_bf16;
-  Int8LinearFn int8_linear;
   SiluMulRowsFn silu_mul;
   PrefillFn (*prefill_f32)(int64_t dim);   // nullptr: no prefill kernel for this head size (SDPA runs)
   PrefillFn (*prefill_bf16)(int64_t dim);  // the same over bf16 query/cache/out (fp32 math)

@@ -79,9 +79,6 @@ inline Vec vload_row(const c10::BFloat16* p) {
 inline Vec vload_row(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline Vec vload_i8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 
 // A head's K/V row as fp32 in L1 (16 ymm registers cannot hold a 128-wide
 // row and the query): a float cache is read in place; bf16/fp16 rows are

@@ -63,9 +63,6 @@ inline Vec vload_row(const c10::BFloat16* p) {
 inline Vec vload_row(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline Vec vload_i8(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 
 // A head's K/V row held in NV registers (32 zmm: room for a 128-wide row).
 template <typename T, int NV>

@@ -19,7 +19,7 @@ const KernelTable* table_portable() {
   static const KernelTable t{"portable", &attend_f32, &attend_generic<c10::Half>,
                              &attend_generic<c10::BFloat16>, &rotary_rows_generic, &rms_rows<float>,
                              &rms_rows<c10::Half>, &rms_rows<c10::BFloat16>,
-                             &int8_linear_generic, &silu_mul_rows_generic, &no_prefill, &no_prefill, 0,
+                             &silu_mul_rows_generic, &no_prefill, &no_prefill, 0,
                              &no_scratch};
   return &t;
 }

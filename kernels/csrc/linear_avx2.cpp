@@ -24,6 +24,10 @@ struct V {
   static Reg set1(float f) { return _mm256_set1_ps(f); }
   static Reg fma(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
   static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg widen_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
   static void store_bf16(uint16_t* p, Reg r) {
     const __m256i u = _mm256_castps_si256(r);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -43,7 +47,8 @@ struct V {
 
 #include "linear_simd.inc"
 
-const conveyor_linear::LinearTable kTable{"avx2", &linear_blocks<F32>, &linear_blocks<Bf16Wide>, nullptr};
+const conveyor_linear::LinearTable kTable{"avx2", &linear_blocks<F32>, &linear_blocks<Bf16Wide>, nullptr,
+                                          &linear_blocks<I8>};
 }  // namespace
 
 #pragma GCC pop_options

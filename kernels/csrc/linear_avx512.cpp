@@ -25,6 +25,10 @@ struct V {
   static Reg set1(float f) { return _mm512_set1_ps(f); }
   static Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
   static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg widen_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
   static void store_bf16(uint16_t* p, Reg r) {
     const __m512i u = _mm512_castps_si512(r);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -43,7 +47,8 @@ struct V {
 
 constexpr conveyor_linear::LinearFn kF32 = &linear_blocks<F32>;
 constexpr conveyor_linear::LinearFn kBf16Wide = &linear_blocks<Bf16Wide>;
-const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr};
+constexpr conveyor_linear::LinearFn kI8 = &linear_blocks<I8>;
+const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr, kI8};
 }  // namespace
 
 #pragma GCC pop_options
@@ -80,7 +85,7 @@ struct Bf16Dot {
 };
 }  // namespace dot
 
-const conveyor_linear::LinearTable kTableBf16{"avx512bf16", kF32, kBf16Wide, &linear_blocks<dot::Bf16Dot>};
+const conveyor_linear::LinearTable kTableBf16{"avx512bf16", kF32, kBf16Wide, &linear_blocks<dot::Bf16Dot>, kI8};
 }  // namespace
 
 #pragma GCC pop_options

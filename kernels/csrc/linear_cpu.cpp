@@ -94,6 +94,34 @@ at::Tensor x_operand(const at::Tensor& x, int64_t kp, bool pairs) {
   return out;
 }
 
+// A per-column vector (bias, scale) as fp32 [np], zeros past n; undefined if absent.
+at::Tensor padded(const c10::optional<at::Tensor>& v, int64_t n, int64_t np, const char* what) {
+  if (!v.has_value()) return at::Tensor();
+  TORCH_CHECK(v->numel() == n, "linear: ", what, " must have n values");
+  return at::constant_pad_nd(v->to(at::kFloat).reshape({n}), {0, np - n}).contiguous();
+}
+
+// Weight-only int8: y = (x @ q^T) * scale (+ bias), x fp32 [M, K], packed =
+// cpu_linear.pack(q [n, K] int8), scale fp32 [n]; fp32 sums, fp32 y.
+at::Tensor small_linear_i8(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& scale,
+                           const c10::optional<at::Tensor>& bias, c10::string_view isa) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_i8: x must be fp32 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(2) == conveyor_linear::kBlockN,
+              "linear_i8: packed weight must come from cpu_linear.pack of an int8 weight");
+  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(0), np = nb * conveyor_linear::kBlockN;
+  TORCH_CHECK(packed.size(1) == k && n <= np && n > np - conveyor_linear::kBlockN,
+              "linear_i8: packed weight does not match x's K or n");
+  const LinearTable* t = pick(std::string(isa.data(), isa.size()));
+  const at::Tensor xo = x_operand(x, k, false);
+  const at::Tensor b = padded(bias, n, np, "bias"), sc = padded(scale, n, np, "scale");
+  at::Tensor y = at::empty({m, np}, x.options());
+  const conveyor_linear::LinearArgs a{packed.data_ptr(), xo.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
+                                      y.data_ptr<float>(), nullptr, sc.data_ptr<float>(), m, k, np};
+  at::parallel_for(0, nb, kGrainBlocks, [&](int64_t lo, int64_t hi) { t->i8(a, lo, hi); });
+  return np != n ? y.narrow(1, 0, n).contiguous() : y;
+}
+
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                         const c10::optional<at::Tensor>& bias, c10::string_view isa) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -106,19 +134,18 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   const int64_t kp = bf16 ? 2 * packed.size(1) : packed.size(1);
   TORCH_CHECK(kp == k + (bf16 ? k % 2 : 0) && n <= np && n > np - conveyor_linear::kBlockN,
               "linear: packed weight does not match x's K or n");
-  TORCH_CHECK(!bias.has_value() || bias->numel() == n, "linear: bias must have n values");
   const LinearTable* t = pick(std::string(isa.data(), isa.size()));
   const bool dot = bf16 && t->bf16_dot != nullptr;
   const at::Tensor xo = x_operand(x, kp, dot);
-  at::Tensor b;
-  if (bias.has_value()) b = at::constant_pad_nd(bias->to(at::kFloat), {0, np - n}).contiguous();
+  const at::Tensor b = padded(bias, n, np, "bias");
   // bf16: the kernel rounds the last chunk's sums into yb; y holds partial sums.
   at::Tensor y = at::empty({m, np}, x.options().dtype(at::kFloat));
   at::Tensor yb = bf16 ? at::empty({m, np}, x.options()) : at::Tensor();
   const conveyor_linear::LinearFn fn = !bf16 ? t->f32 : (dot ? t->bf16_dot : t->bf16_wide);
   const conveyor_linear::LinearArgs a{packed.data_ptr(), xo.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
                                       y.data_ptr<float>(),
-                                      bf16 ? reinterpret_cast<uint16_t*>(yb.data_ptr()) : nullptr, m, kp, np};
+                                      bf16 ? reinterpret_cast<uint16_t*>(yb.data_ptr()) : nullptr, nullptr,
+                                      m, kp, np};
   at::parallel_for(0, nb, kGrainBlocks, [&](int64_t lo, int64_t hi) { fn(a, lo, hi); });
   at::Tensor out = bf16 ? yb : y;
   return np != n ? out.narrow(1, 0, n).contiguous() : out;
@@ -133,7 +160,11 @@ std::vector<std::string> linear_isas() {
 
 TORCH_LIBRARY(conveyor_linear, m) {
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, str isa) -> Tensor");
+  m.def("linear_i8(Tensor x, Tensor packed, int n, Tensor scale, Tensor? bias, str isa) -> Tensor");
   m.def("supported_isas() -> str[]", &linear_isas);
 }
 
-TORCH_LIBRARY_IMPL(conveyor_linear, CPU, m) { m.impl("linear", &small_linear); }
+TORCH_LIBRARY_IMPL(conveyor_linear, CPU, m) {
+  m.impl("linear", &small_linear);
+  m.impl("linear_i8", &small_linear_i8);
+}

@@ -5,6 +5,8 @@
 //   fp32: block b is [k][16]: per k the block's 16 weights, 64 bytes.
 //   bf16: block b is [k / 2][16][2] (k zero-padded to even): per pair of k the
 //         16 columns' two weights side by side, 64 bytes (vdpbf16ps' operand).
+//   int8: block b is [k][16] as fp32, 16 bytes per k (weight-only int8: the
+//         sums times a per-column scale are the output).
 // A thread's range of blocks is one contiguous stream, read once per call for
 // all rows in address order, and each 64-byte line feeds one vector FMA per
 // row with that row's x broadcast (x^T, so a step's broadcasts share a line).
@@ -31,6 +33,8 @@ struct LinearArgs {
   const float* bias;  // [np] or nullptr
   float* y;           // [m][np], fp32: the sums (between k chunks: partial ones)
   uint16_t* yb;       // [m][np] bf16, or nullptr: the last chunk's sums go here, rounded once
+  const float* scale;  // [np] per-column scales of int8 weights (the sums are multiplied
+                       // before the bias), or nullptr
   int64_t m, k, np;   // k: even for bf16 (padded)
 };
 
@@ -49,6 +53,7 @@ struct LinearTable {
   LinearFn f32;        // fp32 weights, fp32 x^T
   LinearFn bf16_wide;  // bf16 weights widened to fp32 in registers (exact), fp32 x^T: fp32 math
   LinearFn bf16_dot;   // bf16 weights and x pairs, vdpbf16ps (exact products, fp32 sums); nullptr: none
+  LinearFn i8;         // int8 weights ([k][16] bytes per block) widened in registers, fp32 x^T, scale
 };
 
 const LinearTable* linear_portable();

@@ -16,27 +16,31 @@ inline float widen(uint32_t bits16) {
   return f;
 }
 
+enum class W { kF32, kBf16, kI8 };
+
 // Weight (k, column c) of block nb.
-template <bool kBf16>
+template <W kW>
 inline float weight(const LinearArgs& a, int64_t nb, int64_t k, int64_t c) {
-  if constexpr (kBf16) {
+  if constexpr (kW == W::kBf16) {
     const uint32_t pair = static_cast<const uint32_t*>(a.w)[(nb * a.k + k) / 2 * kBlockN + c];
     return widen(k % 2 ? pair >> 16 : pair & 0xFFFFu);
+  } else if constexpr (kW == W::kI8) {
+    return static_cast<float>(static_cast<const int8_t*>(a.w)[(nb * a.k + k) * kBlockN + c]);
   } else {
     return static_cast<const float*>(a.w)[(nb * a.k + k) * kBlockN + c];
   }
 }
 
-template <bool kBf16>
+template <W kW>
 void blocks(const LinearArgs& a, int64_t lo, int64_t hi) {
   const float* x = static_cast<const float*>(a.x);
   for (int64_t nb = lo; nb < hi; ++nb)
     for (int64_t i = 0; i < a.m; ++i)
       for (int64_t c = 0; c < kBlockN; ++c) {
         float s = 0.f;
-        for (int64_t k = 0; k < a.k; ++k) s += x[k * a.m + i] * weight<kBf16>(a, nb, k, c);
+        for (int64_t k = 0; k < a.k; ++k) s += x[k * a.m + i] * weight<kW>(a, nb, k, c);
         const int64_t col = nb * kBlockN + c;
-        const float out = s + (a.bias ? a.bias[col] : 0.f);
+        const float out = (a.scale ? s * a.scale[col] : s) + (a.bias ? a.bias[col] : 0.f);
         if (a.yb)
           a.yb[i * a.np + col] = conveyor_linear::round_bf16(out);
         else
@@ -47,7 +51,7 @@ void blocks(const LinearArgs& a, int64_t lo, int64_t hi) {
 
 namespace conveyor_linear {
 const LinearTable* linear_portable() {
-  static const LinearTable t{"portable", &blocks<false>, &blocks<true>, nullptr};
+  static const LinearTable t{"portable", &blocks<W::kF32>, &blocks<W::kBf16>, nullptr, &blocks<W::kI8>};
   return &t;
 }
 }  // namespace conveyor_linear

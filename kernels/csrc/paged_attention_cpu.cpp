@@ -359,28 +359,6 @@ void rotary_neox(const torch::Tensor& positions, torch::Tensor query, torch::Ten
   });
 }
 
-// Weight-only int8 linear: x fp32 [M, K] contiguous, w int8 [N, K], scale fp32
-// [N], bias fp32 [N] or None -> fp32 [M, N]. Columns split over torch's threads.
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
-                          const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32, "x fp32 [M, K]");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kInt8 && w.size(1) == x.size(1),
-              "w int8 [N, K] contiguous");
-  const int64_t n = w.size(0);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == n,
-              "scale fp32 [N]");
-  if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == n,
-                "bias fp32 [N]");
-  torch::Tensor y = torch::empty({x.size(0), n}, x.options());
-  const conveyor_cpu::Int8LinearArgs a{x.data_ptr<float>(), w.data_ptr<int8_t>(), scale.data_ptr<float>(),
-                                       bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                                       y.data_ptr<float>(), x.size(0), x.size(1), n};
-  const conveyor_cpu::Int8LinearFn fn = active().int8_linear;
-  at::parallel_for(0, n, 16, [&](int64_t lo, int64_t hi) { fn(a, lo, hi); });
-  return y;
-}
-
 // bf16 silu(gate) * up over rows [lo, hi), a column tile at a time through
 // the table's fp32 row kernel: gate, up and out tiles (12 KiB) stay in L1.
 // Widening a thread's whole share at once took ~100 MB of fresh scratch per
@@ -455,7 +433,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &write_kv, "store K/V rows at their slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm with the fused residual add (CPU)");
   m.def("rotary_neox", &rotary_neox, "neox rotary embedding in place, fp32 or bf16 (CPU)");
-  m.def("int8_linear", &int8_linear, "weight-only int8 linear, fp32 math (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output, fp32 or bf16 (CPU)");
   m.def("isa", &isa, "the kernel table in use: avx512, avx2 or portable");
   m.def("supported_isas", &supported_isas, "the kernel tables this CPU runs, best first");

@@ -82,6 +82,24 @@ def test_small_linear_bf16_is_fp32_math_rounded_once(isa: str) -> None:
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
+def test_small_linear_int8_matches_float64_on_the_dequantized_weight(isa: str) -> None:
+    """Weight-only int8 (packed like fp32): (x @ q^T) * scale + bias within
+    the fp32 bound, on every shape of _CASES (1-3 rows take 4 or 2 FMA chains
+    over k with a tail when K is not a multiple; K past a chunk)."""
+    _isa_or_skip(isa)
+    from kernels.cpu_linear import pack, small_linear_i8, unpack
+    from workers.layers.quant import quantize_int8
+    for seed, (m, k, n) in enumerate(_CASES + [(2, 131, 17), (1, 1029, 40)]):
+        x, w, b = _case(seed, m, k, n, torch.float32)
+        q, scale = quantize_int8(w)
+        assert torch.equal(unpack(pack(q), n), q)
+        exact = (x.double() @ q.double().t()) * scale.double() + b.double()
+        y = small_linear_i8(x, pack(q), n, scale, b, isa)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        bound = _bound(x, q.float()) * scale.double() + exact.abs() * 2 * _U
+        assert bool(((y.double() - exact).abs() <= bound + 1e-30).all()), f"{isa} {m}x{k}x{n}"
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
 def test_small_linear_bf16_output_rounds_as_torch(isa: str) -> None:
     """The kernel rounds its bf16 output itself: with x = 0 the output is the
     fp32 bias rounded once, bit for bit torch's rounding (nearest, ties to

@@ -637,10 +637,12 @@ def test_cpu_isa_choice() -> None:
         assert cpu_attention.select_isa("auto") == supported[0]
 
 
-@pytest.mark.parametrize("m", [1, 6])
+@pytest.mark.parametrize("m", [1, 6, 16])
 def test_cpu_int8_linear_matches_dequantized(m, cpu_isa) -> None:
-    """Weight-only int8: the kernel equals fp32 math on the dequantized weight
-    (K = 200: the vector loops' tails; 6 rows: a block of 4 and one of 2)."""
+    """Weight-only int8 on the small-M kernel's table of this ISA: it equals
+    fp32 math on the dequantized weight (37 columns: a partial 16-column
+    block; 6 rows: AVX2's row blocks of 5 and a tail; 16: the row cap)."""
+    from kernels.cpu_linear import pack
     from workers.layers.quant import int8_linear, quantize_int8
 
     seed = _seed()
@@ -652,11 +654,11 @@ def test_cpu_int8_linear_matches_dequantized(m, cpu_isa) -> None:
     assert q.dtype == torch.int8 and int(q.abs().max()) == 127 and scale[3] == 1.0
     deq = q.float() * scale[:, None]
     assert ((deq - w).abs() <= scale[:, None] / 2 + 1e-6).all(), "round to nearest"
-    out = int8_linear(x, bias, q=q, scale=scale)
+    out = int8_linear(x, bias, packed=pack(q), scale=scale)
     ref = x @ deq.T + bias
     _check(out, ref, torch.float32, seed, f"int8 linear ({cpu_isa})")
     big = torch.randn(40, 200, generator=gen)  # past the kernel's rows: dequantize + GEMM
-    _check(int8_linear(big, None, q=q, scale=scale), big @ deq.T, torch.float32, seed, "int8 prefill")
+    _check(int8_linear(big, None, packed=pack(q), scale=scale), big @ deq.T, torch.float32, seed, "int8 prefill")
 
 
 def test_quantize_linears_routes_every_linear_through_int8() -> None:

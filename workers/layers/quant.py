@@ -4,8 +4,8 @@ At load every linear layer's fp32 weight becomes int8 with one fp32 scale per
 output channel (``scale = max|w_row| / 127``, round to nearest), and the fp32
 copy is dropped: a quarter of the bytes to read per decode step. Activations
 stay fp32 and so does the math: decode-sized inputs (``<= INT8_KERNEL_ROWS``
-rows) go to the CPU extension's ``int8_linear`` (the weight converted in
-registers, per kernel table); larger ones (prefill chunks, compute-bound)
+rows) go to the small-M kernel's int8 table (``kernels/cpu_linear.py``: the
+weight packed in 16-column blocks, converted in registers); larger ones (prefill chunks, compute-bound)
 dequantize the weight to fp32 for that call and run the fp32 GEMM. Embeddings
 and the lm_head stay fp32 (the lm_head may share the embedding's storage).
 """
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_linear
 
 # Up to this many input rows the int8 kernel (weight bytes bound) beats a
 # dequantize + fp32 GEMM (bench/cpu_peak.py --int8).
@@ -33,14 +33,16 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
-def int8_linear(x: torch.Tensor, bias: torch.Tensor | None, *, q: torch.Tensor,
+def int8_linear(x: torch.Tensor, bias: torch.Tensor | None, *, packed: torch.Tensor,
                 scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 -> x @ (q * scale)^T + bias, fp32."""
-    ext = cpu_attention.loaded()
-    if ext is not None and x.dim() == 2 and x.shape[0] <= INT8_KERNEL_ROWS and x.dtype == torch.float32:
-        b = None if bias is None else bias.float().contiguous()
-        return ext.int8_linear(x.contiguous(), q, scale, b)
-    return F.linear(x, (q.float() * scale[:, None]).to(x.dtype), bias)
+    """x [M, K] fp32 -> x @ (q * scale)^T + bias, fp32, with ``packed =
+    cpu_linear.pack(q)`` (the small-M kernel's layout, its int8 table)."""
+    n = scale.numel()
+    if cpu_attention.loaded() is not None and x.dim() == 2 and x.shape[0] <= INT8_KERNEL_ROWS \
+            and x.dtype == torch.float32:
+        return cpu_linear.small_linear_i8(x, packed, n, scale, bias, cpu_linear.kernel_isa() or "portable")
+    w = cpu_linear.unpack(packed, n).float() * scale[:, None]
+    return F.linear(x, w.to(x.dtype), bias)
 
 
 def quantize_linears(model: nn.Module) -> int:
@@ -60,7 +62,8 @@ def quantize_linears(model: nn.Module) -> int:
             raise RuntimeError(f"quantization: int8 quantizes fp32 weights (dtype float32), got {w.dtype}")
         q, scale = quantize_int8(w)
         # parallel.layers.linear calls it (parallel/ never imports workers/).
-        module.__dict__["_quantized_forward"] = functools.partial(int8_linear, q=q, scale=scale)
+        module.__dict__["_quantized_forward"] = functools.partial(int8_linear, packed=cpu_linear.pack(q),
+                                                                  scale=scale)
         module.weight.data = torch.empty(0, dtype=w.dtype)  # the fp32 copy is not read again
         count += 1
     return count
