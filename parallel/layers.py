@@ -138,10 +138,13 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     some CPUs; oneDNN measured ~2x here); bf16 where oneDNN has no bf16
     kernels runs fp32 oneDNN over an fp32 packed copy (bf16 storage, fp32 math).
     Each packed copy is keyed by the weight's version, so reloading refreshes it.
-    A quantized layer (``workers/layers/quant.py``) runs its own forward."""
+    A quantized layer (``workers/layers/quant.py``) runs its own forward (the
+    lm_head's only for decode rows: it keeps its float weight for the rest)."""
     quantized = module.__dict__.get("_quantized_forward")
     if quantized is not None:
-        return quantized(x, b)
+        y = quantized(x, b)
+        if y is not None:  # None: a layer that keeps its float weight runs these rows on it
+            return y
     small = _small_isa(x, w)
     if small is not None:
         packed = _packed_copy(module, "_small_packed", w, cpu_linear.pack)

@@ -664,28 +664,34 @@ def test_cpu_int8_linear_matches_dequantized(m, cpu_isa) -> None:
 def test_quantize_linears_routes_every_linear_through_int8() -> None:
     """quantize_linears swaps each linear's fp32 weight for int8 + scales and
     the layer's forward (parallel.layers.linear) then computes with those;
-    embeddings are left alone; the config accepts only null / int8."""
+    the lm_head computes decode rows (<= INT8_KERNEL_ROWS) in int8 and more
+    rows on the fp32 weight it keeps; embeddings are left alone; the config
+    accepts only null / int8."""
     from engine.config import ConfigError, build_config
-    from parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-    from workers.layers.quant import quantize_int8, quantize_linears
+    from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+    from workers.layers.quant import INT8_KERNEL_ROWS, quantize_int8, quantize_linears
 
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.ModuleDict({"up": ColumnParallelLinear(64, 48, bias=True),
                                  "down": RowParallelLinear(48, 64, bias=False),
-                                 "emb": VocabParallelEmbedding(10, 64)})
+                                 "emb": VocabParallelEmbedding(10, 64), "head": ParallelLMHead(40, 64)})
     for p in model.parameters():
         p.data = torch.randn(p.shape, generator=gen)
     x = torch.randn(3, 64, generator=gen)
     deq = {name: (lambda q, s: q.float() * s[:, None])(*quantize_int8(model[name].weight))
-           for name in ("up", "down")}
-    emb = model["emb"].weight.clone()
+           for name in ("up", "down", "head")}
+    emb, head = model["emb"].weight.clone(), model["head"].weight.clone()
     cpu_attention.load_extension()
-    assert quantize_linears(model) == 2
+    assert quantize_linears(model) == 3
     with torch.inference_mode():
         h = model["up"](x)
         _check(h, x @ deq["up"].T + model["up"].bias, torch.float32, 0, "int8 column")
         _check(model["down"](h), h @ deq["down"].T, torch.float32, 0, "int8 row")
+        _check(model["head"].get_logits(x), x @ deq["head"].T, torch.float32, 0, "int8 head")
+        many = torch.randn(INT8_KERNEL_ROWS + 1, 64, generator=gen)
+        _check(model["head"].get_logits(many), many @ head.T, torch.float32, 0, "fp32 head")
     assert model["up"].weight.numel() == 0 and torch.equal(model["emb"].weight, emb)
+    assert torch.equal(model["head"].weight, head)
     assert build_config(quantization="int8", max_model_len=64).model.quantization == "int8"
     with pytest.raises(ConfigError, match="quantization"):
         build_config(quantization="int4", max_model_len=64)

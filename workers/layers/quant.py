@@ -7,7 +7,10 @@ stay fp32 and so does the math: decode-sized inputs (``<= INT8_KERNEL_ROWS``
 rows) go to the small-M kernel's int8 table (``kernels/cpu_linear.py``: the
 weight packed in 16-column blocks, converted in registers); larger ones (prefill chunks, compute-bound)
 dequantize the weight to fp32 for that call and run the fp32 GEMM. Embeddings
-and the lm_head stay fp32 (the lm_head may share the embedding's storage).
+stay fp32. The lm_head (often the embedding's storage) gets an int8 copy for
+decode rows, where it is a third of a small model's bytes per step, and keeps
+its fp32 weight for larger batches (dequantizing the vocabulary per call would
+cost more than it saves).
 """
 from __future__ import annotations
 
@@ -45,10 +48,19 @@ def int8_linear(x: torch.Tensor, bias: torch.Tensor | None, *, packed: torch.Ten
     return F.linear(x, w.to(x.dtype), bias)
 
 
+def head_int8_linear(x: torch.Tensor, bias: torch.Tensor | None, *, packed: torch.Tensor,
+                     scale: torch.Tensor) -> torch.Tensor | None:
+    """The lm_head's int8 path: decode rows on the int8 kernel; None for the
+    rest (parallel.layers.linear then runs the head's fp32 weight)."""
+    if x.dim() == 2 and x.shape[0] <= INT8_KERNEL_ROWS and x.dtype == torch.float32:
+        return int8_linear(x, bias, packed=packed, scale=scale)
+    return None
+
+
 def quantize_linears(model: nn.Module) -> int:
     """Quantize every linear layer of ``model`` in place (see the module doc);
     returns how many. Needs the CPU kernels (the cpu attention backend)."""
-    from parallel.layers import _LinearBase
+    from parallel.layers import ParallelLMHead, _LinearBase
 
     if cpu_attention.loaded() is None:
         raise RuntimeError("quantization: int8 needs the cpu attention backend's kernels "
@@ -56,14 +68,16 @@ def quantize_linears(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if not isinstance(module, _LinearBase) or not isinstance(w, torch.Tensor) or w.dim() != 2:
+        head = isinstance(module, ParallelLMHead)
+        if not (head or isinstance(module, _LinearBase)) or not isinstance(w, torch.Tensor) or w.dim() != 2:
             continue
         if w.dtype != torch.float32:
             raise RuntimeError(f"quantization: int8 quantizes fp32 weights (dtype float32), got {w.dtype}")
         q, scale = quantize_int8(w)
         # parallel.layers.linear calls it (parallel/ never imports workers/).
-        module.__dict__["_quantized_forward"] = functools.partial(int8_linear, packed=cpu_linear.pack(q),
-                                                                  scale=scale)
-        module.weight.data = torch.empty(0, dtype=w.dtype)  # the fp32 copy is not read again
+        forward = head_int8_linear if head else int8_linear
+        module.__dict__["_quantized_forward"] = functools.partial(forward, packed=cpu_linear.pack(q), scale=scale)
+        if not head:
+            module.weight.data = torch.empty(0, dtype=w.dtype)  # the fp32 copy is not read again
         count += 1
     return count
