@@ -37,7 +37,7 @@ ENGINE_ISAS = ("avx512bf16", "avx512", "avx2")
 # Rows up to which the engine takes the table (else oneDNN), where it is not
 # SMALL_ROWS. AVX2 keeps 5 rows' sums in registers, so 16 rows read the weights
 # from cache 4 times: fp32 ties oneDNN's AVX2 GEMM at 16 rows and leads it by
-# 1.1-1.6x at 1-8 (BENCHMARKS.md, "AVX2 small-M"). bf16 on AVX2 has no oneDNN
+# 1.1-1.6x at 1-8 (BENCHMARKS.md, "as an AVX2-only CPU"). bf16 on AVX2 has no oneDNN
 # packed path (F.linear): the table leads at every row count up to 16.
 _ROWS = {("avx2", torch.float32): 8}
 

@@ -5,8 +5,9 @@ output channel (``scale = max|w_row| / 127``, round to nearest), and the fp32
 copy is dropped: a quarter of the bytes to read per decode step. Activations
 stay fp32 and so does the math: decode-sized inputs (``<= INT8_KERNEL_ROWS``
 rows) go to the small-M kernel's int8 table (``kernels/cpu_linear.py``: the
-weight packed in 16-column blocks, converted in registers); larger ones (prefill chunks, compute-bound)
-dequantize the weight to fp32 for that call and run the fp32 GEMM. Embeddings
+weight packed in 16-column blocks, converted in registers); larger ones
+(prefill chunks, compute-bound) dequantize the weight to fp32 for that call
+and run the fp32 GEMM. Embeddings
 stay fp32. The lm_head (often the embedding's storage) gets an int8 copy for
 decode rows, where it is a third of a small model's bytes per step, and keeps
 its fp32 weight for larger batches (dequantizing the vocabulary per call would
