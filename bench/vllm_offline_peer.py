@@ -28,18 +28,24 @@ def check_avx2() -> None:
 
 def native_libs() -> list[str]:
     """vLLM's kernel libraries (_C, _C_AVX512, _C_AVX2) mapped by this process
-    and its children (the engine core): which build the run really used."""
+    and every process below it (the engine core, its workers): which build the
+    run really used."""
     import re
-    pids, found = [os.getpid()], set()
+    children: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         try:
-            if d.isdigit() and int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid():
-                pids.append(int(d))
+            if d.isdigit():
+                with open(f"/proc/{d}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
         except (OSError, IndexError, ValueError):
             continue
-    for pid in pids:
+    todo, found = [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
         try:
-            found.update(re.findall(r"/vllm/(_C\w*)\.[\w.-]*so", open(f"/proc/{pid}/maps").read()))
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(re.findall(r"/vllm/(_C\w*)\.[\w.-]*so", f.read()))
         except OSError:
             continue
     return sorted(found)
