@@ -94,17 +94,16 @@ def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
 # its _C_AVX2 build and vec attention (bench/peer_site/sitecustomize.py, on the
 # peer's PYTHONPATH, makes torch report no AVX-512 in each of its processes).
 AVX2_ENV = {"DNNL_MAX_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-PEER_SITE = os.path.join(REPO, "bench", "peer_site")
+OURS_AVX2_ENV = {**AVX2_ENV, "CONVEYOR_CPU_ISA": "avx2"}
+PEER_AVX2_ENV = {**AVX2_ENV, "PEER_FORCE_AVX2": "1", "PYTHONPATH": os.path.join(REPO, "bench", "peer_site")}
 
 
-def _isa_env(wl: dict) -> dict:
-    if wl.get("isa", "auto") != "avx2":
-        return {}
-    return {**AVX2_ENV, "CONVEYOR_CPU_ISA": "avx2", "PEER_FORCE_AVX2": "1"}
+def _isa_env(wl: dict, avx2_env: dict) -> dict:
+    return avx2_env if wl.get("isa", "auto") == "avx2" else {}
 
 
 def _run_ours(model_dir: str, wl: dict, threads: int) -> dict:
-    env = dict(os.environ, **_isa_env(wl))
+    env = dict(os.environ, **_isa_env(wl, OURS_AVX2_ENV))
     cmd = [sys.executable, os.path.abspath(__file__), "--_ours", json.dumps(wl),
            "--model-dir", model_dir, "--threads", str(threads)]
     return _last_json(subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env), "conveyor")
@@ -113,9 +112,7 @@ def _run_ours(model_dir: str, wl: dict, threads: int) -> dict:
 def _run_vllm(model_dir: str, wl: dict, threads: int) -> dict:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", **_isa_env(wl))
-    if wl.get("isa", "auto") == "avx2":
-        env["PYTHONPATH"] = PEER_SITE
+               TRANSFORMERS_OFFLINE="1", **_isa_env(wl, PEER_AVX2_ENV))
     cmd = [PEER_PY, PEER_SCRIPT, model_dir, "--num-prompts", str(wl["num_prompts"]),
            "--output-len", str(wl["output_len"]), "--max-num-seqs", str(wl["max_num_seqs"]),
            "--repeats", str(wl.get("gen_repeats", 2)), "--dtype", wl.get("dtype", "float32"),

@@ -43,7 +43,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.compare_vllm import AVX2_ENV, PEER_SITE  # noqa: E402
+from bench.compare_vllm import OURS_AVX2_ENV, PEER_AVX2_ENV  # noqa: E402
+from bench.proc_tree import descendants, vllm_libs  # noqa: E402
 from bench.serve_load import parse_sets  # noqa: E402
 
 OUT = os.path.join(REPO, "bench", "out", "serve_compare")
@@ -80,7 +81,7 @@ def vllm_server(a: argparse.Namespace, port: int) -> Server:
         env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
         note = "VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 (compute on both cores)"
     if a.isa == "avx2":
-        env.update(AVX2_ENV, PEER_FORCE_AVX2="1", PYTHONPATH=PEER_SITE)
+        env.update(PEER_AVX2_ENV)
     argv = [os.path.join(a.peer_venv, "bin", "vllm"), "serve", a.model, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", "float32", "--max-model-len", str(a.max_model_len),
             "--served-model-name", MODEL_NAME, "--gpu-memory-utilization", "0.5",
@@ -136,20 +137,7 @@ def ray_llm_server(a: argparse.Namespace, port: int) -> Server:
 
 def _isa_env(a: argparse.Namespace) -> dict[str, str]:
     """Our server's environment for --isa (its Ray workers inherit it)."""
-    return {**AVX2_ENV, "CONVEYOR_CPU_ISA": "avx2"} if a.isa == "avx2" else {}
-
-
-def vllm_libs(root: int) -> list[str]:
-    """vLLM's native kernel libraries (``_C``, ``_C_AVX512``, ``_C_AVX2``) that
-    the server's processes have mapped: which build --isa really ran."""
-    found = set()
-    for pid in _descendants(root):
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                found.update(m.group(1) for m in re.finditer(r"/vllm/(_C\w*)\.[\w.-]*so", f.read()))
-        except OSError:
-            continue
-    return sorted(found)
+    return OURS_AVX2_ENV if a.isa == "avx2" else {}
 
 
 def _env_pairs(items: list[str]) -> dict[str, str]:
@@ -266,25 +254,6 @@ def bench(a: argparse.Namespace, url: str, out_dir: str, tag: str) -> dict[str, 
 
 # ---- CPU per process ---------------------------------------------------------------------
 
-def _descendants(root: int) -> list[int]:
-    """root and every process below it (by /proc parent links)."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
 def _cpu_s(pid: int) -> tuple[str, float] | None:
     """(process title, user+system CPU seconds) of one process."""
     try:
@@ -306,7 +275,7 @@ def _short(title: str) -> str:
 
 def cpu_snapshot(root: int) -> dict[int, tuple[str, float]]:
     snap = {}
-    for pid in _descendants(root):
+    for pid in descendants(root):
         v = _cpu_s(pid)
         if v is not None:
             snap[pid] = v
@@ -332,7 +301,7 @@ def start_profiles(a: argparse.Namespace, root: int, tag: str) -> list[threading
     def run() -> None:
         time.sleep(a.profile_delay_s)
         procs = []
-        for pid in _descendants(root):
+        for pid in descendants(root):
             v = _cpu_s(pid)
             if v is None or not v[0].lower().startswith(("ray::", "vllm", "/tmp", "python")):
                 continue
@@ -356,7 +325,10 @@ KEYS = ("output_throughput", "duration", "client_cpu_s", "mean_tpot_ms", "median
 
 
 def summary(res: dict[str, Any]) -> dict[str, Any]:
-    return {k: res.get(k) for k in (*KEYS, "vllm_libs") if k in KEYS or k in res}
+    out = {k: res.get(k) for k in KEYS}
+    if "vllm_libs" in res:  # vLLM's rows only
+        out["vllm_libs"] = res["vllm_libs"]
+    return out
 
 
 def print_table(rows: list[tuple[str, dict[str, Any]]]) -> None:
@@ -393,8 +365,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer-venv", default=os.environ.get("VLLM_PEER", "/tmp/vllmpeer"))
     p.add_argument("--ray-llm-venv", default="/tmp/rayllmpeer")
     p.add_argument("--isa", default="auto", choices=("auto", "avx2"),
-                   help="avx2: both servers as on an AVX2-only CPU (compare_vllm.AVX2_ENV; vLLM "
-                        "through bench/peer_site/sitecustomize.py)")
+                   help="avx2: both servers as on an AVX2-only CPU (compare_vllm.OURS_AVX2_ENV / "
+                        "PEER_AVX2_ENV)")
     p.add_argument("--vllm-all-cores", action="store_true",
                    help="vLLM computes on both cores instead of its serving default (one core, "
                         "one reserved for its frontend)")

