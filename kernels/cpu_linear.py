@@ -13,11 +13,12 @@ tables ``avx512bf16``, ``avx512``, ``avx2``, ``portable`` chosen by cpuid in
 one build, as the attention kernels.
 
 The engine routes every table of ENGINE_ISAS up to ``small_rows`` rows:
-SMALL_ROWS, and AVX2_F32_ROWS for fp32 on the AVX2 table. There, with x read
-in place and the rows in L2-sized m-blocks, the kernel ran the Qwen2-0.5B
-linears 1.10-1.27x oneDNN's AVX2 GEMM at 32-64 rows and level with it at 256
-(BENCHMARKS.md, "x in place"); bf16 has no packed oneDNN path there. On
-AVX-512 oneDNN is level at 32 rows and ahead at 64.
+SMALL_ROWS, and every row count for fp32 on the AVX2 table. There, with x
+read in place and the rows in L2-sized m-blocks, the kernel ran the
+Qwen2-0.5B linears 1.23x oneDNN's AVX2 GEMM at 32 rows and 1.03-1.08x from 96
+to 2048 (BENCHMARKS.md, "x in place"), so AVX2 fp32 keeps no oneDNN copy of
+the weights; bf16 has no packed oneDNN path there. On AVX-512 oneDNN is level
+at 32 rows and ahead at 64.
 
 Like the model's other CPU-native ops it follows the backend choice: only
 when the cpu attention backend has loaded the extension
@@ -26,13 +27,14 @@ when the cpu attention backend has loaded the extension
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import cpu_attention
 
 # Rows up to which the kernel runs (above: oneDNN's packed GEMM).
 SMALL_ROWS = 16
-AVX2_F32_ROWS = 64  # fp32 on the AVX2 table
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -59,7 +61,7 @@ def kernel_isa() -> str | None:
 
 def small_rows(isa: str, dtype: torch.dtype) -> int:
     """The most rows the engine runs on table ``isa`` in ``dtype``."""
-    return AVX2_F32_ROWS if isa == "avx2" and dtype == torch.float32 else SMALL_ROWS
+    return sys.maxsize if isa == "avx2" and dtype == torch.float32 else SMALL_ROWS
 
 
 _SUPPORTED: list[str] = []

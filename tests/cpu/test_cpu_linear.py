@@ -12,6 +12,8 @@ allows one ulp (2^-8 |y|) plus the fp32 bound.
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ _U = 2.0 ** -24
 # (M, K, N): a lone row, row-block tails (AVX2 blocks 6 rows, 5 for bf16
 # widened), two full AVX2 blocks, odd K (bf16 pairs padded), column counts off
 # the 16-column blocks, the 16-row cap, a K past one chunk (kChunkK = 1024:
-# sums carried through y), AVX2's fp32 cap of 64 rows, and rows past one
+# sums carried through y), 64 rows, and rows past one
 # m-block (K = 4100: 18 rows a block on AVX2, 16 on AVX-512, with a tail).
 _CASES = [(1, 64, 48), (3, 45, 7), (8, 96, 50), (13, 131, 33), (12, 40, 24), (16, 32, 3), (7, 1100, 20),
           (64, 72, 40), (61, 4100, 20)]
@@ -150,7 +152,7 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
     holder = torch.nn.Module()
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 72, generator=g)
-    for m in (1, lim, lim + 1):
+    for m in (1, 16, 17):
         x = torch.randn(m, 72, generator=g)
         y = linear(holder, x, w)
         if m <= lim:
@@ -162,7 +164,7 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
 def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
     """With the attention backend on `table`, parallel.layers.linear runs the
     small kernel up to its row limit and oneDNN above: 16 rows, except fp32 on
-    the AVX2 table, 64."""
+    the AVX2 table, every row count."""
     _ext_or_skip()
     if table not in cpu_attention.supported_isas():
         pytest.skip(f"this CPU does not run {table}")
@@ -184,10 +186,10 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
         assert isa is not None and isa.startswith(table)
         g = torch.Generator().manual_seed(3)
         for dtype in (torch.float32, torch.bfloat16):
-            lim = 64 if (table, dtype) == ("avx2", torch.float32) else 16
+            lim = sys.maxsize if (table, dtype) == ("avx2", torch.float32) else 16
             assert cpu_linear.small_rows(isa, dtype) == lim
             w = torch.randn(40, 72, generator=g).to(dtype)
-            for m in (1, lim, lim + 1):
+            for m in (1, 16, 17, 300):
                 calls.clear()
                 x = torch.randn(m, 72, generator=g).to(dtype)
                 y = linear(torch.nn.Module(), x, w)
