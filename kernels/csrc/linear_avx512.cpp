@@ -85,6 +85,7 @@ template <int MB>
 struct Bf16Dot {
   static constexpr RowsFn fn = &bf16_dot_rows<MB>;
   static constexpr int kRows = V::kMaxRows;
+  static constexpr int64_t kChunk = kChunkK;
 };
 }  // namespace dot
 

@@ -25,9 +25,11 @@
 namespace conveyor_linear {
 
 constexpr int64_t kBlockN = 16;   // output columns per packed block
-// k per pass of a row block: the chunk's weights (64 KiB) stay in L2 for the
-// m-block's next rows; 1024 ran 2-3% faster than 512 at 32 and 2048 rows.
-constexpr int64_t kChunkK = 1024;
+// k per pass of a row block (the chunk's weights stay in L1/L2 for the
+// m-block's next rows); fp32 takes kChunkKF32 (64 KiB of weights): 1024 ran
+// 2-3% faster than 512 there at 32 and 2048 rows. bf16 and int8 unmeasured.
+constexpr int64_t kChunkK = 512;
+constexpr int64_t kChunkKF32 = 1024;
 
 // y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for the blocks [lo, hi).
 struct LinearArgs {

@@ -22,7 +22,7 @@ from kernels import cpu_attention
 _U = 2.0 ** -24
 # (M, K, N): a lone row, row-block tails (AVX2 blocks 6 rows, 5 for bf16
 # widened), two full AVX2 blocks, odd K (bf16 pairs padded), column counts off
-# the 16-column blocks, the 16-row cap, a K past one chunk (kChunkK = 1024:
+# the 16-column blocks, the 16-row cap, a K past one chunk (512 k, fp32 1024:
 # sums carried through y), 64 rows, and rows past one
 # m-block (K = 4100: 18 rows a block on AVX2, 16 on AVX-512, with a tail).
 _CASES = [(1, 64, 48), (3, 45, 7), (8, 96, 50), (13, 131, 33), (12, 40, 24), (16, 32, 3), (7, 1100, 20),
