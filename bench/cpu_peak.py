@@ -13,7 +13,7 @@
    (prefill MFU) and, at M = 1, the weight bytes read per second as a share of
    the measured read bandwidth (decode bandwidth use). Calls at M <= 16 cycle
    through 512 MiB of distinct weights, so the bytes come from DRAM.
-   ``--small-kernel`` loads the CPU extension first, so M <= 16 takes the
+   ``--small-kernel`` loads the CPU extension first, so M up to its row limit takes the
    small-M kernel (kernels/cpu_linear.py) as in the engine; without it every
    M runs oneDNN (the "before" of that kernel).
 
@@ -319,7 +319,7 @@ def main() -> None:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--int8", action="store_true", help="only the int8-vs-fp32 decode linears (M <= 16)")
     p.add_argument("--small-kernel", action="store_true",
-                   help="M <= 16 on the small-M kernel (kernels/cpu_linear.py), as the engine runs it")
+                   help="M up to its row limit (cpu_linear.small_rows) on the small-M kernel (kernels/cpu_linear.py), as the engine runs it")
     a = p.parse_args()
     if a.int8:
         torch.set_num_threads(a.cores)
@@ -343,7 +343,9 @@ def main() -> None:
         from kernels import cpu_attention, cpu_linear
 
         cpu_attention.load_extension()
-        print(f"M <= {cpu_linear.SMALL_ROWS}: the small-M kernel, table {cpu_linear.kernel_isa()}")
+        isa = cpu_linear.kernel_isa()
+        rows = cpu_linear.small_rows(isa, torch.float32) if isa else 0
+        print(f"M <= {rows}: the small-M kernel, table {isa}")
     linears([m.strip() for m in a.models.split(",")], [int(r) for r in a.rows.split(",")],
             best[1] * a.cores, read_bw)
 

@@ -1,5 +1,5 @@
 """Small-M linears on CPU (``csrc/linear_cpu.cpp``): decode batches of up to
-``SMALL_ROWS`` rows over the weight packed once (``pack``: blocks of 16 output
+``small_rows`` rows over the weight packed once (``pack``: blocks of 16 output
 columns, k-major inside, so a call streams the weight once in address order
 and each 64-byte line feeds one FMA per row).
 
@@ -12,9 +12,13 @@ through vdpbf16ps where the CPU has AVX512_BF16, else widened to fp32 math);
 tables ``avx512bf16``, ``avx512``, ``avx2``, ``portable`` chosen by cpuid in
 one build, as the attention kernels.
 
-The engine routes every table of ENGINE_ISAS up to SMALL_ROWS rows: the
-AVX2 table (6 rows' sums in registers) ran fp32 16 rows 1.20x oneDNN's AVX2
-GEMM, and bf16 has no packed oneDNN path there (BENCHMARKS.md, "AVX2 row block").
+The engine routes every table of ENGINE_ISAS up to ``small_rows`` rows:
+SMALL_ROWS, and every row count for fp32 on the AVX2 table. There, with x
+read in place and the rows in L2-sized m-blocks, the kernel ran the
+Qwen2-0.5B linears 1.23x oneDNN's AVX2 GEMM at 32 rows and 1.03-1.08x from 96
+to 2048 (BENCHMARKS.md, "x in place"), so AVX2 fp32 keeps no oneDNN copy of
+the weights; bf16 has no packed oneDNN path there. On AVX-512 oneDNN is level
+at 32 rows and ahead at 64.
 
 Like the model's other CPU-native ops it follows the backend choice: only
 when the cpu attention backend has loaded the extension
@@ -22,6 +26,8 @@ when the cpu attention backend has loaded the extension
 (``model.cpu_isa``); a run on the torch backend keeps oneDNN.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -51,6 +57,11 @@ def kernel_isa() -> str | None:
     if isa == "avx512" and "avx512bf16" in _supported():
         isa = "avx512bf16"
     return isa if isa in ENGINE_ISAS else None
+
+
+def small_rows(isa: str, dtype: torch.dtype) -> int:
+    """The most rows the engine runs on table ``isa`` in ``dtype``."""
+    return sys.maxsize if isa == "avx2" and dtype == torch.float32 else SMALL_ROWS
 
 
 _SUPPORTED: list[str] = []

@@ -122,15 +122,15 @@ def _packed_copy(module: nn.Module, slot: str, w: torch.Tensor,
 def _small_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """The small-M kernel's table for this call (decode-sized fp32/bf16 on CPU
     with the extension loaded), else None."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > cpu_linear.SMALL_ROWS \
-            or x.dtype not in cpu_linear.DTYPES or w.dtype != x.dtype:
+    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in cpu_linear.DTYPES or w.dtype != x.dtype:
         return None
-    return cpu_linear.kernel_isa()
+    isa = cpu_linear.kernel_isa()
+    return isa if isa is not None and x.shape[0] <= cpu_linear.small_rows(isa, x.dtype) else None
 
 
 def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
            b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except on CPU: decode-sized M (<= cpu_linear.SMALL_ROWS, fp32
+    """F.linear, except on CPU: decode-sized M (<= cpu_linear.small_rows, fp32
     or bf16) runs the small-M kernel over its own packed copy of the weight,
     and fp32 (and bf16 where oneDNN has bf16 kernels) otherwise runs oneDNN
     with the weight packed once (MKL's sgemm takes a slow path on

@@ -69,12 +69,13 @@ void bf16_dot_rows(const LinearArgs& a, int64_t nb, int64_t m0, int64_t k0, int6
   float* y = a.y + m0 * a.np + nb * kBlockN;
   load_sums<MB>(a, y, k0, acc);
   const uint32_t* w = static_cast<const uint32_t*>(a.w) + (nb * a.k + k0) / 2 * kBlockN;
-  const uint32_t* x = static_cast<const uint32_t*>(a.x) + k0 / 2 * a.m + m0;
-  for (int64_t k = k0; k < k1; k += 2, w += kBlockN, x += a.m) {
+  const uint32_t* x = static_cast<const uint32_t*>(a.x) + k0 / 2 * a.xk + m0 * a.xm;
+  const int64_t xm = a.xm;
+  for (int64_t k = k0; k < k1; k += 2, w += kBlockN, x += a.xk) {
     __builtin_prefetch(w + kAhead<MB>);
     const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w));
     for (int i = 0; i < MB; ++i)
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[i]))),
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[i * xm]))),
                                    wv);
   }
   store_sums<MB>(a, nb, m0, k1, acc);
@@ -84,6 +85,7 @@ template <int MB>
 struct Bf16Dot {
   static constexpr RowsFn fn = &bf16_dot_rows<MB>;
   static constexpr int kRows = V::kMaxRows;
+  static constexpr int64_t kChunk = kChunkK;
 };
 }  // namespace dot
 

@@ -94,6 +94,21 @@ at::Tensor x_operand(const at::Tensor& x, int64_t kp, bool pairs) {
   return out;
 }
 
+// x as the kernel reads it, with LinearArgs' strides: fp32 x whose k are
+// contiguous is read in place, each row a k-sequential stream (no copy; the
+// kernel ran 1.0-1.6x faster than over x^T at 4-64 rows on AVX2 and AVX-512,
+// BENCHMARKS.md "x in place"); else x_operand's x^T [kp][m].
+struct XOperand {
+  at::Tensor t;
+  int64_t xk, xm;
+};
+
+XOperand x_for_kernel(const at::Tensor& x, int64_t kp, bool pairs) {
+  if (!pairs && x.scalar_type() == at::kFloat && x.size(1) == kp && x.stride(1) == 1)
+    return {x, 1, x.stride(0)};
+  return {x_operand(x, kp, pairs), x.size(0), 1};
+}
+
 // A per-column vector (bias, scale) as fp32 [np], zeros past n; undefined if absent.
 at::Tensor padded(const c10::optional<at::Tensor>& v, int64_t n, int64_t np, const char* what) {
   if (!v.has_value()) return at::Tensor();
@@ -113,11 +128,11 @@ at::Tensor small_linear_i8(const at::Tensor& x, const at::Tensor& packed, int64_
   TORCH_CHECK(packed.size(1) == k && n <= np && n > np - conveyor_linear::kBlockN,
               "linear_i8: packed weight does not match x's K or n");
   const LinearTable* t = pick(std::string(isa.data(), isa.size()));
-  const at::Tensor xo = x_operand(x, k, false);
+  const XOperand xo = x_for_kernel(x, k, false);
   const at::Tensor b = padded(bias, n, np, "bias"), sc = padded(scale, n, np, "scale");
   at::Tensor y = at::empty({m, np}, x.options());
-  const conveyor_linear::LinearArgs a{packed.data_ptr(), xo.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
-                                      y.data_ptr<float>(), nullptr, sc.data_ptr<float>(), m, k, np};
+  const conveyor_linear::LinearArgs a{packed.data_ptr(), xo.t.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
+                                      y.data_ptr<float>(), nullptr, sc.data_ptr<float>(), m, k, np, xo.xk, xo.xm};
   at::parallel_for(0, nb, kGrainBlocks, [&](int64_t lo, int64_t hi) { t->i8(a, lo, hi); });
   return np != n ? y.narrow(1, 0, n).contiguous() : y;
 }
@@ -136,16 +151,16 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
               "linear: packed weight does not match x's K or n");
   const LinearTable* t = pick(std::string(isa.data(), isa.size()));
   const bool dot = bf16 && t->bf16_dot != nullptr;
-  const at::Tensor xo = x_operand(x, kp, dot);
+  const XOperand xo = x_for_kernel(x, kp, dot);
   const at::Tensor b = padded(bias, n, np, "bias");
   // bf16: the kernel rounds the last chunk's sums into yb; y holds partial sums.
   at::Tensor y = at::empty({m, np}, x.options().dtype(at::kFloat));
   at::Tensor yb = bf16 ? at::empty({m, np}, x.options()) : at::Tensor();
   const conveyor_linear::LinearFn fn = !bf16 ? t->f32 : (dot ? t->bf16_dot : t->bf16_wide);
-  const conveyor_linear::LinearArgs a{packed.data_ptr(), xo.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
+  const conveyor_linear::LinearArgs a{packed.data_ptr(), xo.t.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
                                       y.data_ptr<float>(),
                                       bf16 ? reinterpret_cast<uint16_t*>(yb.data_ptr()) : nullptr, nullptr,
-                                      m, kp, np};
+                                      m, kp, np, xo.xk, xo.xm};
   at::parallel_for(0, nb, kGrainBlocks, [&](int64_t lo, int64_t hi) { fn(a, lo, hi); });
   at::Tensor out = bf16 ? yb : y;
   return np != n ? out.narrow(1, 0, n).contiguous() : out;

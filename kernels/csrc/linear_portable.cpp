@@ -38,7 +38,7 @@ void blocks(const LinearArgs& a, int64_t lo, int64_t hi) {
     for (int64_t i = 0; i < a.m; ++i)
       for (int64_t c = 0; c < kBlockN; ++c) {
         float s = 0.f;
-        for (int64_t k = 0; k < a.k; ++k) s += x[k * a.m + i] * weight<kW>(a, nb, k, c);
+        for (int64_t k = 0; k < a.k; ++k) s += x[i * a.xm + k * a.xk] * weight<kW>(a, nb, k, c);
         const int64_t col = nb * kBlockN + c;
         const float out = (a.scale ? s * a.scale[col] : s) + (a.bias ? a.bias[col] : 0.f);
         if (a.yb)

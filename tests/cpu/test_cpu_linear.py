@@ -12,6 +12,8 @@ allows one ulp (2^-8 |y|) plus the fp32 bound.
 """
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -20,9 +22,11 @@ from kernels import cpu_attention
 _U = 2.0 ** -24
 # (M, K, N): a lone row, row-block tails (AVX2 blocks 6 rows, 5 for bf16
 # widened), two full AVX2 blocks, odd K (bf16 pairs padded), column counts off
-# the 16-column blocks, the 16-row cap, and a K past one chunk (kChunkK = 512:
-# sums carried through y).
-_CASES = [(1, 64, 48), (3, 45, 7), (8, 96, 50), (13, 131, 33), (12, 40, 24), (16, 32, 3), (7, 1100, 20)]
+# the 16-column blocks, the 16-row cap, a K past one chunk (512 k, fp32 1024:
+# sums carried through y), 64 rows, and rows past one
+# m-block (K = 4100: 18 rows a block on AVX2, 16 on AVX-512, with a tail).
+_CASES = [(1, 64, 48), (3, 45, 7), (8, 96, 50), (13, 131, 33), (12, 40, 24), (16, 32, 3), (7, 1100, 20),
+          (64, 72, 40), (61, 4100, 20)]
 
 
 def _ext_or_skip() -> None:
@@ -66,6 +70,10 @@ def test_small_linear_fp32_matches_float64(isa: str) -> None:
             assert bool((err <= _bound(x, w) + 1e-30).all()), f"{isa} {m}x{k}x{n}: max err {err.max()}"
         # And F.linear (oneDNN/MKL, its own order) within the sum of both bounds.
         assert bool(((y - torch.nn.functional.linear(x, w, b)).abs().double() <= 2 * _bound(x, w)).all())
+        # x is read in place when its k are contiguous, else through x^T: the
+        # same FMAs in the same order, so the same bits.
+        xt = torch.empty(k, m + 1)[:, :m].t().copy_(x)
+        assert xt.stride(1) != 1 and torch.equal(small_linear(xt, pack(w), n, b, isa), y), (isa, m, k, n)
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
@@ -134,17 +142,17 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
     as a direct call), above it oneDNN; results agree either way."""
     _ext_or_skip()
     cpu_attention.load_extension()
-    from kernels.cpu_linear import SMALL_ROWS, kernel_isa, pack, small_linear
+    from kernels.cpu_linear import kernel_isa, pack, small_linear, small_rows
     from parallel.layers import linear
 
     isa = kernel_isa()
     if isa is None:
         pytest.skip(f"the engine keeps oneDNN on the {cpu_attention.isa()} table")
-    lim = SMALL_ROWS
+    lim = small_rows(isa, torch.float32)
     holder = torch.nn.Module()
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 72, generator=g)
-    for m in (1, lim, lim + 1):
+    for m in (1, 16, 17):
         x = torch.randn(m, 72, generator=g)
         y = linear(holder, x, w)
         if m <= lim:
@@ -155,8 +163,8 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
 @pytest.mark.parametrize("table", ["avx512", "avx2"])
 def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
     """With the attention backend on `table`, parallel.layers.linear runs the
-    small kernel up to 16 rows and oneDNN above, fp32 and bf16 alike, on the
-    AVX-512 and the AVX2 table."""
+    small kernel up to its row limit and oneDNN above: 16 rows, except fp32 on
+    the AVX2 table, every row count."""
     _ext_or_skip()
     if table not in cpu_attention.supported_isas():
         pytest.skip(f"this CPU does not run {table}")
@@ -176,10 +184,12 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
         cpu_attention.select_isa(table)
         isa = cpu_linear.kernel_isa()
         assert isa is not None and isa.startswith(table)
-        g, lim = torch.Generator().manual_seed(3), 16
+        g = torch.Generator().manual_seed(3)
         for dtype in (torch.float32, torch.bfloat16):
+            lim = sys.maxsize if (table, dtype) == ("avx2", torch.float32) else 16
+            assert cpu_linear.small_rows(isa, dtype) == lim
             w = torch.randn(40, 72, generator=g).to(dtype)
-            for m in (1, lim, lim + 1):
+            for m in (1, 16, 17, 300):
                 calls.clear()
                 x = torch.randn(m, 72, generator=g).to(dtype)
                 y = linear(torch.nn.Module(), x, w)
