@@ -189,13 +189,17 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
             lim = sys.maxsize if (table, dtype) == ("avx2", torch.float32) else 16
             assert cpu_linear.small_rows(isa, dtype) == lim
             w = torch.randn(40, 72, generator=g).to(dtype)
+            holder = torch.nn.Module()
             for m in (1, 16, 17, 300):
                 calls.clear()
                 x = torch.randn(m, 72, generator=g).to(dtype)
-                y = linear(torch.nn.Module(), x, w)
+                y = linear(holder, x, w)
                 assert calls == ([(m, isa)] if m <= lim else []), (dtype, m)
                 ref = x.double() @ w.double().t()
                 tol = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 0) + 2 * _bound(x, w)
                 assert bool(((y.double() - ref).abs() <= tol).all()), (dtype, m)
+            # Only the kernel's packed copy where it takes every row count.
+            onednn_copy = "_packed_weight" in holder.__dict__ or "_packed_weight_f32" in holder.__dict__
+            assert "_small_packed" in holder.__dict__ and onednn_copy == (lim < sys.maxsize), dtype
     finally:
         cpu_attention.select_isa("auto")
