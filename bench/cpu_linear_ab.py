@@ -28,7 +28,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from bench.cpu_peak import SHAPES  # noqa: E402
+from bench.cpu_peak import SHAPES, _layer_linears  # noqa: E402
 from kernels import cpu_linear  # noqa: E402
 from kernels.cpu_attention import keep_freed_memory  # noqa: E402
 
@@ -36,10 +36,9 @@ NAMES = ("qkv", "o", "gate_up", "down")
 
 
 def layer_shapes(model: str) -> list[tuple[int, int]]:
-    """(N, K) of a layer's four linears."""
-    hidden, inter, heads, kv_heads, head_dim, _ = SHAPES[model]
-    return [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim),
-            (2 * inter, hidden), (hidden, inter)]
+    """(N, K) of a layer's four linears, from cpu_peak's (K, N) table."""
+    kn = _layer_linears(SHAPES[model])
+    return [(kn[name][1], kn[name][0]) for name in NAMES]
 
 
 def time_rows(m: int, shapes: list[tuple[int, int]], weights: list[tuple[torch.Tensor, torch.Tensor]],

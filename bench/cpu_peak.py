@@ -345,7 +345,7 @@ def main() -> None:
         cpu_attention.load_extension()
         isa = cpu_linear.kernel_isa()
         rows = cpu_linear.small_rows(isa, torch.float32) if isa else 0
-        print(f"M <= {rows}: the small-M kernel, table {isa}")
+        print(f"{'every M' if rows == sys.maxsize else f'M <= {rows}'}: the small-M kernel, table {isa}")
     linears([m.strip() for m in a.models.split(",")], [int(r) for r in a.rows.split(",")],
             best[1] * a.cores, read_bw)
 

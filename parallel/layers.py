@@ -120,8 +120,8 @@ def _packed_copy(module: nn.Module, slot: str, w: torch.Tensor,
 
 
 def _small_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """The small-M kernel's table for this call (decode-sized fp32/bf16 on CPU
-    with the extension loaded), else None."""
+    """The small-M kernel's table for this call (fp32/bf16 on CPU with the
+    extension loaded, at most cpu_linear.small_rows rows), else None."""
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in cpu_linear.DTYPES or w.dtype != x.dtype:
         return None
     isa = cpu_linear.kernel_isa()
