@@ -26,7 +26,7 @@ for p in (REPO, os.path.join(REPO, "tests", "cpu")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from engine import LLM, SamplingParams  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
 
 
 class StepClock:

@@ -96,7 +96,7 @@ def _paged_batch(seq_lens: list[int], q_lens: list[int]) -> dict:
 
 
 def _triton_fn(b: dict) -> Callable[[], torch.Tensor]:
-    from kernels.paged_attention import paged_attention
+    from conveyor.kernels.paged_attention import paged_attention
 
     out = torch.empty_like(b["query"])
     return lambda: paged_attention(b["query"], b["cache"], b["qsl"], b["seq_lens"], b["table"],
@@ -138,7 +138,7 @@ def _kv_bytes(seq_lens: list[int]) -> int:
 
 
 def bench_decode(batch: int, ctx: int, flush: torch.Tensor) -> Row:
-    from kernels.paged_attention import choose_num_segments
+    from conveyor.kernels.paged_attention import choose_num_segments
 
     b = _paged_batch([ctx] * batch, [1] * batch)
     tri = time_ms(_triton_fn(b), flush)

@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(a.out_json)), exist_ok=True)
     from serve_load import start_server, stop_server
 
-    from cluster.demo.model import ensure_demo_model
+    from conveyor.cluster.demo.model import ensure_demo_model
 
     ensure_demo_model(a.model)
     bodies = make_bodies(a.unique, a.input_len, a.output_len, 512, a.seed)

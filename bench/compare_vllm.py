@@ -66,7 +66,7 @@ def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     from bench.offline_throughput import make_prompts
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
     lo, hi = _prompt_range(wl)

@@ -37,7 +37,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from kernels import cpu_attention, torch_attention  # noqa: E402
+from conveyor.kernels import cpu_attention, torch_attention  # noqa: E402
 
 
 def _args() -> argparse.Namespace:

@@ -4,7 +4,7 @@
 For one model's layer linears (qkv, o, gate_up, down; fp32, random weights)
 at each row count M: every repeat runs all four through oneDNN
 (``mkldnn._linear_pointwise`` over ``_reorder_linear_weight``, as
-``parallel.layers.linear`` does above the kernel's rows) and through the
+``conveyor.parallel.layers.linear`` does above the kernel's rows) and through the
 kernel (``cpu_linear.small_linear`` on table ``--isa``), alternating which
 goes first, so a noisy box slows both alike. Prints each linear's GF/s (the
 median over repeats, the first dropped) and the kernel's speed over oneDNN's
@@ -29,8 +29,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench.cpu_peak import SHAPES, _layer_linears  # noqa: E402
-from kernels import cpu_linear  # noqa: E402
-from kernels.cpu_attention import keep_freed_memory  # noqa: E402
+from conveyor.kernels import cpu_linear  # noqa: E402
+from conveyor.kernels.cpu_attention import keep_freed_memory  # noqa: E402
 
 NAMES = ("qkv", "o", "gate_up", "down")
 

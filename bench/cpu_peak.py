@@ -5,7 +5,7 @@
    whichever the CPU runs), on one thread and on every core at once: GFLOP/s
    per core.
 2. Memory bandwidth: a read (sum) and a copy of 1 GiB, one thread and all.
-3. The linears as the model runs them (``parallel.layers.linear``: oneDNN with
+3. The linears as the model runs them (``conveyor.parallel.layers.linear``: oneDNN with
    the weight packed once; fp32) at M = 1, 16, 64, 256, 2048 rows for the
    30M (the bench's), Qwen2-0.5B and Llama-3.2-1B shapes: each layer's qkv,
    o, gate_up and down, and the lm_head (M <= 256: the model computes logits
@@ -14,7 +14,7 @@
    the measured read bandwidth (decode bandwidth use). Calls at M <= 16 cycle
    through 512 MiB of distinct weights, so the bytes come from DRAM.
    ``--small-kernel`` loads the CPU extension first, so M up to its row limit takes the
-   small-M kernel (kernels/cpu_linear.py) as in the engine; without it every
+   small-M kernel (conveyor/kernels/cpu_linear.py) as in the engine; without it every
    M runs oneDNN (the "before" of that kernel).
 
 The peak loop is checked: objdump must show 12 FMAs in it, and the core clock
@@ -44,8 +44,8 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from kernels.cpu_attention import keep_freed_memory  # noqa: E402
-from parallel.layers import linear  # noqa: E402
+from conveyor.kernels.cpu_attention import keep_freed_memory  # noqa: E402
+from conveyor.parallel.layers import linear  # noqa: E402
 
 # (hidden, intermediate, query heads, kv heads, head dim, vocab)
 SHAPES = {
@@ -263,7 +263,7 @@ def _time_linear(k: int, n: int, m: int) -> float:
 
 
 def linears(models: list[str], rows: list[int], peak_all: float, read_bw: float) -> None:
-    print(f"\nlinears, fp32, {torch.get_num_threads()} threads (parallel.layers.linear: packed "
+    print(f"\nlinears, fp32, {torch.get_num_threads()} threads (conveyor.parallel.layers.linear: packed "
           f"weight); % of the all-core FMA peak {peak_all:.0f} GFLOP/s; at M=1 the weight GB/s read "
           f"as % of the {read_bw:.1f} GB/s read bandwidth")
     for model in models:
@@ -287,11 +287,11 @@ def linears(models: list[str], rows: list[int], peak_all: float, read_bw: float)
 
 
 def int8_decode(models: list[str], rows: list[int]) -> None:
-    """Weight-only int8 (workers/layers/quant.py) against the fp32 linear at
+    """Weight-only int8 (conveyor/workers/layers/quant.py) against the fp32 linear at
     decode-sized M: the per-layer linears' time and speedup."""
-    from kernels import cpu_attention
-    from kernels.cpu_linear import pack
-    from workers.layers.quant import int8_linear, quantize_int8
+    from conveyor.kernels import cpu_attention
+    from conveyor.kernels.cpu_linear import pack
+    from conveyor.workers.layers.quant import int8_linear, quantize_int8
 
     cpu_attention.load_extension()
     print(f"\nweight-only int8 vs fp32, kernel table {cpu_attention.isa()}, {torch.get_num_threads()} threads")
@@ -319,7 +319,7 @@ def main() -> None:
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--int8", action="store_true", help="only the int8-vs-fp32 decode linears (M <= 16)")
     p.add_argument("--small-kernel", action="store_true",
-                   help="M up to its row limit (cpu_linear.small_rows) on the small-M kernel (kernels/cpu_linear.py), as the engine runs it")
+                   help="M up to its row limit (cpu_linear.small_rows) on the small-M kernel (conveyor/kernels/cpu_linear.py), as the engine runs it")
     a = p.parse_args()
     if a.int8:
         torch.set_num_threads(a.cores)
@@ -340,7 +340,7 @@ def main() -> None:
     read_bw = max(bw[f"read x{a.cores}"], bw.get(f"stream-read x{a.cores}", 0.0))
     keep_freed_memory()  # as the engine's cpu backend does: no fresh mmap per output
     if a.small_kernel:
-        from kernels import cpu_attention, cpu_linear
+        from conveyor.kernels import cpu_attention, cpu_linear
 
         cpu_attention.load_extension()
         isa = cpu_linear.kernel_isa()

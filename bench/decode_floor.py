@@ -31,7 +31,7 @@ for p in (REPO, os.path.join(REPO, "tests", "cpu")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from engine import LLM, SamplingParams  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=8192)

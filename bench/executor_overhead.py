@@ -5,7 +5,7 @@ next to the same fan-out done with plain Ray actor calls.
 What is timed (all in one run, on one local Ray instance, interleaved round-robin):
 
 - ``ours``   : ``executor.execute_model(so); executor.sample_tokens()`` on a
-  ``RayExecutor(cfg, worker_class="executors.noop_worker:NoopWorker")`` with TP=2.
+  ``RayExecutor(cfg, worker_class="conveyor.executors.noop_worker:NoopWorker")`` with TP=2.
   The SchedulerOutput is msgspec-encoded once, HMAC-signed and pushed to both
   ranks over ZMQ; the output rank replies with a ModelRunnerOutput.
 - ``ray``    : the peer. Two plain Ray actors (``num_cpus=1`` each) with a method
@@ -56,22 +56,22 @@ if REPO not in sys.path:
 import msgspec
 import ray
 
-from engine.config import EngineConfig, build_config
-from engine.contracts import (
+from conveyor.engine.config import EngineConfig, build_config
+from conveyor.engine.contracts import (
     EngineCoreRequest,
     KVCacheInfo,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from engine.core import EngineCore
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from executors.base import Executor
-from executors.messages import WorkerCommand, WorkerReply
+from conveyor.engine.core import EngineCore
+from conveyor.engine.request import Request
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.executors.base import Executor
+from conveyor.executors.messages import WorkerCommand, WorkerReply
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "out", "executor_overhead.json")
-NOOP = "executors.noop_worker:TimedNoopWorker"  # NoopWorker plus the step_timeline RPC
+NOOP = "conveyor.executors.noop_worker:TimedNoopWorker"  # NoopWorker plus the step_timeline RPC
 PROMPT_LEN = 32
 GC_EVERY = 500
 perf_ns = time.perf_counter_ns
@@ -150,7 +150,7 @@ class PlainRayWorker:
 # ---------------------------------------------------------------------------
 class InprocNoopExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
-        from executors.noop_worker import NoopWorker
+        from conveyor.executors.noop_worker import NoopWorker
         self.config = config
         self.worker = NoopWorker(config)
 
@@ -287,7 +287,7 @@ def main() -> None:
           f"requests with new blocks per step: mean {statistics.fmean(nb):.1f}, max {max(nb)}")
 
     ray.init(address="local", num_cpus=8, include_dashboard=False)
-    from executors.ray_executor import RayExecutor
+    from conveyor.executors.ray_executor import RayExecutor
 
     core = inproc = None
     results: dict = {"args": vars(args)}

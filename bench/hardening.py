@@ -37,10 +37,10 @@ def serve(model: str, port: int) -> None:
     """The child: one uvicorn server, one event loop, the uniproc engine."""
     import uvicorn
 
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
 
     cfg = build_config({"model": {"path": model, "max_model_len": 1024},
                         "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
@@ -154,7 +154,7 @@ def main() -> int:
         from llm_utils import make_checkpoint
 
         make_checkpoint("llama", args.model)
-    from parallel.ports import free_port
+    from conveyor.parallel.ports import free_port
 
     port = free_port()
     child = subprocess.Popen([sys.executable, __file__, "--model", args.model, "--serve", str(port)],

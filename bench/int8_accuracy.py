@@ -25,7 +25,7 @@ from bench.offline_throughput import DEFAULT_MODEL_DIR, MODEL_SPEC, build_model,
 
 
 def _run(model_dir: str, prompts: list[list[int]], tokens: int, quant: str | None) -> tuple[list, float]:
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     llm = LLM(model=model_dir, quantization=quant, attention_backend="cpu")
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=1)

@@ -71,7 +71,7 @@ def run_side(args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from engine import LLM, LoRARequest, SamplingParams
+    from conveyor.engine import LLM, LoRARequest, SamplingParams
 
     prompts = make_prompts(args.num_prompts, 0, 8192, 16, 128)
     lora = args.side == "lora"

@@ -3,14 +3,14 @@
 
 Eight decoder layers of the bench's 30M Llama (hidden 512, intermediate 1408,
 8 q / 4 kv heads of 64), each with its own base weights (oneDNN-packed, as
-parallel/layers.py runs them) and its own 16 rank-16 adapters over all seven
+conveyor/parallel/layers.py runs them) and its own 16 rank-16 adapters over all seven
 projections, so the working set (94 MB base + 76 MB adapters) leaves the
 caches as it does in the engine (one layer alone fits and measures ~2x faster).
 
 Two step shapes: decode (64 tokens, token i on slot i % 16: the padded bmm
 path) and a prefill step (2048 tokens in runs of 16..128 per adapter: the
 runs path). Prints ms per step for the base linears and for each LoRA op of
-the torch paths, then of the fused CPU op (kernels/lora_cpu.py) on each
+the torch paths, then of the fused CPU op (conveyor/kernels/lora_cpu.py) on each
 kernel table this CPU runs, plus single-thread streaming references (sum
 over 77 MB; a 4-row mm).
 
@@ -31,7 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from workers.lora.mapping import LoRAMapping, lora_blocks  # noqa: E402
+from conveyor.workers.lora.mapping import LoRAMapping, lora_blocks  # noqa: E402
 
 S, R, NUM_LAYERS = 16, 16, 8
 SHAPES = {"qkv": (512, [512, 256, 256]), "o": (512, [512]), "gate_up": (512, [1408, 1408]), "down": (1408, [512])}
@@ -97,8 +97,8 @@ def profile(layers: list[Layer], token_slots: np.ndarray, reps: int) -> dict[str
 
 
 def profile_fused(layers: list[Layer], token_slots: np.ndarray, reps: int, isa: str) -> dict[str, float]:
-    """ms per step of the base linears and of the fused CPU op (kernels/lora_cpu.py) per linear."""
-    from kernels.lora_cpu import lora_add
+    """ms per step of the base linears and of the fused CPU op (conveyor/kernels/lora_cpu.py) per linear."""
+    from conveyor.kernels.lora_cpu import lora_add
 
     mp, xs = _step_inputs(token_slots)
     offsets = {name: [o.start for _, o, _ in subs] for name, (_, subs, _) in layers[0].items()}
@@ -137,11 +137,11 @@ def streaming_refs() -> None:
 
 def _fused_isas() -> list[str]:
     """The fused op's kernel tables this CPU runs ([] when the extension does not build)."""
-    from kernels import cpu_attention
+    from conveyor.kernels import cpu_attention
 
     if not cpu_attention.available():
         return []
-    from kernels.lora_cpu import supported_isas
+    from conveyor.kernels.lora_cpu import supported_isas
 
     return supported_isas()
 

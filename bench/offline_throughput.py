@@ -123,7 +123,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     kw = {}
     if args.max_num_seqs is not None:

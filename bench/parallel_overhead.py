@@ -29,7 +29,7 @@ What it does:
      tokens equal TP=1's, and the bytes sent between PP stages per step,
      *computed from the shapes*: the IntermediateTensors of our decoder models are
      2 tensors (``hidden_states``, ``residual``) x tokens x hidden x dtype size, plus
-     the int64 length + header of ``parallel.communication.send_tensor_dict``.
+     the int64 length + header of ``conveyor.parallel.communication.send_tensor_dict``.
 
 ``--profile-comm`` swaps in a Worker subclass (``CommProfilingWorker`` below) that
 wraps ``torch.distributed.all_reduce / all_gather / send / recv`` in each worker
@@ -64,7 +64,7 @@ for _p in (REPO, os.path.join(REPO, "tests", "cpu")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from workers.worker import Worker
+from conveyor.workers.worker import Worker
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "out", "parallel_overhead.json")
 COMM_ENV = "CONVEYOR_BENCH_COMM_OUT"  # CONVEYOR_* also reaches Ray actors
@@ -160,8 +160,8 @@ def checkpoint(args) -> str:
 
 
 def start_engine(name: str, path: str, args, comm_dir: str | None):
-    from engine.config import build_config
-    from engine.core import EngineCore
+    from conveyor.engine.config import build_config
+    from conveyor.engine.core import EngineCore
 
     tp, pp = CONFIGS[name]
     executor_name = "uniproc" if tp * pp == 1 else "mp"
@@ -170,10 +170,10 @@ def start_engine(name: str, path: str, args, comm_dir: str | None):
                        max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
                        enable_prefix_caching=False)
     if executor_name == "uniproc":
-        from executors.uniproc import UniProcExecutor
+        from conveyor.executors.uniproc import UniProcExecutor
         ex = UniProcExecutor(cfg)
     else:
-        from executors.multiproc import MultiprocExecutor
+        from conveyor.executors.multiproc import MultiprocExecutor
         ex = MultiprocExecutor(cfg)
         if comm_dir is not None:
             os.environ[COMM_ENV] = os.path.join(comm_dir, name)  # read by the spawned workers
@@ -187,8 +187,8 @@ def start_engine(name: str, path: str, args, comm_dir: str | None):
 
 def make_requests(args, vocab: int, max_tokens: int, tag: str):
     """The same --batch prompts for every engine in repeat `tag` (ids differ per repeat)."""
-    from engine.contracts import EngineCoreRequest
-    from engine.sampling_params import SamplingParams
+    from conveyor.engine.contracts import EngineCoreRequest
+    from conveyor.engine.sampling_params import SamplingParams
 
     rng = random.Random(f"{args.seed}-{tag}")
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -280,7 +280,7 @@ def pp_bytes_per_step(hidden: int, tokens: float, dtype_size: int) -> dict:
     """What send_tensor_dict moves for {hidden_states, residual} of [tokens, hidden]."""
     import torch
 
-    from parallel.communication import _encode_header
+    from conveyor.parallel.communication import _encode_header
 
     t = round(tokens)
     td = {"hidden_states": torch.empty(t, hidden), "residual": torch.empty(t, hidden)}

@@ -97,7 +97,7 @@ def _conveyor_overrides(a: argparse.Namespace) -> list[str]:
 
 
 def conveyor_server(a: argparse.Namespace, port: int, proxy: bool = False) -> Server:
-    argv = [sys.executable, "-m", "cluster.cli", "serve", a.config, "--port", str(port),
+    argv = [sys.executable, "-m", "conveyor.cluster.cli", "serve", a.config, "--port", str(port),
             *_conveyor_overrides(a)]
     for kv in a.conveyor_set:
         argv += ["--set", kv]
@@ -113,7 +113,7 @@ def serve_run_server(a: argparse.Namespace, port: int, workdir: str) -> Server:
                  "scheduler.max_num_seqs": a.max_num_seqs,
                  "scheduler.max_num_batched_tokens": 4096, "model.max_model_len": a.max_model_len}
     overrides.update(parse_sets(a.conveyor_set))
-    app = {"name": "conveyor", "route_prefix": "/", "import_path": "cluster.serve_app:build_app",
+    app = {"name": "conveyor", "route_prefix": "/", "import_path": "conveyor.cluster.serve_app:build_app",
            "args": {"config": os.path.abspath(a.config), "overrides": overrides}}
     doc = {"proxy_location": "HeadOnly", "http_options": {"host": "127.0.0.1", "port": port},
            "applications": [app]}

@@ -205,7 +205,7 @@ def start_server(config: str, overrides: dict[str, Any], direct: bool = False) -
     is the replica's own (no proxy hop)."""
     import ray
 
-    from cluster.serve_app import direct_ingress_urls, enable_direct_ingress, run_serve
+    from conveyor.cluster.serve_app import direct_ingress_urls, enable_direct_ingress, run_serve
 
     if direct:
         enable_direct_ingress()
@@ -260,7 +260,7 @@ def run_offline(config: str, overrides: dict[str, Any], prompts: list[list[int]]
     by 10x or more: the threads spin at every barrier.)"""
     import torch
 
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
 

@@ -297,7 +297,7 @@ async def run_load(url: str, headers: dict[str, str], a: argparse.Namespace, mod
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
     os.makedirs(OUT, exist_ok=True)
-    from cluster.demo.model import ensure_demo_model
+    from conveyor.cluster.demo.model import ensure_demo_model
 
     ensure_demo_model(a.model)
     url = start_server(a.config, {"model": os.path.abspath(a.model), "serve.port": a.port})

@@ -79,7 +79,7 @@ def spec_config(args: argparse.Namespace) -> dict:
 def copy_heavy_prompts(model_dir: str, n: int, copy_len: int, seed: int) -> list[list[int]]:
     import numpy as np
 
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     rng = np.random.default_rng(seed)
     vocab = _vocab_size(model_dir)
@@ -111,7 +111,7 @@ def serve_side(cfg: dict) -> None:
     import torch
 
     torch.set_num_threads(cfg["threads"])
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     kw = {"speculative_config": cfg["spec"]} if cfg["spec"] else {}
     llm = LLM(model=cfg["model_dir"], max_num_seqs=cfg["max_num_seqs"], **kw)
@@ -317,7 +317,7 @@ def _print_row(row: dict) -> None:
 def cmd_proposer(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from engine.spec_decode.ngram import NgramProposer
+    from conveyor.engine.spec_decode.ngram import NgramProposer
 
     rng = np.random.default_rng(0)
     for kind in ("no-repeat", "cyclic"):

@@ -84,9 +84,9 @@ def install() -> None:
     import gc
 
     gc.callbacks.append(_gc_timer)
-    import engine.scheduler as sched_mod
-    import engine.spec_decode.scheduling as spec_mod
-    import workers.model_runner as mr
+    import conveyor.engine.scheduler as sched_mod
+    import conveyor.engine.spec_decode.scheduling as spec_mod
+    import conveyor.workers.model_runner as mr
 
     _wrap(sched_mod.Scheduler, "schedule", "schedule")
     _wrap(sched_mod.Scheduler, "update_from_output", "update_all")
@@ -157,7 +157,7 @@ def main() -> int:
     import spec_decode as sd
     from offline_throughput import build_model
 
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     model_dir = build_model(sd.DEFAULT_MODEL_DIR, sd.MODEL_SPEC)
     if args.workload == "copy-heavy":

@@ -89,7 +89,7 @@ def build_model(path: str) -> str:
     sys.path.insert(0, REPO)
     from bench.offline_throughput import MODEL_SPEC
     from bench.offline_throughput import build_model as build_llama
-    from cluster.demo.model import train_tiny_tokenizer
+    from conveyor.cluster.demo.model import train_tiny_tokenizer
 
     build_llama(path, dict(MODEL_SPEC, vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=3))
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -126,7 +126,7 @@ def run_ours(a: argparse.Namespace, work: list[dict]) -> dict:
 
     torch.set_num_threads(2)
     sys.path.insert(0, REPO)
-    from engine import LLM, SamplingParams, StructuredOutputsParams
+    from conveyor.engine import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(model=a.model, max_model_len=1024, enable_prefix_caching=False)
     sps = [SamplingParams(temperature=0.0, **_max_tokens(w, a.output_len),

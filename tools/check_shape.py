@@ -16,7 +16,7 @@ import ast
 import sys
 from pathlib import Path
 
-PACKAGES = ("engine", "executors", "workers", "parallel", "kernels", "cluster")
+PACKAGES = ("conveyor",)
 MAX_FILE_LINES = 500
 MAX_FUNC_LINES = 60
 ALLOWLIST = Path(__file__).with_name("shape_allowlist.txt")

@@ -14,10 +14,10 @@ Api = tuple[asyncio.AbstractEventLoop, Any, Any]
 
 def in_process_api(ckpt: str, max_model_len: int) -> Iterator[Api]:
     """A module fixture's body: yields (loop, app, llm), shuts the engine down after."""
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
 
     cfg = build_config({"model": {"path": ckpt, "max_model_len": max_model_len},
                         "serve": {"served_model_name": "tiny"}})

@@ -16,7 +16,7 @@ if ROOT not in sys.path:
 def pytest_sessionstart(session: object) -> None:
     """Build the CPU attention kernel once, before any test forks workers: every
     engine process then loads the cached build instead of waiting on the compile."""
-    from kernels import cpu_attention
+    from conveyor.kernels import cpu_attention
 
     cpu_attention.available()
 
@@ -28,7 +28,7 @@ def _no_leaked_distributed_world(request):
     fixtures are gone, and the world is torn down, so the next module's
     in-process engine can start."""
     yield
-    from parallel import state
+    from conveyor.parallel import state
 
     if state.is_initialized():
         state.destroy_distributed()

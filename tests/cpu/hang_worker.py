@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 
-from engine.contracts import ModelRunnerOutput, SchedulerOutput
-from executors.noop_worker import NoopWorker
+from conveyor.engine.contracts import ModelRunnerOutput, SchedulerOutput
+from conveyor.executors.noop_worker import NoopWorker
 
 HANG_AT_STEP = 2
 

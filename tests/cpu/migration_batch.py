@@ -21,7 +21,7 @@ N_LINES, KILL_AFTER = int(os.environ.get("CONVEYOR_BATCH_TEST_LINES", "200")), 4
 
 
 def lines() -> list[Any]:
-    from cluster.batch.job import BatchLine
+    from conveyor.cluster.batch.job import BatchLine
 
     out = []
     for i in range(N_LINES):
@@ -69,8 +69,8 @@ def _read(path: str) -> list[dict[str, Any]]:
 
 
 async def engine_lost_mid_job(runner, dp, out_path: str, ref: dict[str, tuple]) -> None:
-    from cluster.batch.engines import LocalEngine
-    from cluster.batch.job import OutputLog, drive
+    from conveyor.cluster.batch.engines import LocalEngine
+    from conveyor.cluster.batch.job import OutputLog, drive
 
     victim = dp.clients[1].worker_pids()[0]
     out = OutputLog(out_path)
@@ -90,9 +90,9 @@ async def engine_lost_mid_job(runner, dp, out_path: str, ref: dict[str, tuple]) 
 async def job_lost_and_resubmitted(runner, config, out_path: str, ref: dict[str, tuple]) -> None:
     """Run 1 on `runner` (journal swapped to this job's), lost after the
     KILL_AFTER-th record with its unflushed tail; run 2 on a new LineRunner."""
-    from cluster.batch.engines import LineRunner, LocalEngine
-    from cluster.batch.job import OutputLog, Progress, Summary, drive
-    from engine.token_journal import TokenJournal, journal_path
+    from conveyor.cluster.batch.engines import LineRunner, LocalEngine
+    from conveyor.cluster.batch.job import OutputLog, Progress, Summary, drive
+    from conveyor.engine.token_journal import TokenJournal, journal_path
 
     jc = runner.journal
     jc.journal = TokenJournal(journal_path(out_path), min_flush_tokens=1)

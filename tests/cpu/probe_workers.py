@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.contracts import ModelRunnerOutput, SchedulerOutput
-from executors.noop_worker import StepTimeline
-from workers.worker import Worker
+from conveyor.engine.contracts import ModelRunnerOutput, SchedulerOutput
+from conveyor.executors.noop_worker import StepTimeline
+from conveyor.workers.worker import Worker
 
 FAULT_RANK, FAULT_STEP = 1, 3
 
@@ -31,8 +31,8 @@ class TimedWorker(StepTimeline):
 
 def use_worker_class(monkeypatch: pytest.MonkeyPatch, worker_class: str) -> None:
     """Executor "mp" builds its ranks from worker_class for this test."""
-    import executors
-    from executors.multiproc import MultiprocExecutor
+    from conveyor import executors
+    from conveyor.executors.multiproc import MultiprocExecutor
 
     def factory(config):
         ex = MultiprocExecutor(config)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from parallel.ports import free_port  # noqa: F401  (the tests' free_port: one definition)
+from conveyor.parallel.ports import free_port  # noqa: F401  (the tests' free_port: one definition)
 
 BIN = os.path.dirname(sys.executable)
 RAY = os.path.join(BIN, "ray")

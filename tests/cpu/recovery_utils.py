@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.async_client import EngineDeadError as FrontendDeadError
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.async_client import EngineDeadError as FrontendDeadError
 
 Drained = tuple[list[int], str | None]  # a stream's tokens and its last finish reason
 

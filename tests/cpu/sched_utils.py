@@ -9,18 +9,18 @@ from typing import Any
 
 import msgspec
 
-from engine.config import EngineConfig
-from engine.contracts import (
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.contracts import (
     EMPTY_MODEL_RUNNER_OUTPUT,
     EngineCoreRequest,
     KVCacheInfo,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from executors.base import Executor
+from conveyor.engine.request import Request
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.scheduler import Scheduler
+from conveyor.executors.base import Executor
 
 EOS = 0
 

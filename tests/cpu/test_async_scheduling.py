@@ -1,4 +1,4 @@
-"""Async scheduling end to end (engine/async_scheduling.py): with the next step
+"""Async scheduling end to end (conveyor/engine/async_scheduling.py): with the next step
 planned while one runs, an LLM gives the tokens of the synchronous loop —
 greedy and seeded, under chunked prefill and preemption, with stop strings and
 stop ids, structured outputs and n-gram drafts. Two engines (async on / off)
@@ -10,7 +10,7 @@ from llm_utils import make_checkpoint, random_prompts
 from recovery_utils import greedy_and_seeded
 from structured_schemas import CHOICES, REGEXES
 
-from engine import LLM, StructuredOutputsParams
+from conveyor.engine import LLM, StructuredOutputsParams
 
 PROMPTS = random_prompts(8, 30, 90, seed=61)
 PARAMS = greedy_and_seeded(8, max_tokens=32, temperature=1.0, seed=70)

@@ -1,5 +1,5 @@
-"""Engines scaled and rolled over while serving (engine/scale_policy.py,
-engine/dp_scale.py, engine/reload_plan.py, POST /admin/reload).
+"""Engines scaled and rolled over while serving (conveyor/engine/scale_policy.py,
+conveyor/engine/dp_scale.py, conveyor/engine/reload_plan.py, POST /admin/reload).
 
 - The policy: bounds first, each move only after its whole delay, the clock
   restarted by a break in the signal, by a move and by a busy cluster, and a
@@ -23,8 +23,8 @@ import pytest
 from llm_utils import make_checkpoint
 from recovery_utils import FakeFrontend
 
-from engine import SamplingParams
-from engine.scale_policy import EngineLoad, LoadSnapshot, ScalePolicy, ScaleSettings, wanted
+from conveyor.engine import SamplingParams
+from conveyor.engine.scale_policy import EngineLoad, LoadSnapshot, ScalePolicy, ScaleSettings, wanted
 
 
 def _snap(*waiting: int, running: int = 0, kv: float = 0.0, cap: int = 8, busy: bool = False) -> LoadSnapshot:
@@ -72,8 +72,8 @@ def test_policy_signals_and_no_flapping() -> None:
 
 
 def test_reload_plan_refuses_a_changed_model_and_frontend_keys() -> None:
-    from engine.config import build_config
-    from engine.reload_plan import plan_reload
+    from conveyor.engine.config import build_config
+    from conveyor.engine.reload_plan import plan_reload
 
     old = build_config(data_parallel_size=2, max_engines=3)
     new = build_config(data_parallel_size=2, max_engines=4, max_num_seqs=8)
@@ -89,7 +89,7 @@ def test_reload_plan_refuses_a_changed_model_and_frontend_keys() -> None:
 
 class _Fake:
     def __init__(self, config=None) -> None:
-        from engine.contracts import KVCacheInfo
+        from conveyor.engine.contracts import KVCacheInfo
 
         self.kv_info = KVCacheInfo(num_blocks=64, block_size=16)
         self.config, self.added, self.closed = config, [], False
@@ -117,7 +117,7 @@ class _Fake:
 
 
 def _req(rid: str):
-    from engine.contracts import EngineCoreRequest
+    from conveyor.engine.contracts import EngineCoreRequest
 
     return EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(5, 25)),
                              sampling_params=SamplingParams(max_tokens=8), arrival_time=0.0,
@@ -125,11 +125,11 @@ def _req(rid: str):
 
 
 def test_engines_added_removed_and_rolled_over_without_engines() -> None:
-    from engine.config import build_config
-    from engine.contracts import EngineCoreOutputs, SchedulerStats
-    from engine.dp_engine import DataParallelClient
-    from engine.dp_scale import Autoscaler
-    from engine.scale_policy import ScaleSettings
+    from conveyor.engine.config import build_config
+    from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
+    from conveyor.engine.dp_engine import DataParallelClient
+    from conveyor.engine.dp_scale import Autoscaler
+    from conveyor.engine.scale_policy import ScaleSettings
 
     cfg = build_config(data_parallel_size=2, router="round_robin", min_engines=1, max_engines=3,
                        **{"serve.autoscale_interval_s": 3600.0, "parallel.warm_drain": False})
@@ -202,10 +202,10 @@ async def _run(llm, disrupt=None) -> list[tuple]:
 def test_scale_down_and_reload_under_load_lose_no_request(tmp_path) -> None:
     import httpx
 
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
 
     ckpt = make_checkpoint("llama", str(tmp_path / "llama"))
     cfg = build_config(model=ckpt, max_model_len=256, data_parallel_size=2, router="round_robin",

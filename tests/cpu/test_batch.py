@@ -1,4 +1,4 @@
-"""The batch job (cluster/batch/job.py) end to end on a tiny checkpoint:
+"""The batch job (conveyor/cluster/batch/job.py) end to end on a tiny checkpoint:
 
 - input mistakes that fail the job before any work (with the line number);
 - 20 lines (2 bad) through a local Ray instance with executor ray: 18 results
@@ -94,7 +94,7 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def refs(ckpt):
     """LLM.generate's greedy texts for every good line, keyed by custom_id."""
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     llm = LLM(model=ckpt, max_model_len=1024)
     try:
@@ -156,7 +156,7 @@ def _check_results(path: str, refs: dict[str, str]) -> None:
     ('[1, 2]\n', "in.jsonl:1: expected a JSON object"),
 ])
 def test_bad_input_fails_before_any_work(tmp_path, ckpt, capsys, content, message):
-    from cluster.batch.job import main
+    from conveyor.cluster.batch.job import main
 
     (tmp_path / "in.jsonl").write_text(content)
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "uniproc")
@@ -167,7 +167,7 @@ def test_bad_input_fails_before_any_work(tmp_path, ckpt, capsys, content, messag
 
 
 def test_empty_input_gives_empty_output(tmp_path, ckpt):
-    from cluster.batch.job import main
+    from conveyor.cluster.batch.job import main
 
     (tmp_path / "in.jsonl").write_text("\n")
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "ray")  # never started: nothing to do
@@ -177,7 +177,7 @@ def test_empty_input_gives_empty_output(tmp_path, ckpt):
 
 
 def test_bad_config_names_the_key(tmp_path, ckpt, capsys):
-    from cluster.batch.job import main
+    from conveyor.cluster.batch.job import main
 
     _write_jsonl(str(tmp_path / "in.jsonl"), _twenty_lines()[:1])
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "uniproc")
@@ -191,7 +191,7 @@ def test_bad_config_names_the_key(tmp_path, ckpt, capsys):
 def test_batch_on_ray_executor_and_data_parallel(tmp_path, ckpt, refs):
     import ray
 
-    from cluster.batch.job import main
+    from conveyor.cluster.batch.job import main
 
     inp = _write_jsonl(str(tmp_path / "in.jsonl"), _twenty_lines())
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "ray")
@@ -204,7 +204,7 @@ def test_batch_on_ray_executor_and_data_parallel(tmp_path, ckpt, refs):
         assert main(["--config", cfg, "--input", inp, "--output", out2, "--no-progress",
                      "--data-parallel", "2", "--max-in-flight", "3"]) == 0
         _check_results(out2, refs)
-        # Each engine journaled its tokens (engine/token_journal.py); a finished job keeps none.
+        # Each engine journaled its tokens (conveyor/engine/token_journal.py); a finished job keeps none.
         assert not [f for f in os.listdir(tmp_path) if ".tokens" in f]
         # A finished output makes a re-run a no-op (nothing is repeated).
         before = open(out2, "rb").read()
@@ -217,7 +217,7 @@ def test_batch_on_ray_executor_and_data_parallel(tmp_path, ckpt, refs):
 # ---- kill -9 half-way, then resume ------------------------------------------------------------
 
 def test_killed_run_resumes_without_repeats(tmp_path, ckpt):
-    from cluster.batch.job import main
+    from conveyor.cluster.batch.job import main
 
     lines = [_line(f"k{i}", "/v1/completions",
                    {"model": "tiny", "prompt": COMPLETION_PROMPTS[i % 12], "max_tokens": 200,
@@ -226,7 +226,7 @@ def test_killed_run_resumes_without_repeats(tmp_path, ckpt):
     cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "uniproc")
     out = tmp_path / "out.jsonl"
     args = ["--config", cfg, "--input", inp, "--output", str(out), "--no-progress", "--max-in-flight", "1"]
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.batch", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cluster.batch", *args], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
@@ -307,7 +307,7 @@ def test_ray_job_submit(tmp_path, ckpt, refs):
         job_id = f"conveyor-batch-{secrets.token_hex(4)}"
         submit = [os.path.join(BIN, "ray"), "job", "submit", "--address", address, "--working-dir", ROOT,
                   "--submission-id", job_id, "--no-wait", "--",
-                  "python", "-m", "cluster.batch", "--config", cfg, "--input", inp, "--output", out,
+                  "python", "-m", "conveyor.cluster.batch", "--config", cfg, "--input", inp, "--output", out,
                   "--no-progress"]
         r = _submit_when_agent_is_up(submit, env)
         assert r.returncode == 0, r.stdout + r.stderr

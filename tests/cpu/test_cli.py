@@ -1,8 +1,8 @@
-"""The `conveyor` CLI as users run it (`python -m cluster.cli`, a subprocess
+"""The `conveyor` CLI as users run it (`python -m conveyor.cluster.cli`, a subprocess
 each): --help texts list every option with the config key it overrides,
 `config validate` on good and bad files, `generate` on a tiny checkpoint
 (greedy tokens equal LLM.generate's), `bench` dispatch, `serve` until
-SIGINT, and the `make run` demo (python -m cluster.demo) end to end."""
+SIGINT, and the `make run` demo (python -m conveyor.cluster.demo) end to end."""
 from __future__ import annotations
 
 import ast
@@ -18,15 +18,15 @@ import urllib.request
 import pytest
 from llm_utils import make_checkpoint
 
-from cluster.cli.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
-from parallel.ports import free_port
+from conveyor.cluster.cli.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
+from conveyor.parallel.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["The cat runs", "日本語の本"]
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "conveyor.cluster.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -104,7 +104,7 @@ def test_config_validate_good_and_bad(tmp_path):
 # ---- generate ---------------------------------------------------------------------------------
 
 def test_generate_matches_llm(tiny):
-    from engine import LLM, SamplingParams
+    from conveyor.engine import LLM, SamplingParams
 
     ckpt, cfg = tiny
     r = cli("generate", cfg, *[x for p in PROMPTS for x in ("--prompt", p)], "--max-tokens", "8", "--json")
@@ -149,7 +149,7 @@ def test_serve_prints_the_url_and_stops_on_sigint(tiny):
     hop) both answer."""
     _, cfg = tiny
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", cfg, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "conveyor.cluster.cli", "serve", cfg, "--port", str(port)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             start_new_session=True)
     try:
@@ -180,7 +180,7 @@ def test_demo_builds_the_model_serves_and_answers(tmp_path):
         text = f.read()
     cfg.write_text(text.replace("path: demo_model", f"path: {tmp_path / 'demo_model'}"))
     port = free_port()
-    r = subprocess.run([sys.executable, "-m", "cluster.demo", "--config", str(cfg), "--port", str(port),
+    r = subprocess.run([sys.executable, "-m", "conveyor.cluster.demo", "--config", str(cfg), "--port", str(port),
                         "--max-tokens", "6"], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert f"built the demo checkpoint in {tmp_path / 'demo_model'}" in r.stdout

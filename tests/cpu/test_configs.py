@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import yaml
 
-from engine.config import ConfigError, build_config, check_cluster_fits, load_config
+from conveyor.engine.config import ConfigError, build_config, check_cluster_fits, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -137,8 +137,8 @@ def test_kuberay_rayservice():
 
 
 def test_kuberay_rayjob():
-    from cluster.batch.job import ENGINE_AND_NAME, build_parser
-    from cluster.cli.options import collect_overrides
+    from conveyor.cluster.batch.job import ENGINE_AND_NAME, build_parser
+    from conveyor.cluster.cli.options import collect_overrides
 
     doc = _yaml(os.path.join(CONFIGS, "cluster", "rayjob.yaml"))
     _require(doc, {"apiVersion": str, "kind": str, "metadata": {"name": str},
@@ -147,11 +147,44 @@ def test_kuberay_rayjob():
     assert (doc["apiVersion"], doc["kind"]) == ("ray.io/v1", "RayJob")
     gpus = _kuberay_cluster(doc["spec"]["rayClusterSpec"], "spec.rayClusterSpec.")
     argv = shlex.split(doc["spec"]["entrypoint"])
-    assert argv[:3] == ["python", "-m", "cluster.batch"]
+    assert argv[:3] == ["python", "-m", "conveyor.cluster.batch"]
     args = build_parser().parse_args(argv[3:])  # the batch job accepts the entrypoint's options
     cfg = load_config(os.path.join(ROOT, args.config), **collect_overrides(args, ENGINE_AND_NAME))
     check_cluster_fits(cfg, gpus, copies=args.data_parallel)
     assert isinstance(yaml.safe_load(doc["spec"]["runtimeEnvYAML"])["working_dir"], str)
+
+
+def _locked() -> dict[str, str]:
+    out = {}
+    with open(os.path.join(ROOT, "constraints.txt")) as f:
+        for line in f:
+            if "==" in line and not line.startswith("#"):
+                name, version = line.strip().split("==")
+                out[name.lower().replace("_", "-")] = version
+    return out
+
+
+def _runtime_env_pins() -> list[list[str]]:
+    job = _yaml(os.path.join(CONFIGS, "cluster", "rayjob.yaml"))
+    service = _yaml(os.path.join(CONFIGS, "cluster", "rayservice.yaml"))
+    apps = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    return [yaml.safe_load(job["spec"]["runtimeEnvYAML"])["pip"], *(a["runtime_env"]["pip"] for a in apps)]
+
+
+def test_kuberay_installs_are_the_lock_and_cover_the_runtime_dependencies():
+    """The manifests' runtime_env pins the lock's versions, and every runtime dependency
+    of pyproject.toml is there (ray itself comes with the image)."""
+    import re
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    needed = {re.split(r"[\[<>=~!; ]", d)[0].lower().replace("_", "-") for d in deps} - {"ray"}
+    locked = _locked()
+    for pins in _runtime_env_pins():
+        pinned = dict(p.split("==") for p in pins)
+        assert needed <= set(pinned), needed - set(pinned)
+        assert {n: v for n, v in pinned.items() if locked.get(n) != v} == {}, "refresh from constraints.txt"
 
 
 # ---- config mistakes: file, key path, expectation ---------------------------------------------
@@ -259,9 +292,9 @@ def test_parallel_size_must_fit_the_cluster():
 def test_each_knob_is_declared_once_and_drives_kwargs_and_cli():
     """The LLM keywords and the CLI options come from the fields' own knobs,
     so they cannot drift from the struct (the old hand list omitted cpu)."""
-    from cluster.cli.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
-    from engine.config import EngineConfig
-    from engine.config.build import _KNOBS, _KWARG_MAP
+    from conveyor.cluster.cli.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.config.build import _KNOBS, _KWARG_MAP
 
     flags = {o.flag: o for o in ENGINE_OVERRIDES + SERVE_OVERRIDES}
     assert "cpu" in flags["--attention-backend"].help

@@ -8,7 +8,7 @@ import sys
 import msgspec
 import pytest
 
-from engine.contracts import (
+from conveyor.engine.contracts import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -20,7 +20,7 @@ from engine.contracts import (
     SchedulerOutput,
     SchedulerStats,
 )
-from engine.sampling_params import SamplingParams
+from conveyor.engine.sampling_params import SamplingParams
 
 
 def _rt(obj):
@@ -66,8 +66,8 @@ def test_sampling_params_cross_field_and_decode():
         SamplingParams(min_tokens=5, max_tokens=4)
     sp = SamplingParams(stop="end", top_k=-1)
     assert sp.stop == ["end"] and sp.top_k == 0
-    from engine.config import ConfigError, build_config
-    from engine.frontend import check_engine_limits
+    from conveyor.engine.config import ConfigError, build_config
+    from conveyor.engine.frontend import check_engine_limits
 
     with pytest.raises(ValueError, match="n must be <= 4"):  # the one cap: the engine's
         check_engine_limits([1], SamplingParams(n=5), build_config(**{"model.max_n": 4}), 0)
@@ -79,8 +79,8 @@ def test_sampling_params_cross_field_and_decode():
 
 
 def test_engine_imports_no_torch_or_ray():
-    code = ("import sys; import engine, engine.scheduler, engine.core, engine.kv_cache, "
-            "engine.config, engine.contracts, engine.sampling_params, executors.base; "
+    code = ("import sys; import conveyor, conveyor.engine, conveyor.engine.scheduler, conveyor.engine.core, conveyor.engine.kv_cache, "
+            "conveyor.engine.config, conveyor.engine.contracts, conveyor.engine.sampling_params, conveyor.executors.base; "
             "bad = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -94,8 +94,10 @@ def _imports(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             yield node.module
+        elif isinstance(node, ast.ImportFrom) and node.level > 1:
+            yield "conveyor"  # `from ..x` leaves the file's own package: counts as the project
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
                 and isinstance(node.args[0].value, str):
             fn = node.func
@@ -105,25 +107,26 @@ def _imports(path):
 
 
 def test_import_rule_scanner_sees_lazy_and_dynamic_imports(tmp_path):
-    """The scanner must fail a file that reaches cluster/ lazily or by name."""
+    """The scanner must fail a file that reaches conveyor/cluster/ lazily or by name."""
     f = tmp_path / "m.py"
     f.write_text("import importlib\n"
-                 "def a():\n    from cluster.engine_actor import X\n"
-                 "def b():\n    import cluster.serve_app\n"
-                 "def c():\n    return importlib.import_module('cluster.engine_actor.client')\n"
-                 "def d():\n    return __import__('cluster')\n")
-    assert sorted(m for m in _imports(f) if m.startswith("cluster")) == [
-        "cluster", "cluster.engine_actor", "cluster.engine_actor.client", "cluster.serve_app"]
+                 "def a():\n    from conveyor.cluster.engine_actor import X\n"
+                 "def b():\n    import conveyor.cluster.serve_app\n"
+                 "def c():\n    return importlib.import_module('conveyor.cluster.engine_actor.client')\n"
+                 "def d():\n    return __import__('conveyor.cluster')\n")
+    assert sorted(m for m in _imports(f) if m.startswith("conveyor.cluster")) == [
+        "conveyor.cluster", "conveyor.cluster.engine_actor", "conveyor.cluster.engine_actor.client",
+        "conveyor.cluster.serve_app"]
 
 
 def test_engine_loads_without_cluster_and_the_knob_alone_places_the_core():
-    """engine/ loads without cluster/ (the arrow runs cluster -> engine); where
+    """conveyor/engine/ loads without conveyor/cluster/ (the arrow runs cluster -> engine); where
     the core runs is parallel.engine_actor alone (executor "ray" keeps its old
     meaning only while the knob is unset; serve.engine_actor maps onto it),
     and only a core asked into an actor reaches cluster's RayCoreClient."""
-    code = ("import sys; import engine.llm, engine.async_client, engine.core_client as cc; "
-            "from engine.config import build_config as b; "
-            "assert not [m for m in sys.modules if m.split('.')[0] == 'cluster']; "
+    code = ("import sys; import conveyor.engine.llm, conveyor.engine.async_client, conveyor.engine.core_client as cc; "
+            "from conveyor.engine.config import build_config as b; "
+            "assert not [m for m in sys.modules if m.startswith('conveyor.cluster')]; "
             "assert [cc.core_in_actor(b(executor=e)) for e in ('uniproc', 'mp', 'ray')] == [False, False, True]; "
             "assert cc.core_in_actor(b(executor='uniproc'), serving=True); "
             "assert not cc.core_in_actor(b(executor='ray', engine_actor=False)); "
@@ -131,53 +134,58 @@ def test_engine_loads_without_cluster_and_the_knob_alone_places_the_core():
             "assert not cc.core_in_actor(b({'serve': {'engine_actor': False}}), serving=True); "
             "assert cc.core_in_actor(b({'serve': {'engine_actor': False}}, executor='ray'), serving=True); "
             "assert b({'serve': {'engine_actor': True}}).serve.engine_actor is None; "
-            "assert not [m for m in sys.modules if m.split('.')[0] == 'cluster']; "
-            "from cluster.engine_actor.client import RayCoreClient; "
+            "assert not [m for m in sys.modules if m.startswith('conveyor.cluster')]; "
+            "from conveyor.cluster.engine_actor.client import RayCoreClient; "
             "assert cc.actor_client_factory() == RayCoreClient.launch")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_legacy_serve_engine_actor_must_agree_with_the_knob():
-    from engine.config import ConfigError, build_config
+    from conveyor.engine.config import ConfigError, build_config
 
     with pytest.raises(ConfigError, match="serve.engine_actor"):
         build_config({"serve": {"engine_actor": False}, "parallel": {"engine_actor": True}})
 
 
-# The one place engine/ names cluster/: the default client of a core in an
-# actor, imported on demand (engine/core_client.py: actor_client_factory).
-_ENGINE_TO_CLUSTER = {("engine/core_client.py", "cluster.engine_actor.client")}
+# The one place conveyor/engine/ names conveyor/cluster/: the default client of a core in an
+# actor, imported on demand (conveyor/engine/core_client.py: actor_client_factory).
+_ENGINE_TO_CLUSTER = {("conveyor/engine/core_client.py", "conveyor.cluster.engine_actor.client")}
 
 
 def test_import_rules_static():
-    """engine/ never imports torch.distributed, ray, model code or cluster/
-    (not even lazily); kernels/ imports nothing from the project; workers/
+    """conveyor/engine/ never imports torch.distributed, ray, model code or conveyor/cluster/
+    (not even lazily); conveyor/kernels/ imports nothing from the project; conveyor/workers/
     never imports ray."""
     import pathlib
     root = pathlib.Path(__file__).resolve().parents[2]
-    project = {"engine", "executors", "workers", "parallel", "kernels", "cluster"}
-    imports = _imports
-
-    rules = [("engine", ("ray", "torch.distributed", "workers", "parallel", "kernels", "cluster")),
-             ("kernels", tuple(project)), ("workers", ("ray",)), ("parallel", ("ray",)),
+    project = ("engine", "executors", "workers", "parallel", "kernels", "cluster")
+    ours = tuple(f"conveyor.{p}" for p in project)
+    rules = [("engine", ("ray", "torch.distributed") + ours[2:]),
+             ("kernels", ("conveyor",)), ("workers", ("ray",)), ("parallel", ("ray",)),
              ("executors", ("ray",))]
+    scanned = 0
     for pkg, banned in rules:
-        for f in (root / pkg).rglob("*.py"):
+        files = sorted((root / "conveyor" / pkg).rglob("*.py"))
+        assert len(files) >= 3, f"conveyor/{pkg}: no sources found"
+        for f in files:
             if pkg == "executors" and f.name.startswith("ray"):
-                continue  # only executors/ray* may import Ray
-            for mod in imports(f):
+                continue  # only conveyor/executors/ray* may import Ray
+            for mod in _imports(f):
+                scanned += 1
                 if (str(f.relative_to(root)), mod) in _ENGINE_TO_CLUSTER:
                     continue
-                top = mod.split(".")[0]
-                assert not any(mod == b or mod.startswith(b + ".") or top == b for b in banned), \
+                # the old top-level names are gone: no file may import them
+                assert mod.split(".")[0] not in project, f"{f.relative_to(root)} imports {mod}"
+                assert not any(mod == b or mod.startswith(b + ".") for b in banned), \
                     f"{f.relative_to(root)} imports {mod}"
+    assert scanned > 500
 
 
 def test_one_delta_merge_for_every_consumer():
     """CompletionOutput.merge is the only fold of deltas: AsyncLLM's output
     slot, collect() and the HTTP server's per-choice accumulators use it."""
-    from cluster.openai.responses import _Acc
-    from engine.output_processor import CompletionOutput
+    from conveyor.cluster.openai.responses import _Acc
+    from conveyor.engine.output_processor import CompletionOutput
 
     acc = CompletionOutput(0, "a", [1], logprobs=None)
     acc.merge(CompletionOutput(0, "b", [2], logprobs=[{2: -0.5}]))

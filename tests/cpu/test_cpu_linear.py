@@ -1,5 +1,5 @@
-"""The small-M linear op (kernels/cpu_linear.py) on every kernel table this
-CPU runs, against float64 math, and its use by parallel.layers.linear.
+"""The small-M linear op (conveyor/kernels/cpu_linear.py) on every kernel table this
+CPU runs, against float64 math, and its use by conveyor.parallel.layers.linear.
 
 Tolerances, from the standard bound on a sum of K products in fp32 (each
 FMA or add rounds once, relative error u = 2^-24 per operation, in any
@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from kernels import cpu_attention
+from conveyor.kernels import cpu_attention
 
 _U = 2.0 ** -24
 # (M, K, N): a lone row, row-block tails (AVX2 blocks 6 rows, 5 for bf16
@@ -40,7 +40,7 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _isa_or_skip(isa: str) -> None:
     _ext_or_skip()
-    from kernels.cpu_linear import supported_isas
+    from conveyor.kernels.cpu_linear import supported_isas
 
     if isa not in supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
@@ -58,7 +58,7 @@ def _case(seed: int, m: int, k: int, n: int, dtype: torch.dtype):
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
 def test_small_linear_fp32_matches_float64(isa: str) -> None:
     _isa_or_skip(isa)
-    from kernels.cpu_linear import pack, small_linear
+    from conveyor.kernels.cpu_linear import pack, small_linear
     for seed, (m, k, n) in enumerate(_CASES):
         x, w, b = _case(seed, m, k, n, torch.float32)
         exact = x.double() @ w.double().t() + b.double()
@@ -79,7 +79,7 @@ def test_small_linear_fp32_matches_float64(isa: str) -> None:
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
 def test_small_linear_bf16_is_fp32_math_rounded_once(isa: str) -> None:
     _isa_or_skip(isa)
-    from kernels.cpu_linear import pack, small_linear
+    from conveyor.kernels.cpu_linear import pack, small_linear
     for seed, (m, k, n) in enumerate(_CASES):
         x, w, b = _case(seed, m, k, n, torch.bfloat16)
         y = small_linear(x, pack(w), n, b, isa)
@@ -96,8 +96,8 @@ def test_small_linear_int8_matches_float64_on_the_dequantized_weight(isa: str) -
     the fp32 bound, on every shape of _CASES (1-3 rows take 4 or 2 FMA chains
     over k with a tail when K is not a multiple; K past a chunk)."""
     _isa_or_skip(isa)
-    from kernels.cpu_linear import pack, small_linear_i8, unpack
-    from workers.layers.quant import quantize_int8
+    from conveyor.kernels.cpu_linear import pack, small_linear_i8, unpack
+    from conveyor.workers.layers.quant import quantize_int8
     for seed, (m, k, n) in enumerate(_CASES + [(2, 131, 17), (1, 1029, 40)]):
         x, w, b = _case(seed, m, k, n, torch.float32)
         q, scale = quantize_int8(w)
@@ -115,7 +115,7 @@ def test_small_linear_bf16_output_rounds_as_torch(isa: str) -> None:
     even both ways, overflow to inf, denormals), NaN stays NaN; the
     wide tables' bf16 output is their fp32 result rounded, bit for bit."""
     _isa_or_skip(isa)
-    from kernels.cpu_linear import pack, small_linear
+    from conveyor.kernels.cpu_linear import pack, small_linear
     one = 1.0
     ties = [one + 2.0 ** -8, one + 3 * 2.0 ** -8, -(one + 2.0 ** -8), 3.0 + 2.0 ** -7]
     near = [one + 2.0 ** -8 + 2.0 ** -20, one + 2.0 ** -8 - 2.0 ** -20, 1e-40, -3e-39, 3.4e38,
@@ -138,12 +138,12 @@ def test_small_linear_bf16_output_rounds_as_torch(isa: str) -> None:
         assert torch.equal(y.view(torch.int16), y32.to(torch.bfloat16).view(torch.int16)), (isa, m, k, n)
 
 def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
-    """parallel.layers.linear: up to the table's row limit the op (same bits
+    """conveyor.parallel.layers.linear: up to the table's row limit the op (same bits
     as a direct call), above it oneDNN; results agree either way."""
     _ext_or_skip()
     cpu_attention.load_extension()
-    from kernels.cpu_linear import kernel_isa, pack, small_linear, small_rows
-    from parallel.layers import linear
+    from conveyor.kernels.cpu_linear import kernel_isa, pack, small_linear, small_rows
+    from conveyor.parallel.layers import linear
 
     isa = kernel_isa()
     if isa is None:
@@ -162,14 +162,14 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
 
 @pytest.mark.parametrize("table", ["avx512", "avx2"])
 def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
-    """With the attention backend on `table`, parallel.layers.linear runs the
+    """With the attention backend on `table`, conveyor.parallel.layers.linear runs the
     small kernel up to its row limit and oneDNN above: 16 rows, except fp32 on
     the AVX2 table, every row count."""
     _ext_or_skip()
     if table not in cpu_attention.supported_isas():
         pytest.skip(f"this CPU does not run {table}")
-    from kernels import cpu_linear
-    from parallel.layers import linear
+    from conveyor.kernels import cpu_linear
+    from conveyor.parallel.layers import linear
 
     calls: list[tuple[int, str]] = []
     real = cpu_linear.small_linear

@@ -12,9 +12,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from engine.config import build_config
-from kernels.backends import AttentionMetadata
-from workers.cuda_graphs import DecodeGraphRunner, capture_sizes, graphs_refused, padded_size
+from conveyor.engine.config import build_config
+from conveyor.kernels.backends import AttentionMetadata
+from conveyor.workers.cuda_graphs import DecodeGraphRunner, capture_sizes, graphs_refused, padded_size
 
 BS, D = 4, 8
 

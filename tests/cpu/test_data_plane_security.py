@@ -17,12 +17,12 @@ import zmq
 from llm_utils import make_checkpoint, random_prompts
 from zmq.utils.monitor import recv_monitor_message
 
-from cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreInput
-from engine import LLM, SamplingParams
-from executors import frames as fr
-from executors.channel import DataPlane, PlaneKeys
-from executors.frames import Route, Sealer
-from executors.messages import TO_EXECUTOR, TO_WORKERS, WorkerReply, rank_sender
+from conveyor.cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreInput
+from conveyor.engine import LLM, SamplingParams
+from conveyor.executors import frames as fr
+from conveyor.executors.channel import DataPlane, PlaneKeys
+from conveyor.executors.frames import Route, Sealer
+from conveyor.executors.messages import TO_EXECUTOR, TO_WORKERS, WorkerReply, rank_sender
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 HANDSHAKE_FAILED = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
@@ -263,7 +263,7 @@ def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
         client._in.tap = captured.append  # real "add" inputs, to replay
         clean = _generate(llm, prompts)
         client._in.tap = None
-        # An attached frontend (an ingress replica of cluster/engine_pool.py):
+        # An attached frontend (an ingress replica of conveyor/cluster/engine_pool.py):
         # its channel pair, on a plane of its own, is probed like the rest.
         front_keys = PlaneKeys.generate()
         _, front_in, front_out, _ = ray.get(client.actor.attach.remote(msgspec.msgpack.encode(front_keys)))

@@ -5,8 +5,7 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TOPS = ("engine", "executors", "workers", "parallel", "kernels", "cluster", "tests", "bench", "docs",
-        "configs", ".ci")
+TOPS = ("conveyor", "tests", "bench", "docs", "configs", ".ci", "tools")
 _TOP = "|".join(re.escape(t) for t in TOPS)
 PATH = re.compile(rf"(?<![\w/.-])((?:{_TOP})/[\w./-]*[\w/])")
 EXAMPLES = {"configs/x.yaml"}  # README's example of a config with a mistake

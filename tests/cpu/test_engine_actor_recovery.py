@@ -17,10 +17,10 @@ from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
 from ray_nodes import engine_actor_pids
 from recovery_utils import before_step, expect_fail_fast
 
-from engine import LLM, SamplingParams
-from engine.async_client import AsyncLLM
-from engine.config import build_config
-from parallel.ports import free_port
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.async_client import AsyncLLM
+from conveyor.engine.config import build_config
+from conveyor.parallel.ports import free_port
 
 PROMPTS = random_prompts(10, 5, 40, seed=53)
 MAX_TOKENS = 32
@@ -82,7 +82,7 @@ def test_resubmitted_request_continues_where_it_was(ckpt):
     catches up) requests produce exactly the rest of an undisturbed run."""
     import msgspec
 
-    from engine import StructuredOutputsParams
+    from conveyor.engine import StructuredOutputsParams
 
     sps = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
            SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True,
@@ -110,8 +110,8 @@ def test_resubmitted_request_continues_where_it_was(ckpt):
 def test_a_resumed_request_reports_its_first_prefix_cache_hit():
     """The frontend's RequestState owns what the client was told: a resumed
     request's new engine reports its own hit, and the first one stays."""
-    from engine.contracts import EngineCoreOutput, FinishReason
-    from engine.output_processor import RequestState
+    from conveyor.engine.contracts import EngineCoreOutput, FinishReason
+    from conveyor.engine.output_processor import RequestState
 
     st = RequestState.make("a", 0, SamplingParams(max_tokens=3), [1, 2, 3], None)
     st.process(EngineCoreOutput("a", [7], num_cached_tokens=2))
@@ -126,8 +126,8 @@ class _LosingClient:
     thread of its own, as a reader thread does."""
 
     def __init__(self) -> None:
-        from engine.contracts import KVCacheInfo
-        from engine.errors import DeadFlag
+        from conveyor.engine.contracts import KVCacheInfo
+        from conveyor.engine.errors import DeadFlag
 
         self.kv_info, self.dead = KVCacheInfo(num_blocks=64, block_size=16, vocab_size=256), DeadFlag()
         self.added, self.resumed, self.aborted = [], [], []
@@ -172,7 +172,7 @@ def test_resubmission_waits_for_the_outputs_queued_before_the_loss(ckpt):
     loss (none missing, so none generated and delivered twice), and the
     stream then carries each token once. A finished or aborted request is
     not resubmitted."""
-    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason, ResumeCall
+    from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason, ResumeCall
 
     def out(rid, toks, done=False):
         return EngineCoreOutputs([EngineCoreOutput(rid, toks, FinishReason.LENGTH if done else None)])
@@ -203,7 +203,7 @@ def test_resubmission_waits_for_the_outputs_queued_before_the_loss(ckpt):
 
 
 def _out(rid, toks, done=False):
-    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
     return EngineCoreOutputs([EngineCoreOutput(rid, toks, FinishReason.LENGTH if done else None)])
 
@@ -213,8 +213,8 @@ def test_a_data_parallel_move_waits_for_the_outputs_queued_before_it(ckpt):
     still queued for the frontend's loop: its request moves to the other
     with every token delivered before the loss, and the stream carries each
     token once."""
-    from engine.contracts import EngineCoreOutputs
-    from engine.dp_engine import DataParallelClient
+    from conveyor.engine.contracts import EngineCoreOutputs
+    from conveyor.engine.dp_engine import DataParallelClient
 
     async def scenario():
         engines = [_LosingClient(), _LosingClient()]
@@ -440,7 +440,7 @@ def test_killed_engine_actor_behind_serve_costs_no_stream(serve_config, serve_re
     group); executor ray: it drives a worker actor (bundle 1) from bundle 0."""
     from ray import serve
 
-    from cluster.serve_app import run_serve
+    from conveyor.cluster.serve_app import run_serve
 
     before, groups = engine_actor_pids(), _live_placement_groups()
     url = run_serve(serve_config, blocking=False, app_name=f"rec-{executor}",
@@ -487,15 +487,15 @@ def _serve_kill_scenario(url: str, refs, before: set[int]) -> None:
     assert gauges == {"conveyor:kv_cache_usage_perc": 0.0, "conveyor:num_requests_running": 0.0}
 
 
-# ---- the ingress tier: several frontends over one engine pool (cluster/engine_pool.py) ------
+# ---- the ingress tier: several frontends over one engine pool (conveyor/cluster/engine_pool.py) ------
 
 class _IngressLLM(LLM):
     """An LLM whose engines are the pool's: one such LLM per ingress replica."""
 
     @staticmethod
     def _make_engine(config, actor_factory=None):  # noqa: ANN205 - SyncCoreEngine
-        from cluster.engine_pool import pooled_client
-        from engine.sync_engine import SyncCoreEngine
+        from conveyor.cluster.engine_pool import pooled_client
+        from conveyor.engine.sync_engine import SyncCoreEngine
 
         return SyncCoreEngine(pooled_client(config, use_gpu=False))
 
@@ -519,7 +519,7 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
 
     import ray
 
-    from engine.router.policy import block_hashes_of
+    from conveyor.engine.router.policy import block_hashes_of
 
     cfg = build_config(model=ckpt, max_num_batched_tokens=64, data_parallel_size=2,
                        **{"serve.replicas": 2, "parallel.num_cpus_per_worker": 0.5})
@@ -601,7 +601,7 @@ def test_two_ingress_replicas_behind_serve(serve_config, serve_refs):
     import ray
     from ray import serve
 
-    from cluster.serve_app import run_serve
+    from conveyor.cluster.serve_app import run_serve
 
     before = engine_actor_pids()
     url = run_serve(serve_config, blocking=False, app_name="ingress2", route_prefix="/ingress2",

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 from sched_utils import EOS, FakeExecutor
 
-from engine.config import build_config
-from engine.contracts import EngineCoreRequest
-from engine.core import EngineCore
-from engine.sampling_params import SamplingParams
+from conveyor.engine.config import build_config
+from conveyor.engine.contracts import EngineCoreRequest
+from conveyor.engine.core import EngineCore
+from conveyor.engine.sampling_params import SamplingParams
 
 
 def _core(queue_size: int, delay: float = 0.0, **kw) -> EngineCore:
@@ -81,7 +81,7 @@ def test_abort_mid_flight_with_batch_queue():
 
 def test_add_request_validation():
     # An empty prompt and the context length are checked once, at the edge
-    # (engine/frontend.py, test_malformed_requests_fail_alone); the core checks
+    # (conveyor/engine/frontend.py, test_malformed_requests_fail_alone); the core checks
     # what it alone knows: the request fits its KV pool, and its id is new.
     core = _core(1)
     with pytest.raises(ValueError, match="KV blocks"):
@@ -128,14 +128,14 @@ def test_async_scheduling_matches_step(blocks):
 
 def test_async_scheduling_auto_and_bounds():
     assert not _core(1).async_scheduling  # auto: off where the forward is on the CPU
-    from engine.config import ConfigError
+    from conveyor.engine.config import ConfigError
     with pytest.raises(ConfigError, match="scheduler.async_scheduling"):
         build_config(async_scheduling="sometimes")
     with pytest.raises(ConfigError, match="scheduler.async_scheduling"):
         build_config(async_scheduling=True, pipeline_parallel_size=2)
     assert build_config(async_scheduling=False).scheduler.async_scheduling is False
     # The CLI flags reach the same keys (`--async-scheduling on`, `--enforce-eager true`).
-    from cluster.cli.options import ENGINE_OVERRIDES
+    from conveyor.cluster.cli.options import ENGINE_OVERRIDES
     keys = {o.flag: o.key for o in ENGINE_OVERRIDES}
     assert keys["--async-scheduling"] == "scheduler.async_scheduling"
     assert keys["--enforce-eager"] == "model.enforce_eager"

@@ -1,4 +1,4 @@
-"""An EngineCoreActor's frontends (cluster/engine_actor/frontends.py), without Ray: each
+"""An EngineCoreActor's frontends (conveyor/cluster/engine_actor/frontends.py), without Ray: each
 request's outputs go back to the frontend that added it, stats and KV events
 to every frontend, an attached frontend that cannot take a message never
 blocks the engine, and a detached one's requests are handed back for abort."""
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import msgspec
 
-from cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreInput
-from cluster.engine_actor.frontends import Frontend, Frontends
-from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from engine.router.events import KVEvents
-from engine.sampling_params import SamplingParams
+from conveyor.cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreInput
+from conveyor.cluster.engine_actor.frontends import Frontend, Frontends
+from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from conveyor.engine.router.events import KVEvents
+from conveyor.engine.sampling_params import SamplingParams
 
 
 class _Out:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.sampling_params import SamplingParams
-from workers.input_batch import CachedRequestState, InputBatch, prepare_inputs
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.workers.input_batch import CachedRequestState, InputBatch, prepare_inputs
 
 
 def _state(rid, prompt, blocks, computed=0, outputs=()):

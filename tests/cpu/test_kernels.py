@@ -20,15 +20,15 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kernels import cpu_attention, torch_attention  # noqa: E402
-from kernels.backends import AttentionBackend, AttentionMetadata, get_attention_backend  # noqa: E402
-from kernels.cache_write import write_kv, write_kv_ref  # noqa: E402
-from kernels.paged_attention import (  # noqa: E402
+from conveyor.kernels import cpu_attention, torch_attention  # noqa: E402
+from conveyor.kernels.backends import AttentionBackend, AttentionMetadata, get_attention_backend  # noqa: E402
+from conveyor.kernels.cache_write import write_kv, write_kv_ref  # noqa: E402
+from conveyor.kernels.paged_attention import (  # noqa: E402
     choose_num_segments,
     paged_attention,
     paged_attention_reference,
 )
-from kernels.torch_attention import paged_attention_ref, write_kv_torch  # noqa: E402
+from conveyor.kernels.torch_attention import paged_attention_ref, write_kv_torch  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 MAX_LEN = 300
@@ -425,9 +425,10 @@ def test_a_copy_of_the_tree_loads_the_finished_build_without_rebuilding(tmp_path
                 for name in ("build.ninja", cpu_attention._EXT_NAME + ".so")]
 
     before = stamps()
-    here = os.path.dirname(os.path.dirname(cpu_attention.__file__))
-    shutil.copytree(os.path.join(here, "kernels"), tmp_path / "kernels")
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); from kernels import cpu_attention as k; "
+    package = os.path.dirname(os.path.dirname(cpu_attention.__file__))  # conveyor/
+    shutil.copytree(os.path.join(package, "kernels"), tmp_path / "conveyor" / "kernels")
+    shutil.copy(os.path.join(package, "__init__.py"), tmp_path / "conveyor" / "__init__.py")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from conveyor.kernels import cpu_attention as k; "
             "assert k.__file__.startswith(sys.argv[1]), k.__file__; print(k.load_extension().isa())")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
@@ -444,7 +445,7 @@ _COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import cache_write as cw, paged_attention as pa
+from conveyor.kernels import cache_write as cw, paged_attention as pa
 
 def build(fn, types, consts, warps):
     consts = {n: v for n, v in consts.items() if n in fn.arg_names}
@@ -498,7 +499,7 @@ def test_cpu_write_kv_matches_torch(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_rms_norm_matches_torch(dtype, cpu_isa) -> None:
-    from workers.layers.layernorm import RMSNorm
+    from conveyor.workers.layers.layernorm import RMSNorm
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -519,7 +520,7 @@ def test_cpu_rms_norm_matches_torch(dtype, cpu_isa) -> None:
 def test_cpu_silu_and_mul_matches_torch(cpu_isa) -> None:
     """The fused gate_up activation against torch's silu(gate) * up: 1408
     (the bench's width) and 37 (a scalar tail), with large |x| on both sides."""
-    from workers.layers.activation import SiluAndMul
+    from conveyor.workers.layers.activation import SiluAndMul
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -538,7 +539,7 @@ def test_cpu_silu_and_mul_bf16_rounds_once(cpu_isa) -> None:
     """bf16 gate_up: fp32 math on the widened rows, one rounding: equal to
     torch's fp32 form rounded to bf16 (within one bf16 step where vexp and
     expf straddle a rounding boundary)."""
-    from workers.layers.activation import SiluAndMul
+    from conveyor.workers.layers.activation import SiluAndMul
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -569,7 +570,7 @@ def test_cpu_silu_and_mul_bf16_tiles_equal_the_fp32_kernel(cpu_isa) -> None:
 
 
 def _rope_case(head: int, rotary_dim: int, dtype: torch.dtype, seed: int) -> tuple:
-    from workers.layers.rotary import RotaryEmbedding
+    from conveyor.workers.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(seed)
     rope = RotaryEmbedding(head, rotary_dim, max_position=512, base=10000.0)
@@ -642,8 +643,8 @@ def test_cpu_int8_linear_matches_dequantized(m, cpu_isa) -> None:
     """Weight-only int8 on the small-M kernel's table of this ISA: it equals
     fp32 math on the dequantized weight (37 columns: a partial 16-column
     block; 6 rows: AVX2's row blocks of 5 and a tail; 16: the row cap)."""
-    from kernels.cpu_linear import pack
-    from workers.layers.quant import int8_linear, quantize_int8
+    from conveyor.kernels.cpu_linear import pack
+    from conveyor.workers.layers.quant import int8_linear, quantize_int8
 
     seed = _seed()
     gen = torch.Generator().manual_seed(seed)
@@ -663,13 +664,13 @@ def test_cpu_int8_linear_matches_dequantized(m, cpu_isa) -> None:
 
 def test_quantize_linears_routes_every_linear_through_int8() -> None:
     """quantize_linears swaps each linear's fp32 weight for int8 + scales and
-    the layer's forward (parallel.layers.linear) then computes with those;
+    the layer's forward (conveyor.parallel.layers.linear) then computes with those;
     the lm_head computes decode rows (<= INT8_KERNEL_ROWS) in int8 and more
     rows on the fp32 weight it keeps; embeddings are left alone; the config
     accepts only null / int8."""
-    from engine.config import ConfigError, build_config
-    from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-    from workers.layers.quant import INT8_KERNEL_ROWS, quantize_int8, quantize_linears
+    from conveyor.engine.config import ConfigError, build_config
+    from conveyor.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+    from conveyor.workers.layers.quant import INT8_KERNEL_ROWS, quantize_int8, quantize_linears
 
     gen = torch.Generator().manual_seed(0)
     model = torch.nn.ModuleDict({"up": ColumnParallelLinear(64, 48, bias=True),

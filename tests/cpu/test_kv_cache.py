@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from sched_utils import append_token, make_request
 
-from engine.contracts import RequestStatus
-from engine.kv_cache import BlockHasher, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
+from conveyor.engine.contracts import RequestStatus
+from conveyor.engine.kv_cache import BlockHasher, FreeKVCacheBlockQueue, KVCacheBlock, KVCacheManager
 
 COMMON = [0] * 16 + [1] * 16 + [2] * 16
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from llm_utils import hf_greedy, hf_logprobs, make_checkpoint, random_prompts
 
-from engine import LLM, SamplingParams
+from conveyor.engine import LLM, SamplingParams
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
@@ -56,7 +56,7 @@ def test_parity_split_kv_decode(family, ckpts, prompts, refs, monkeypatch):
     """Every decode row's keys cut into 16-position slices over the threads
     (the CPU kernel's split-KV path, normally only for a few long rows) and
     merged by log-sum-exp: still transformers' tokens."""
-    from kernels import cpu_attention
+    from conveyor.kernels import cpu_attention
     monkeypatch.setattr(cpu_attention, "split_part_len", lambda lens, threads: 16)
     outs, _ = _generate(ckpts[family], prompts, max_num_seqs=2)
     assert [o.outputs[0].token_ids for o in outs] == refs[family]
@@ -313,7 +313,7 @@ def test_prompt_logprobs_chunked_prefix_cached_n(ckpts, monkeypatch):
     """prompt_logprobs under chunked prefill (32-token budget, 7-row logits
     passes) with prefix caching on: a request that asks for them never reads
     the cache (every position needs its logits) but fills it for later ones."""
-    import workers.prompt_logprobs as wp
+    import conveyor.workers.prompt_logprobs as wp
     monkeypatch.setattr(wp, "ROWS_PER_PASS", 7)
     path = ckpts["llama"]
     ps = random_prompts(2, 70, 90, seed=21)
@@ -366,7 +366,7 @@ def test_a_failed_start_leaves_the_process_ready_for_the_next_engine(ckpts, tmp_
     import os
     import shutil
 
-    from parallel import state
+    from conveyor.parallel import state
 
     broken = tmp_path / "broken"
     shutil.copytree(ckpts["llama"], broken)
@@ -387,8 +387,8 @@ def test_a_core_asked_into_an_actor_comes_from_the_factory_handed_in(ckpts, prom
     """parallel.engine_actor alone decides that the core runs behind a client,
     and LLM builds that client with the caller's factory (here the in-process
     client, so no Ray is needed): same tokens as the engine stepped directly."""
-    from engine.inproc_client import InProcCoreClient
-    from engine.sync_engine import SyncCoreEngine
+    from conveyor.engine.inproc_client import InProcCoreClient
+    from conveyor.engine.sync_engine import SyncCoreEngine
 
     made = []
 

@@ -11,7 +11,7 @@ import pytest
 from llm_utils import make_checkpoint, random_prompts
 from lora_utils import RECIPES, hf_lora_greedy, make_adapter
 
-from engine import LLM, LoRARequest, SamplingParams
+from conveyor.engine import LLM, LoRARequest, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -147,10 +147,10 @@ def test_http_adapter_addressing(models):
     import httpx
     import openai
 
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer, model_name_of
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer, model_name_of
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
 
     base, adapters = models["llama"]
     prompt = random_prompts(1, 6, 6, seed=12)[0]
@@ -179,7 +179,7 @@ def test_http_adapter_addressing(models):
 async def _batch_line_check(server, llm, prompt, refs) -> None:
     """A batch JSONL line's `model` names the adapter (the batch runner's
     OpenAIServer on the same engine: no second engine start)."""
-    from cluster.batch.engines import LineRunner
+    from conveyor.cluster.batch.engines import LineRunner
 
     runner = LineRunner(llm, server)
     body = {"model": "a0", "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}

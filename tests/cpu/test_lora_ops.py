@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import ConfigError, build_config
-from engine.lora import LoRARequest, ModelDims, check_adapter
-from workers.lora.mapping import LoRAMapping, add_lora
+from conveyor.engine.config import ConfigError, build_config
+from conveyor.engine.lora import LoRARequest, ModelDims, check_adapter
+from conveyor.workers.lora.mapping import LoRAMapping, add_lora
 
 pytest.importorskip("triton")
 
@@ -44,7 +44,7 @@ def _case(seed: int, num_tokens: int, slots: int, k: int, r: int, n: int):
                                                          (2, 70, 2, 20, 4, 33)])
 def test_segmented_lora_matches_reference(seed: int, num_tokens: int, slots: int, k: int, r: int,
                                           n: int) -> None:
-    from kernels.lora_triton import lora_reference, segmented_mm
+    from conveyor.kernels.lora_triton import lora_reference, segmented_mm
 
     x, y, a_t, b_t, token_slots = _case(seed, num_tokens, slots, k, r, n)
     ref = lora_reference(x, y, a_t, b_t, token_slots.tolist())
@@ -63,7 +63,7 @@ def test_segmented_lora_matches_reference(seed: int, num_tokens: int, slots: int
 
 def test_uneven_groups_take_the_sorted_path_and_match_the_reference() -> None:
     """Prefill-like steps (one adapter with most tokens) skip the padding."""
-    from kernels.lora_triton import lora_reference
+    from conveyor.kernels.lora_triton import lora_reference
 
     x, y, a_t, b_t, token_slots = _case(3, 200, 3, 24, 6, 20)
     token_slots[:190] = 1
@@ -77,7 +77,7 @@ def test_uneven_groups_take_the_sorted_path_and_match_the_reference() -> None:
 
 def test_long_runs_take_the_runs_path_and_match_the_reference() -> None:
     """Prefill chunks (long same-adapter runs in token order) add in place, no copies."""
-    from kernels.lora_triton import lora_reference
+    from conveyor.kernels.lora_triton import lora_reference
 
     x, y, a_t, b_t, _ = _case(4, 160, 3, 24, 6, 20)
     token_slots = np.repeat(np.array([0, -1, 2, 2, 1]), [40, 20, 30, 10, 60])
@@ -98,16 +98,16 @@ _FUSED_CASES = [(37, 4, 48, 8, [40, 17, 17]), (5, 3, 64, 24, [96]), (70, 2, 20, 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
 def test_fused_cpu_op_matches_reference(isa: str) -> None:
-    """kernels/lora_cpu.py's op on one kernel table against the row-by-row
+    """conveyor/kernels/lora_cpu.py's op on one kernel table against the row-by-row
     reference: every sub-projection into its own columns of a wider y, x a
     column slice of a wider tensor (a row-parallel layer's narrowed input),
     base-model rows untouched. add_lora takes it whenever the extension is
     loaded, with the table the attention backend selected."""
-    from kernels import cpu_attention
+    from conveyor.kernels import cpu_attention
 
     if not cpu_attention.available():
         pytest.skip(f"the CPU kernel did not build: {cpu_attention.build_error()}")
-    from kernels.lora_cpu import kernel_isa, lora_add, supported_isas
+    from conveyor.kernels.lora_cpu import kernel_isa, lora_add, supported_isas
 
     if isa not in supported_isas():
         pytest.skip(f"this CPU does not run {isa}")
@@ -200,10 +200,10 @@ def test_lora_config_fields() -> None:
 
 
 def test_prefix_cache_keys_include_the_adapter() -> None:
-    from engine.contracts import EngineCoreRequest
-    from engine.kv_cache import BlockHasher
-    from engine.request import Request
-    from engine.sampling_params import SamplingParams
+    from conveyor.engine.contracts import EngineCoreRequest
+    from conveyor.engine.kv_cache import BlockHasher
+    from conveyor.engine.request import Request
+    from conveyor.engine.sampling_params import SamplingParams
 
     def hashes(lr):
         ecr = EngineCoreRequest(request_id="r", prompt_token_ids=list(range(40)),
@@ -221,9 +221,9 @@ def test_lora_requests_info_metrics() -> None:
     """Running and waiting requests per adapter (vLLM's lora_requests_info)."""
     from types import SimpleNamespace
 
-    from cluster.openai.metrics import _lora_metrics
-    from engine.contracts import SchedulerStats
-    from engine.lora import lora_stats
+    from conveyor.cluster.openai.metrics import _lora_metrics
+    from conveyor.engine.contracts import SchedulerStats
+    from conveyor.engine.lora import lora_stats
 
     a, b = LoRARequest("a", 1, "/x"), LoRARequest("b", 2, "/y")
     reqs = [SimpleNamespace(lora_request=lr) for lr in (a, a, None, b)]

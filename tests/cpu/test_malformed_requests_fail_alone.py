@@ -14,14 +14,14 @@ import msgspec
 import pytest
 from test_requests_never_break_the_engine import PROMPT, FakeCore, _client, _error, _llm, _run
 
-from engine.contracts import (
+from conveyor.engine.contracts import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
 )
-from engine.errors import EngineDeadError, UnsendableRequestError
-from engine.sampling_params import SamplingFields, SamplingParams
+from conveyor.engine.errors import EngineDeadError, UnsendableRequestError
+from conveyor.engine.sampling_params import SamplingFields, SamplingParams
 
 LONE = "\udc00"
 
@@ -106,7 +106,7 @@ def test_sampling_params_bound_every_integer_and_string():
         with pytest.raises(ValueError, match=f"^{field}"):
             SamplingParams(**kw)
     SamplingParams(top_k=2**63 - 1)  # past the vocabulary: top-k is off (the sampler's rule)
-    from engine.structured_output.params import StructuredOutputsParams
+    from conveyor.engine.structured_output.params import StructuredOutputsParams
 
     with pytest.raises(ValueError, match="nested deeper than"):
         StructuredOutputsParams(json=_deep_schema(480))
@@ -141,8 +141,8 @@ def _request(rid: str, **sampling: Any) -> EngineCoreRequest:
 
 
 def test_an_unencodable_request_fails_alone_and_the_sender_goes_on():
-    from cluster.engine_actor.actor import CoreInput
-    from cluster.engine_actor.link import InputSender
+    from conveyor.cluster.engine_actor.actor import CoreInput
+    from conveyor.cluster.engine_actor.link import InputSender
 
     ch = _Channel()
     sender = InputSender(ch, lambda: None)
@@ -157,9 +157,9 @@ def test_an_unencodable_request_fails_alone_and_the_sender_goes_on():
 
 
 def test_a_dead_internal_thread_fails_health():
-    from cluster.engine_actor.client import RayCoreClient
-    from cluster.engine_actor.link import CoreActorSpec
-    from engine.config import build_config
+    from conveyor.cluster.engine_actor.client import RayCoreClient
+    from conveyor.cluster.engine_actor.link import CoreActorSpec
+    from conveyor.engine.config import build_config
 
     sender = SimpleNamespace(alive=lambda: True)
     link = SimpleNamespace(kv_info=None, sender=sender, status="ok", health_error=lambda _t: None)
@@ -235,7 +235,7 @@ def test_a_grammar_that_fails_mid_generation_is_a_400_naming_the_field(ckpt):
 def test_a_matcher_error_ends_the_request_with_its_reason():
     from sched_utils import make_request
 
-    from engine.stopping import grammar_done as _grammar_done
+    from conveyor.engine.stopping import grammar_done as _grammar_done
 
     req = make_request("r", [1, 2])
     grammar = SimpleNamespace(accept_tokens=lambda _t: False, error=lambda: "Too many items")
@@ -246,7 +246,7 @@ def test_a_matcher_error_ends_the_request_with_its_reason():
 # ---- a large prompt: bounded before tokenizing, tokenized off the event loop ----------------
 
 def test_a_prompt_past_any_context_is_refused_without_tokenizing(ckpt, monkeypatch):
-    from engine.tokenizer import Tokenizer
+    from conveyor.engine.tokenizer import Tokenizer
 
     def never(*_a: Any, **_k: Any) -> list[int]:
         raise AssertionError("tokenized a prompt that can never fit")
@@ -267,8 +267,8 @@ def test_a_prompt_past_any_context_is_refused_without_tokenizing(ckpt, monkeypat
 def test_a_large_prompt_is_tokenized_off_the_event_loop(ckpt, monkeypatch):
     """The big prompt's tokenization waits until a small request has been
     answered: on the event loop it would deadlock (the wait_for fails)."""
-    import cluster.openai.request_prep as S
-    from engine.tokenizer import Tokenizer
+    import conveyor.cluster.openai.request_prep as S
+    from conveyor.engine.tokenizer import Tokenizer
 
     monkeypatch.setattr(S, "INLINE_CHARS", 100)
     entered, small_done = threading.Event(), threading.Event()

@@ -1,4 +1,4 @@
-"""Live migration between data-parallel engines (engine/dp_engine.py): drain an
+"""Live migration between data-parallel engines (conveyor/engine/dp_engine.py): drain an
 engine, and lose one (its only worker SIGKILLed, restart budget 0), with
 greedy, seeded-with-penalties, JSON-schema and n=2-with-stop-strings requests
 in flight on two in-process engines. Every request ends with its normal
@@ -17,7 +17,7 @@ import pytest
 from llm_utils import make_checkpoint
 from recovery_utils import FakeFrontend
 
-from engine import SamplingParams, StructuredOutputsParams
+from conveyor.engine import SamplingParams, StructuredOutputsParams
 
 TAGS = {"type": "object", "properties": {"tags": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
     "type": "string", "minLength": 6, "maxLength": 10}}}, "required": ["tags"], "additionalProperties": False}
@@ -39,7 +39,7 @@ def _params(stop: list[str]) -> list[SamplingParams]:
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    from engine.config import build_config
+    from conveyor.engine.config import build_config
 
     ckpt = make_checkpoint("llama", str(tmp_path_factory.mktemp("mig") / "llama"))
     return build_config(model=ckpt, max_model_len=512, data_parallel_size=2, router="round_robin",
@@ -102,9 +102,9 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
     the whole job lost and run again from its token journal."""
     import migration_batch as mb
 
-    from cluster.batch.engines import LineRunner
+    from conveyor.cluster.batch.engines import LineRunner
 
-    caplog.set_level(logging.INFO, logger="engine.migration")
+    caplog.set_level(logging.INFO, logger="conveyor.engine.migration")
 
     async def scenario() -> None:  # one event loop: AsyncLLM binds to the first it runs on
         runner = LineRunner.start(config, str(tmp_path / "warmup.tokens"))
@@ -135,7 +135,7 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
 
 
 async def _scenario(llm, caplog) -> tuple[list[SamplingParams], list[dict]]:
-    dp = llm.client.inner  # under the batch's token journal (engine/token_journal.py)
+    dp = llm.client.inner  # under the batch's token journal (conveyor/engine/token_journal.py)
     # A stop string child 1 of the n=2 request meets mid-way: from a run without one.
     probe = (await _run(llm, _params([])))[4][1]["text"]
     stop = probe[len(probe) // 2:len(probe) // 2 + 3]
@@ -177,7 +177,7 @@ class _Fake:
     """A CoreClient without an engine: records adds and aborts; `emit` delivers."""
 
     def __init__(self) -> None:
-        from engine.contracts import KVCacheInfo
+        from conveyor.engine.contracts import KVCacheInfo
 
         self.kv_info = KVCacheInfo(num_blocks=64, block_size=16)
         self.added: list = []
@@ -205,14 +205,14 @@ class _Fake:
 
 
 def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False, paced: bool = False):
-    from engine.config import build_config
-    from engine.dp_engine import DataParallelClient
+    from conveyor.engine.config import build_config
+    from conveyor.engine.dp_engine import DataParallelClient
 
     engines = [_Fake() for _ in range(n)]
     if ray_like:
         for e in engines:
             e.hand_over_losses = lambda lost, back, e=e: setattr(e, "hooks", (lost, back))
-    # warm: parallel.warm_drain, so a drain hands over through warm-ups (engine/dp_handover.py).
+    # warm: parallel.warm_drain, so a drain hands over through warm-ups (conveyor/engine/dp_handover.py).
     dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin",
                                          **{"parallel.warm_drain": warm, "parallel.paced_drain": paced}),
                              engines)
@@ -222,7 +222,7 @@ def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False, paced: bool
 
 
 def _req(rid: str):
-    from engine.contracts import EngineCoreRequest
+    from conveyor.engine.contracts import EngineCoreRequest
 
     return EngineCoreRequest(request_id=rid, prompt_token_ids=list(range(5, 25)),
                              sampling_params=SamplingParams(max_tokens=8), arrival_time=0.0,
@@ -230,13 +230,13 @@ def _req(rid: str):
 
 
 def _out(rid: str, toks: list[int], finished: bool = False):
-    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason
+    from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
     return EngineCoreOutputs(outputs=[EngineCoreOutput(rid, toks, FinishReason.LENGTH if finished else None)])
 
 
 def test_loss_moves_delivered_tokens_as_output_tokens_and_drops_late_outputs() -> None:
-    from engine.contracts import EngineCoreOutputs, SchedulerStats
+    from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
 
     dp, (a, b), front = _fake_dp()
     front.add(dp, _req("r0"))
@@ -300,7 +300,7 @@ def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
     moves the rest at once."""
     import threading
 
-    from engine.contracts import EngineCoreOutputs, SchedulerStats
+    from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
 
     dp, engines, front = _fake_dp(warm=True)
     for i in range(6):
@@ -345,9 +345,9 @@ def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplo
     import re
     import threading
 
-    from engine.contracts import EngineCoreOutputs, SchedulerStats
+    from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
 
-    caplog.set_level(logging.INFO, logger="engine.migration")
+    caplog.set_level(logging.INFO, logger="conveyor.engine.migration")
     dp, engines, front = _fake_dp(paced=True)
     for i in range(6):
         front.add(dp, _req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
@@ -432,8 +432,8 @@ def test_drain_cli_and_admin_body_checks(capsys) -> None:
 
     from pydantic import ValidationError
 
-    from cluster.cli.main import main
-    from cluster.openai.routes.admin import DrainRequest
+    from conveyor.cluster.cli.main import main
+    from conveyor.cluster.openai.routes.admin import DrainRequest
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -451,7 +451,7 @@ def test_data_parallel_batch_journals_merge_and_resume_on_any_engine(tmp_path) -
     resumes from the job's merged journal, whichever engine a line lands on in
     the next run; the driver's merge keeps each key's longest entry and drops
     written lines; a finished job leaves no journal file."""
-    from engine.token_journal import LineJournal, TokenJournal, engine_journals, load_entries, merge_journals
+    from conveyor.engine.token_journal import LineJournal, TokenJournal, engine_journals, load_entries, merge_journals
 
     base = str(tmp_path / "out.jsonl.tokens")
     la, lb = LineJournal.line_id({"custom_id": "a"}), LineJournal.line_id({"custom_id": "b"})

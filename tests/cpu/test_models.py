@@ -13,15 +13,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny_models import FAMILIES, make_tiny_model
 
-from parallel import state
-from parallel.communication import IntermediateTensors, recv_tensor_dict, send_tensor_dict
-from parallel.layers import QKVParallelLinear, narrow_load
-from parallel.state import divide
-from workers.hf_config import HFConfig
-from workers.layers.attention import find_attention_layers
-from workers.model_loader import load_hf_config, load_model
-from workers.models import get_model_class
-from workers.models.utils import PPMissingLayer, get_pp_layer_range
+from conveyor.parallel import state
+from conveyor.parallel.communication import IntermediateTensors, recv_tensor_dict, send_tensor_dict
+from conveyor.parallel.layers import QKVParallelLinear, narrow_load
+from conveyor.parallel.state import divide
+from conveyor.workers.hf_config import HFConfig
+from conveyor.workers.layers.attention import find_attention_layers
+from conveyor.workers.model_loader import load_hf_config, load_model
+from conveyor.workers.models import get_model_class
+from conveyor.workers.models.utils import PPMissingLayer, get_pp_layer_range
 
 T = 40
 
@@ -115,9 +115,9 @@ _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": 
 def _what_models_read(c) -> dict:
     """Every value the model classes, the rotary table and the dtype choice
     take from an HF config, as they read it."""
-    from workers.layers.rotary import rope_params_from_config
-    from workers.models.llama import head_dim_of
-    from workers.worker import resolve_dtype
+    from conveyor.workers.layers.rotary import rope_params_from_config
+    from conveyor.workers.models.llama import head_dim_of
+    from conveyor.workers.worker import resolve_dtype
 
     window = getattr(c, "sliding_window", None)
     base, scaling, rotary_dim = rope_params_from_config(c)
@@ -134,7 +134,7 @@ def _what_models_read(c) -> dict:
 
 
 def test_config_reader_reads_what_transformers_reads(ckpts: dict[str, str], tmp_path: Path) -> None:
-    """workers.hf_config (no transformers import in the ranks) against
+    """conveyor.workers.hf_config (no transformers import in the ranks) against
     AutoConfig: the tiny checkpoints, each family's class defaults (a
     config.json with nothing else), a switched-on Qwen2 window and legacy
     rope keys with Llama-3 scaling."""
@@ -326,7 +326,7 @@ def test_onednn_linear_buckets_rows_and_matches_f_linear():
     memory per distinct shape), and the padded product equals F.linear's."""
     import torch.nn.functional as F
 
-    from parallel.layers import linear, onednn_rows
+    from conveyor.parallel.layers import linear, onednn_rows
 
     assert [onednn_rows(m) for m in (1, 64, 65, 80, 81, 256, 257, 2048)] == [1, 64, 80, 80, 96, 256, 320, 2048]
     assert len({onednn_rows(m) for m in range(1, 2049)}) == 64 + 12 + 28
@@ -339,7 +339,7 @@ def test_onednn_linear_buckets_rows_and_matches_f_linear():
         assert y.shape == (m, 96)
         torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     # bf16 above 256 rows: packed on a CPU without AMX, F.linear with AMX; same product.
-    from parallel import layers
+    from conveyor.parallel import layers
 
     bmod, wb, bb = torch.nn.Module(), w.bfloat16(), b.bfloat16()
     xb = torch.randn(300, 40).bfloat16()
@@ -357,7 +357,7 @@ def test_bf16_linear_without_onednn_bf16_runs_fp32_math(monkeypatch: pytest.Monk
     bf16; a reloaded weight is packed again."""
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")
-    from parallel import layers
+    from conveyor.parallel import layers
 
     monkeypatch.setattr(layers, "_PACKED_DTYPES", (torch.float32,))
     g = torch.Generator().manual_seed(11)

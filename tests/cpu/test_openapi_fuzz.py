@@ -16,7 +16,7 @@ import httpx
 import pytest
 from llm_utils import make_checkpoint
 
-from parallel.ports import free_port
+from conveyor.parallel.ports import free_port
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, given, settings
@@ -35,10 +35,10 @@ def served(tmp_path_factory):
     on uvicorn's loop (the app's lifespan starts it)."""
     import uvicorn
 
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
 
     ckpt = make_checkpoint("llama", str(tmp_path_factory.mktemp("fuzz") / "llama"))
     # A short context keeps every generated request (max_tokens None fills it) quick.

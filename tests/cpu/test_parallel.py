@@ -17,8 +17,8 @@ from llm_utils import (
 from probe_workers import use_worker_class
 from tiny_models import make_tiny_model
 
-from engine import LLM, SamplingParams
-from executors.base import EngineDeadError
+from conveyor.engine import LLM, SamplingParams
+from conveyor.executors.base import EngineDeadError
 
 # logprobs=5: vLLM's parity rule needs our top-5 at the first divergence;
 # prompt_logprobs=2: the prompt's logprobs come back from the output rank.

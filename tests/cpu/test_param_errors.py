@@ -5,8 +5,8 @@ import pickle
 
 import pytest
 
-from engine import SamplingParams
-from engine.errors import ParamError
+from conveyor.engine import SamplingParams
+from conveyor.engine.errors import ParamError
 
 BAD = [("n", 0), ("temperature", math.nan), ("top_p", 0.0), ("top_k", -2), ("min_p", 2.0),
        ("seed", 2**64), ("max_tokens", 0), ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]),

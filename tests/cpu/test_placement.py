@@ -10,7 +10,7 @@ def test_placement_two_nodes_keeps_tp_groups_local():
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from executors.ray_executor import place_workers
+    from conveyor.executors.ray_executor import place_workers
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2,
                                                             "include_dashboard": False})

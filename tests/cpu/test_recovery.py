@@ -10,9 +10,9 @@ import pytest
 from llm_utils import make_checkpoint, pid_alive, random_prompts
 from recovery_utils import before_step, greedy_and_seeded, undisturbed_tokens
 
-from engine import LLM
-from engine.recovery import RestartBudget
-from executors.base import EngineDeadError
+from conveyor.engine import LLM
+from conveyor.engine.recovery import RestartBudget
+from conveyor.executors.base import EngineDeadError
 
 PROMPTS = random_prompts(6, 5, 70, seed=31)
 PARAMS = greedy_and_seeded(6, max_tokens=24, temperature=1.0, seed=40)

@@ -23,8 +23,8 @@ import pytest
 from llm_utils import make_checkpoint, pid_alive, random_prompts
 from recovery_utils import before_step, drain_all, greedy_and_seeded, undisturbed_tokens
 
-import engine.core
-from engine import LLM
+import conveyor.engine.core
+from conveyor.engine import LLM
 
 PROMPTS = random_prompts(4, 5, 40, seed=13)
 PARAMS = greedy_and_seeded(4, max_tokens=48, temperature=0.8, seed=70)
@@ -51,24 +51,24 @@ class _Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entered, self.release = threading.Event(), threading.Event()
-        real = engine.core.rebuild_executor
+        real = conveyor.engine.core.rebuild_executor
 
         def gated(*args):
             self.entered.set()
             self.release.wait(120)
             return real(*args)
-        monkeypatch.setattr(engine.core, "rebuild_executor", gated)
+        monkeypatch.setattr(conveyor.engine.core, "rebuild_executor", gated)
 
 
 def test_health_metrics_and_logs_during_and_after_recovery(ckpt, reference, monkeypatch, caplog):
-    import cluster.openai.server as server_mod
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
+    import conveyor.cluster.openai.server as server_mod
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
 
     monkeypatch.setattr(server_mod, "HEALTH_TTL_S", 0.0)  # every probe asks the engine
-    caplog.set_level(logging.WARNING, logger="engine.core")
+    caplog.set_level(logging.WARNING, logger="conveyor.engine.core")
     gate = _Gate(monkeypatch)
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 512},
                         "parallel": {"executor": "mp", "tensor_parallel_size": 2, "max_restarts": 1},
@@ -148,7 +148,7 @@ def _stop_rank_at_step(llm: LLM, rank: int, step: int) -> list[tuple[int, float]
 
 def test_sigstopped_rank_is_detected_by_step_timeout_and_recovered(ckpt, reference, caplog):
     timeout_s = 4.0
-    caplog.set_level(logging.WARNING, logger="engine.core")
+    caplog.set_level(logging.WARNING, logger="conveyor.engine.core")
     llm = LLM(model=ckpt, executor="mp", tensor_parallel_size=2, max_num_batched_tokens=64,
               max_model_len=512, **{"parallel.step_timeout_s": timeout_s})
     stopped: list[tuple[int, float]] = []

@@ -18,8 +18,8 @@ import msgspec
 import pytest
 from sched_utils import FakeExecutor, append_token, make_request
 
-from engine.config import ConfigError, build_config
-from engine.contracts import (
+from conveyor.engine.config import ConfigError, build_config
+from conveyor.engine.contracts import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -28,9 +28,9 @@ from engine.contracts import (
     NewRequestData,
     RequestStatus,
 )
-from engine.errors import DeadFlag, EngineDeadError
-from engine.sampling_params import SamplingParams
-from engine.stopping import check_stop
+from conveyor.engine.errors import DeadFlag, EngineDeadError
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.stopping import check_stop
 
 PROMPT = [5, 6, 7, 8]
 
@@ -84,14 +84,14 @@ def _cfg(**kw: Any):
 
 def _llm(core: FakeCore, model: str = "", **kw: Any):
     """An AsyncLLM over `core`; `model` only lends its tokenizer."""
-    from engine.async_client import AsyncLLM
+    from conveyor.engine.async_client import AsyncLLM
 
     return AsyncLLM(_cfg(model=model, **kw), core)
 
 
 def _client(llm, **server_kw: Any) -> httpx.AsyncClient:
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
 
     srv = OpenAIServer(llm, llm.config, **server_kw)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv, api_key=None)),
@@ -116,7 +116,7 @@ def ckpt(tmp_path_factory):
 # ---- max_tokens=None and min_tokens ------------------------------------------------------
 
 def test_min_tokens_must_fit_the_context(ckpt):
-    from engine import LLM
+    from conveyor.engine import LLM
 
     llm = LLM(model=ckpt, max_model_len=64)  # small: the fills below stay fast
     try:
@@ -168,7 +168,7 @@ def test_http_min_tokens_without_max_tokens(ckpt):
 # ---- a KV pool too small for one request ----------------------------------------------------
 
 def test_engine_refuses_a_pool_that_cannot_hold_max_model_len(ckpt):
-    from engine import LLM
+    from conveyor.engine import LLM
 
     with pytest.raises(ConfigError, match=r"needs 64 blocks: raise cache\.num_gpu_blocks to at least "
                                           r"65 .*max_model_len to 112 or less"):
@@ -185,7 +185,7 @@ def test_engine_refuses_a_pool_that_cannot_hold_max_model_len(ckpt):
 
 
 def test_core_refuses_measured_pool_and_names_the_memory_knob():
-    from engine.core import EngineCore
+    from conveyor.engine.core import EngineCore
 
     ex = FakeExecutor(num_blocks=8, block_size=16)
     with pytest.raises(ConfigError, match=r"7 usable blocks of 16 tokens.*needs 16 blocks.*"
@@ -219,8 +219,8 @@ def test_admission_counts_engine_requests():
     async def run() -> None:
         core = FakeCore(finish=False)
         llm = _llm(core)
-        from cluster.openai.app import build_api
-        from cluster.openai.server import OpenAIServer
+        from conveyor.cluster.openai.app import build_api
+        from conveyor.cluster.openai.server import OpenAIServer
 
         srv = OpenAIServer(llm, llm.config, max_admitted=6)
         transport = httpx.ASGITransport(app=build_api(srv, api_key=None))
@@ -281,9 +281,9 @@ async def _ws_connect(app: Any, headers: list[tuple[bytes, bytes]] | None = None
 
 
 def test_websocket_scopes_are_refused_unless_a_route_declares_them():
-    from cluster.openai.app import build_api
-    from cluster.openai.middleware import AuthMiddleware
-    from cluster.openai.server import OpenAIServer
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.middleware import AuthMiddleware
+    from conveyor.cluster.openai.server import OpenAIServer
 
     policy_violation = 1008  # the websocket close code for "not allowed"
 
@@ -364,17 +364,17 @@ def test_a_request_id_in_use_is_refused_by_the_one_check_and_free_after_its_stre
 # ---- one EngineDeadError: 503, and batch lines stay undone -----------------------------------
 
 def test_one_engine_dead_error_class():
-    import engine.async_client
-    import executors.base
+    import conveyor.engine.async_client
+    import conveyor.executors.base
 
-    assert executors.base.EngineDeadError is engine.async_client.EngineDeadError is EngineDeadError
+    assert conveyor.executors.base.EngineDeadError is conveyor.engine.async_client.EngineDeadError is EngineDeadError
 
 
 def test_one_dead_flag_shared_by_the_frontend_its_client_and_an_in_process_loop():
     """The client detects the death (here its in-process core loop dies) and
     AsyncLLM reads the same record before any engine_error message arrives."""
-    from engine.async_client import AsyncLLM
-    from engine.busy_loop import EngineBusyLoop
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.busy_loop import EngineBusyLoop
 
     core = FakeCore()
     llm = AsyncLLM(_cfg(), core)
@@ -403,10 +403,10 @@ def test_dead_engine_actor_is_503_not_500():
 
 
 def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
-    from cluster.batch.engines import LineRunner, LocalEngine
-    from cluster.batch.job import BatchLine, OutputLog, Progress, Summary, drive
-    from cluster.openai.server import OpenAIServer
-    from engine.errors import EngineDeadError
+    from conveyor.cluster.batch.engines import LineRunner, LocalEngine
+    from conveyor.cluster.batch.job import BatchLine, OutputLog, Progress, Summary, drive
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.errors import EngineDeadError
 
     async def run() -> None:
         llm = _llm(FakeCore(fail_after=0))
@@ -441,7 +441,7 @@ class GatedChannel:
         self.threads.add(threading.get_ident())
         if not self.open.is_set():
             return False
-        from cluster.engine_actor.actor import CoreInput
+        from conveyor.cluster.engine_actor.actor import CoreInput
 
         self.sent.append(msgspec.msgpack.decode(payload, type=CoreInput))
         if len(self.sent) == self.expect:
@@ -453,9 +453,9 @@ class GatedChannel:
 
 
 def test_ray_core_client_send_never_blocks_the_caller():
-    from cluster.engine_actor.client import RayCoreClient
-    from cluster.engine_actor.link import CoreActorSpec, CoreLink
-    from engine.contracts import KVCacheInfo
+    from conveyor.cluster.engine_actor.client import RayCoreClient
+    from conveyor.cluster.engine_actor.link import CoreActorSpec, CoreLink
+    from conveyor.engine.contracts import KVCacheInfo
 
     ch = GatedChannel(expect=2)
     # No actor: only the input path.

@@ -180,7 +180,7 @@ def test_openai_agents_runs_a_tool_then_its_output_type(api):
 
 
 def test_store_is_bounded_expires_and_survives_reopen(tmp_path):
-    from cluster.openai.responses_api.store import LocalResponseStore, SqliteResponses
+    from conveyor.cluster.openai.responses_api.store import LocalResponseStore, SqliteResponses
 
     t = SqliteResponses(str(tmp_path / "r.sqlite3"), max_entries=3, ttl_s=100.0)
     for i in range(5):
@@ -198,7 +198,7 @@ def test_store_is_bounded_expires_and_survives_reopen(tmp_path):
 
 
 def test_tokenize_detokenize_and_model_card(api, ckpt):
-    from engine.tokenizer import load_tokenizer
+    from conveyor.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ckpt)
     msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello"}]

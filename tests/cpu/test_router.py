@@ -1,4 +1,4 @@
-"""The data-parallel router (engine/router/): the four anchor failure modes,
+"""The data-parallel router (conveyor/engine/router/): the four anchor failure modes,
 the index under churn (restart, dropped event), policies. Pure Python, no engine."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.kv_cache.block_pool import BlockPool
-from engine.kv_cache.hashing import BlockHasher
-from engine.router.events import KVEventPublisher, KVEvents
-from engine.router.index import PrefixIndex
-from engine.router.policy import Router, RouterSettings, block_hashes_of
+from conveyor.engine.kv_cache.block_pool import BlockPool
+from conveyor.engine.kv_cache.hashing import BlockHasher
+from conveyor.engine.router.events import KVEventPublisher, KVEvents
+from conveyor.engine.router.index import PrefixIndex
+from conveyor.engine.router.policy import Router, RouterSettings, block_hashes_of
 
 BS = 16
 
@@ -210,8 +210,8 @@ def test_unknown_policy_is_refused() -> None:
 def test_config_knobs_cli_flag_and_metrics_rows() -> None:
     import argparse
 
-    from cluster.cli.options import add_override_options, collect_overrides
-    from engine.config import ConfigError, build_config
+    from conveyor.cluster.cli.options import add_override_options, collect_overrides
+    from conveyor.engine.config import ConfigError, build_config
 
     cfg = build_config(data_parallel_size=2, router="session")
     assert (cfg.parallel.data_parallel_size, cfg.serve.router) == (2, "session")
@@ -230,7 +230,7 @@ class _FakeEngine:
     """A CoreClient without an engine: records what the router sent it."""
 
     def __init__(self) -> None:
-        from engine.contracts import KVCacheInfo
+        from conveyor.engine.contracts import KVCacheInfo
 
         self.kv_info = KVCacheInfo(num_blocks=64, block_size=BS)
         self.added: list[str] = []
@@ -248,10 +248,10 @@ class _FakeEngine:
 
 
 def test_data_parallel_client_routes_sessions_feeds_events_and_resyncs() -> None:
-    from engine.config import build_config
-    from engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-    from engine.dp_engine import DataParallelClient
-    from engine.sampling_params import SamplingParams
+    from conveyor.engine.config import build_config
+    from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+    from conveyor.engine.dp_engine import DataParallelClient
+    from conveyor.engine.sampling_params import SamplingParams
 
     engines = [_FakeEngine(), _FakeEngine()]
     dp = DataParallelClient(build_config(data_parallel_size=2, router="session"), engines)

@@ -1,4 +1,4 @@
-"""Adapter-aware routing (engine/router/policy.py): a hot
+"""Adapter-aware routing (conveyor/engine/router/policy.py): a hot
 adapter spreads once its engine crosses the spill bound, cold adapters stick
 to their holders, the KV score still decides among holders, and the router's
 hashes carry the adapter like the engine's. Pure Python, no engine."""
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from engine.kv_cache.hashing import BlockHasher
-from engine.lora import LoRARequest
-from engine.router.events import KVEvents
-from engine.router.policy import Router, RouterSettings, block_hashes_of
+from conveyor.engine.kv_cache.hashing import BlockHasher
+from conveyor.engine.lora import LoRARequest
+from conveyor.engine.router.events import KVEvents
+from conveyor.engine.router.policy import Router, RouterSettings, block_hashes_of
 
 BS = 16
 
@@ -96,10 +96,10 @@ def test_adapter_holdings_are_bounded_and_forgotten_with_the_engine() -> None:
 
 
 def test_data_parallel_client_routes_on_the_adapter_and_its_hashes() -> None:
-    from engine.config import build_config
-    from engine.contracts import EngineCoreRequest, KVCacheInfo
-    from engine.dp_engine import DataParallelClient
-    from engine.sampling_params import SamplingParams
+    from conveyor.engine.config import build_config
+    from conveyor.engine.contracts import EngineCoreRequest, KVCacheInfo
+    from conveyor.engine.dp_engine import DataParallelClient
+    from conveyor.engine.sampling_params import SamplingParams
 
     class Fake:
         kv_info = KVCacheInfo(num_blocks=64, block_size=BS)

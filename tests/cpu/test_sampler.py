@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from workers.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_penalties
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.workers.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_penalties
 
 CPU = torch.device("cpu")
 
@@ -374,7 +374,7 @@ def test_logit_bias_forces_and_bans_tokens_greedy_and_random() -> None:
 def test_logit_bias_adds_exactly() -> None:
     logits = torch.zeros(1, 5)
     meta = SamplingMetadata.build([row(temperature=0.0, logit_bias={1: 0.5, 3: -2.0})], 5, CPU)
-    from workers.sampler import process_logits
+    from conveyor.workers.sampler import process_logits
     x, _ = process_logits(logits, meta)
     assert x.tolist() == [[0.0, 0.5, 0.0, -2.0, 0.0]]
     assert logits.abs().sum() == 0  # the caller's logits are never modified

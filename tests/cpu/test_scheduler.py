@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from sched_utils import EOS, create_requests, create_scheduler, fake_output, make_request
 
-from engine.contracts import ModelRunnerOutput, RequestStatus
+from conveyor.engine.contracts import ModelRunnerOutput, RequestStatus
 
 
 def _mro(reqs, tokens):

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
 )
 from sched_utils import EOS, create_scheduler, fake_output, make_request, scripted_token
 
-from engine.contracts import ModelRunnerOutput, RequestStatus, SchedulerOutput
+from conveyor.engine.contracts import ModelRunnerOutput, RequestStatus, SchedulerOutput
 
 MAX_DRAIN_STEPS = 5000  # a drain that takes longer is a livelock
 COVERAGE: Counter[str] = Counter()  # what the runs exercised, checked at the end

@@ -19,7 +19,7 @@ from llm_utils import make_checkpoint
 from ray_nodes import engine_actor_pids
 from sse_utils import DONE, sse_events
 
-from parallel.ports import free_port
+from conveyor.parallel.ports import free_port
 
 KEY_ENV, KEY = "CONVEYOR_TEST_SERVE_KEY", "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -46,8 +46,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def refs(ckpt):
     """LLM.generate greedy references (run before the server engine is busy)."""
-    from engine import LLM, SamplingParams
-    from engine.tokenizer import load_tokenizer
+    from conveyor.engine import LLM, SamplingParams
+    from conveyor.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ckpt)
     chat_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}]),
@@ -67,7 +67,7 @@ def server(ckpt, refs, tmp_path_factory):  # refs first: no in-process engine be
     import ray
     from ray import serve
 
-    from cluster.serve_app import run_serve
+    from conveyor.cluster.serve_app import run_serve
 
     os.environ[KEY_ENV] = KEY  # before ray.init: replicas inherit the environment
     cfg = _write_config(str(tmp_path_factory.mktemp("cfg") / "engine.yaml"), ckpt, free_port(),
@@ -105,15 +105,15 @@ def _metric(m: dict[str, float], name: str) -> float:
 # ---- no Ray (first, before the module's Ray instance starts) -----------------------
 
 def test_replica_resources_and_sizing():
-    from cluster.engine_actor.actor import CoreActorPlacement
-    from cluster.serve_app import (
+    from conveyor.cluster.engine_actor.actor import CoreActorPlacement
+    from conveyor.cluster.serve_app import (
         SERVE_HEADROOM,
         core_actor_placement,
         deployment_options,
         max_admitted,
         replica_resources,
     )
-    from engine.config import build_config
+    from conveyor.engine.config import build_config
 
     ray_cfg = build_config(executor="ray", tensor_parallel_size=2, pipeline_parallel_size=2,
                            placement_strategy="SPREAD")
@@ -143,8 +143,8 @@ def test_replica_resources_and_sizing():
 
 
 def test_direct_ingress_defaults_on_only_where_conveyor_starts_ray():
-    from cluster.serve_app import wants_direct_ingress
-    from engine.config import build_config
+    from conveyor.cluster.serve_app import wants_direct_ingress
+    from conveyor.engine.config import build_config
 
     auto = build_config()
     assert auto.serve.direct_ingress is None
@@ -157,8 +157,8 @@ def test_direct_ingress_defaults_on_only_where_conveyor_starts_ray():
 
 
 def test_frontend_cpus_split_only_for_one_cpu_replica_running_its_model():
-    from cluster.engine_actor.cpu_layout import CpuSplit, frontend_cpus, split_cpus
-    from engine.config import ConfigError, build_config
+    from conveyor.cluster.engine_actor.cpu_layout import CpuSplit, frontend_cpus, split_cpus
+    from conveyor.engine.config import ConfigError, build_config
 
     assert frontend_cpus(build_config(), use_gpu=False) == 1  # the default: auto
     assert frontend_cpus(build_config(), use_gpu=True) == 0
@@ -178,8 +178,8 @@ def test_frontend_cpus_split_only_for_one_cpu_replica_running_its_model():
 async def _event_sizes(llm, cfg, max_tokens: int, **serve_fields: object) -> list[int]:
     """Tokens per SSE event of one streamed completion from a server whose
     serve.* config has `serve_fields` replaced."""
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
 
     srv = OpenAIServer(llm, msgspec.structs.replace(
         cfg, serve=msgspec.structs.replace(cfg.serve, **serve_fields)))
@@ -216,8 +216,8 @@ class _LoopThread:
 @pytest.fixture(scope="class")
 def inproc(ckpt):
     """(loop, AsyncLLM, config) for one class; shut down before the Ray tests."""
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
 
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 512}})
     lt = _LoopThread()
@@ -250,9 +250,9 @@ def _fake_app(core=None, cfg=None, headers=AUTH, **server_kw):
     """(AsyncLLM over a FakeCore, its OpenAIServer, an httpx client of its app with KEY)."""
     from test_requests_never_break_the_engine import FakeCore, _cfg
 
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
-    from engine.async_client import AsyncLLM
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.async_client import AsyncLLM
 
     core = core or FakeCore(finish=True)
     cfg = cfg or _cfg(**{"serve.metrics_public": True})
@@ -267,7 +267,7 @@ BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 4}
 
 
 def _finish_first(core) -> None:
-    from engine.contracts import FinishReason
+    from conveyor.engine.contracts import FinishReason
 
     core.emit(core.added[0].request_id, [11], FinishReason.LENGTH)
 
@@ -367,7 +367,7 @@ def test_our_own_bug_is_a_generic_500_without_details():
 def test_engine_death_mid_stream_goes_in_band_then_health_fails():
     from test_requests_never_break_the_engine import FakeCore
 
-    from engine.contracts import EngineCoreOutputs
+    from conveyor.engine.contracts import EngineCoreOutputs
 
     async def run() -> None:
         core, srv, c = _fake_app(FakeCore(finish=False))
@@ -405,9 +405,9 @@ def test_cors_preflight_only_when_configured_and_never_with_credentials(origins,
 def test_output_slot_merges_and_batching_interval(ckpt):
     """A consumer that falls behind gets the steps it missed merged into one
     delta; min_interval_s spaces deltas out; neither changes the tokens."""
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
-    from engine.sampling_params import SamplingParams
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
+    from conveyor.engine.sampling_params import SamplingParams
 
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 512}})
     sp = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
@@ -559,7 +559,7 @@ def _check_echo_logprobs(lp: dict, ids: list[int], ref, n_out: int) -> None:
 def test_completions_echo_prompt_logprobs_match_transformers(server, ckpt, refs):
     from llm_utils import hf_logprobs
 
-    from engine.tokenizer import load_tokenizer
+    from conveyor.engine.tokenizer import load_tokenizer
 
     text = PROMPTS[1]
     tok = load_tokenizer(ckpt)
@@ -658,7 +658,7 @@ def test_null_means_absent(server):
 
 
 def test_logit_bias_and_allowed_token_ids_http(server, ckpt):
-    from engine.tokenizer import load_tokenizer
+    from conveyor.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ckpt)
     r = _post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
@@ -686,7 +686,7 @@ def test_responses_live_in_the_cluster_store(server, client):
     continues after that actor is killed (recreated over the same file)."""
     import ray
 
-    from cluster.openai.responses_api.store import ACTOR_NAME, ACTOR_NAMESPACE
+    from conveyor.cluster.openai.responses_api.store import ACTOR_NAME, ACTOR_NAMESPACE
 
     r = client.responses.create(model="tiny", input="Hello", max_output_tokens=4, temperature=0.0)
     assert client.responses.retrieve(r.id).output_text == r.output_text
@@ -872,7 +872,7 @@ def test_backpressure_429(server, ckpt, tmp_path):
     Retry-After in the OpenAI error shape, and the slots come back afterwards."""
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from conveyor.cluster.serve_app import build_app
 
     cfg = _write_config(str(tmp_path / "small.yaml"), ckpt, 1, max_ongoing_requests=1,
                         max_queued_requests=1)
@@ -904,7 +904,7 @@ def test_ray_executor_inside_the_replica_placement_group(server, ckpt, refs, tmp
     import ray
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from conveyor.cluster.serve_app import build_app
 
     def live_groups() -> set[str]:
         return {pid for pid, g in ray.util.placement_group_table().items() if g["state"] == "CREATED"}
@@ -937,7 +937,7 @@ def dp_url(server, ckpt, tmp_path_factory):
     requests can only go on by migration)."""
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from conveyor.cluster.serve_app import build_app
 
     cfg = _write_config(str(tmp_path_factory.mktemp("dp") / "dp.yaml"), ckpt, 1)
     serve.run(build_app({"config": cfg, "name": "DP", "overrides": {
@@ -1084,7 +1084,7 @@ def _drain_over_http(url: str, post) -> None:
               and 'engine="0"' in k and 'cause="drain"' in k]
     assert drains == [r.json()["moved_requests"]] and drains[0] > 0
     assert httpx.post(f"{url}/admin/drain", json={"engine": 0}).status_code == 401  # behind the key
-    from cluster.cli.main import main
+    from conveyor.cluster.cli.main import main
 
     # `conveyor drain --undrain` takes it back; a second undrain is a 400 naming engine.
     assert main(["drain", "--url", url, "--engine", "0", "--undrain", "--api-key-env", KEY_ENV]) == 0
@@ -1106,7 +1106,7 @@ def _thread_cpus(pid: int) -> list[set[int]]:
 def test_cpu_replica_pins_engine_step_thread_and_replica_threads(server):
     """serve.frontend_cpus auto (1 here): the engine actor's step thread sits on
     all but the last core, every replica thread on the last one."""
-    from cluster.engine_actor.cpu_layout import split_cpus
+    from conveyor.cluster.engine_actor.cpu_layout import split_cpus
 
     split = split_cpus(os.sched_getaffinity(0), 1)
     if split is None:
@@ -1135,7 +1135,7 @@ def test_engine_actor_death_fails_streams_and_health(server, ckpt, tmp_path):
 
     from ray import serve
 
-    from cluster.serve_app import build_app
+    from conveyor.cluster.serve_app import build_app
 
     before = engine_actor_pids()
     cfg = _write_config(str(tmp_path / "doomed.yaml"), ckpt, 1)

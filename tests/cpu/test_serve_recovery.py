@@ -18,7 +18,7 @@ from llm_utils import make_checkpoint
 from sse_utils import DONE, sse_events
 
 from bench.chaos import worker_pids as chaos_worker_pids
-from parallel.ports import free_port
+from conveyor.parallel.ports import free_port
 
 NUM_STREAMS, MAX_TOKENS = 24, 48
 PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend builds", "日本語の本"]
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
     import ray
     from ray import serve
 
-    from cluster.serve_app import run_serve
+    from conveyor.cluster.serve_app import run_serve
 
     tmp = tmp_path_factory.mktemp("serve_rec")
     ckpt = make_checkpoint("llama", str(tmp / "llama"))

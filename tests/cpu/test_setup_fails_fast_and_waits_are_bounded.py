@@ -14,11 +14,11 @@ import pytest
 import torch
 from llm_utils import make_checkpoint
 
-from engine import LLM, SamplingParams
-from engine.async_client import AsyncLLM, collect
-from engine.async_client import EngineDeadError as FrontendDeadError
-from engine.config import TRITON_BLOCK_SIZES, ConfigError, ParallelConfig, build_config
-from executors.base import EngineDeadError
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.async_client import AsyncLLM, collect
+from conveyor.engine.async_client import EngineDeadError as FrontendDeadError
+from conveyor.engine.config import TRITON_BLOCK_SIZES, ConfigError, ParallelConfig, build_config
+from conveyor.executors.base import EngineDeadError
 
 SLOW_STEP = {"parallel.step_timeout_s": 2.0, "parallel.first_step_extra_s": 0.0}
 
@@ -33,8 +33,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture
 def wedging_mp(monkeypatch):
     """executor "mp" whose output rank wedges on its 2nd forward (hang_worker.py)."""
-    import executors
-    from executors.multiproc import MultiprocExecutor
+    from conveyor import executors
+    from conveyor.executors.multiproc import MultiprocExecutor
 
     def factory(config):
         ex = MultiprocExecutor(config)
@@ -74,7 +74,7 @@ def test_wedged_rank_ends_requests_with_error_and_fails_health(wedging_mp, tmp_p
 
 def test_step_deadlines_cover_the_first_step_once(tmp_path):
     """The first forward step gets first_step_extra_s on top; later ones not."""
-    from executors.multiproc import MultiprocExecutor
+    from conveyor.executors.multiproc import MultiprocExecutor
 
     cfg = build_config(model=str(tmp_path), executor="mp", tensor_parallel_size=2,
                        **{"parallel.step_timeout_s": 5.0, "parallel.first_step_extra_s": 100.0})
@@ -97,7 +97,7 @@ def test_step_deadlines_cover_the_first_step_once(tmp_path):
 def test_uniproc_health_fails_on_an_overrunning_step(tmp_path):
     import time
 
-    from executors.uniproc import UniProcExecutor
+    from conveyor.executors.uniproc import UniProcExecutor
 
     ex = UniProcExecutor(build_config(model=str(tmp_path), **SLOW_STEP))
     ex.check_health()
@@ -120,10 +120,10 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
     the client replaces the actor, so health holds meanwhile."""
     import ray
 
-    from cluster.engine_actor.client import RayCoreClient
-    from cluster.engine_actor.link import CoreActorSpec, CoreLink
-    from engine.contracts import KVCacheInfo
-    from engine.recovery import RestartBudget
+    from conveyor.cluster.engine_actor.client import RayCoreClient
+    from conveyor.cluster.engine_actor.link import CoreActorSpec, CoreLink
+    from conveyor.engine.contracts import KVCacheInfo
+    from conveyor.engine.recovery import RestartBudget
 
     def timeout(*_a, **_k):
         raise ray.exceptions.GetTimeoutError("timed out")
@@ -171,7 +171,7 @@ def test_llm_with_a_missing_model_dir_says_what_to_do():
 def test_serve_config_with_a_missing_model_dir(tmp_path):
     import yaml
 
-    from cluster.serve_app import OpenAIDeployment, build_app
+    from conveyor.cluster.serve_app import OpenAIDeployment, build_app
 
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"model": {"path": MISSING}}))
@@ -192,7 +192,7 @@ def test_serve_config_with_a_missing_model_dir(tmp_path):
 # ---- Ray is sized for the engine; a cluster without room fails fast --------------
 
 def test_library_started_ray_fits_the_requested_world(monkeypatch):
-    import executors.ray_executor as rx
+    import conveyor.executors.ray_executor as rx
 
     calls = []
     monkeypatch.setattr(rx.ray, "is_initialized", lambda: False)
@@ -205,7 +205,7 @@ def test_library_started_ray_fits_the_requested_world(monkeypatch):
 
 
 def test_local_ray_num_cpus():
-    from executors.ray_placement import local_ray_num_cpus
+    from conveyor.executors.ray_placement import local_ray_num_cpus
 
     world4 = build_config(tensor_parallel_size=2, pipeline_parallel_size=2)
     assert local_ray_num_cpus(world4, cpu_count=2) == 4
@@ -216,7 +216,7 @@ def test_local_ray_num_cpus():
 
 
 def test_placement_error_names_what_is_missing_and_available():
-    from executors.ray_placement import missing_resources, placement_error
+    from conveyor.executors.ray_placement import missing_resources, placement_error
 
     bundles = [{"CPU": 1.0}] * 4
     avail = {"CPU": 2.0, "memory": 1e9, "node:127.0.0.1": 1.0, "object_store_memory": 1e8}
@@ -236,7 +236,7 @@ def test_placement_on_a_full_cluster_fails_fast(tmp_path):
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    from executors.ray_executor import RayExecutor
+    from conveyor.executors.ray_executor import RayExecutor
 
     assert ParallelConfig().placement_timeout_s <= 10.0
     shape = dict(model=str(tmp_path), executor="ray", tensor_parallel_size=2, pipeline_parallel_size=2)
@@ -262,9 +262,9 @@ def test_placement_on_a_full_cluster_fails_fast(tmp_path):
 # ---- profile, warm-up, block sizes, visible devices, collective timeout ---------
 
 def _stage_runner(path: str, monkeypatch, rank: int, size: int, cfg):
-    from parallel import state
-    from workers.model_loader import load_hf_config, load_model
-    from workers.model_runner import ModelRunner
+    from conveyor.parallel import state
+    from conveyor.workers.model_loader import load_hf_config, load_model
+    from conveyor.workers.model_runner import ModelRunner
 
     monkeypatch.setattr(state, "pp_rank", lambda: rank)
     monkeypatch.setattr(state, "pp_size", lambda: size)
@@ -277,7 +277,7 @@ def _stage_runner(path: str, monkeypatch, rank: int, size: int, cfg):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_profile_runs_real_attention_logits_and_sampler_on_every_stage(ckpt, monkeypatch, rank):
-    from workers.layers.attention import Attention, find_attention_layers
+    from conveyor.workers.layers.attention import Attention, find_attention_layers
 
     cfg = build_config(model=ckpt, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
     runner = _stage_runner(ckpt, monkeypatch, rank, 2, cfg)
@@ -303,7 +303,7 @@ def test_profile_runs_real_attention_logits_and_sampler_on_every_stage(ckpt, mon
 
 
 def test_dummy_shapes_fit_the_runner():
-    from workers.dummy_batch import DummyShape, profile_shape, warmup_shapes
+    from conveyor.workers.dummy_batch import DummyShape, profile_shape, warmup_shapes
 
     assert profile_shape(2048, 256, 4096) == DummyShape(256, 8, 8)
     # one sequence at the model's length leaves room for the token it samples
@@ -313,8 +313,8 @@ def test_dummy_shapes_fit_the_runner():
 
 
 def test_warm_up_compiles_the_triton_kernels_before_ready(ckpt, monkeypatch):
-    from kernels.paged_attention import TritonAttentionBackend
-    from workers.worker import Worker
+    from conveyor.kernels.paged_attention import TritonAttentionBackend
+    from conveyor.workers.worker import Worker
 
     query_lens = []
     fwd = TritonAttentionBackend.forward
@@ -351,13 +351,13 @@ def test_block_sizes_the_triton_kernels_cannot_run_fail_at_load(backend, block, 
 
 
 def test_config_and_kernels_agree_on_triton_block_sizes():
-    from kernels.paged_attention import SUPPORTED_BLOCK_SIZES
+    from conveyor.kernels.paged_attention import SUPPORTED_BLOCK_SIZES
 
     assert TRITON_BLOCK_SIZES == SUPPORTED_BLOCK_SIZES
 
 
 def test_tp_ranks_see_their_nodes_gpus_in_bundle_order():
-    from executors.ray_placement import visible_devices
+    from conveyor.executors.ray_placement import visible_devices
 
     got = visible_devices(["A", "A", "B", "B"], [["3"], ["1"], ["0"], ["2"]])
     assert got == [("3,1", 0), ("3,1", 1), ("0,2", 0), ("0,2", 1)]
@@ -368,7 +368,7 @@ def test_tp_ranks_see_their_nodes_gpus_in_bundle_order():
 def test_each_rank_gets_its_devices():
     """On GPU every rank sees its node's ranks' GPUs and its local rank is its
     own GPU's place there; on CPU the local rank counts the node's earlier ranks."""
-    from executors.ray_placement import rank_devices
+    from conveyor.executors.ray_placement import rank_devices
 
     nodes = ["A", "A", "B", "B"]  # the ranks' nodes, in rank order
     assert rank_devices(nodes, [["5"], ["4"], ["1"], ["0"]]) == (
@@ -377,9 +377,9 @@ def test_each_rank_gets_its_devices():
 
 
 def test_worker_actor_sets_its_env_before_the_worker_starts(monkeypatch):
-    import executors.worker_proc as wp
-    from executors.channel import PlaneKeys
-    from executors.ray_worker import RayWorkerActor
+    import conveyor.executors.worker_proc as wp
+    from conveyor.executors.channel import PlaneKeys
+    from conveyor.executors.ray_worker import RayWorkerActor
 
     seen = []
     monkeypatch.setattr(wp, "run_worker_loop",
@@ -393,7 +393,7 @@ def test_worker_actor_sets_its_env_before_the_worker_starts(monkeypatch):
 
 
 def test_collective_timeout_is_a_config_field(monkeypatch, tmp_path):
-    from workers import worker as worker_mod
+    from conveyor.workers import worker as worker_mod
 
     got = {}
     monkeypatch.setattr(worker_mod.ps, "init_distributed", lambda *a, **kw: got.update(kw))
@@ -422,7 +422,7 @@ def test_parity_rule_compares_lengths_and_both_top5s():
 # ---- setup mistakes are one line and exit code 2, before any deploy ------
 
 def _cli(capsys, *argv: str) -> tuple[int, str]:
-    from cluster.cli.main import main
+    from conveyor.cluster.cli.main import main
 
     rc = main(list(argv))
     err = capsys.readouterr().err.strip()
@@ -491,7 +491,7 @@ def test_generate_on_a_broken_checkpoint_is_one_line(ckpt, tmp_path, capsys):
 def test_config_validate_refuses_an_empty_file(tmp_path, capsys):
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing here\n")
-    from cluster.cli.main import main
+    from conveyor.cluster.cli.main import main
 
     assert main(["config", "validate", str(empty)]) == 1
     assert "the file is empty" in capsys.readouterr().out

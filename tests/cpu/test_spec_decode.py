@@ -11,10 +11,10 @@ import torch
 from llm_utils import close_or_why, hf_greedy, hf_top5, make_checkpoint, random_prompts
 from sched_utils import make_request
 
-from engine import LLM, SamplingParams
-from engine.config import ConfigError, EngineConfig, build_config
-from engine.contracts import ModelRunnerOutput, SchedulerStats
-from engine.scheduler import Scheduler, _StepPlan
+from conveyor.engine import LLM, SamplingParams
+from conveyor.engine.config import ConfigError, EngineConfig, build_config
+from conveyor.engine.contracts import ModelRunnerOutput, SchedulerStats
+from conveyor.engine.scheduler import Scheduler, _StepPlan
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -35,7 +35,7 @@ def test_config_section_and_kwarg():
     assert not build_config(model="").speculative.enabled
     assert build_config({"speculative": {"method": "ngram"}}).speculative.prompt_lookup_max == 4
     # CLI: --speculative-method / --num-speculative-tokens / --set become dotted keys.
-    from cluster.cli.options import parse_set
+    from conveyor.cluster.cli.options import parse_set
 
     cli = build_config(model="", **{"speculative.method": "ngram",
                                     **parse_set(["speculative.num_speculative_tokens=6"])})
@@ -143,7 +143,7 @@ def test_scheduler_preemption_drops_drafts_and_budget_truncates():
 def test_scheduler_backs_off_after_rejected_drafts():
     """n consecutive all-rejected verifications: no drafts for 2**n - 1 steps
     (capped); one accepted draft resets it."""
-    from engine.spec_decode.scheduling import MAX_BACKOFF
+    from conveyor.engine.spec_decode.scheduling import MAX_BACKOFF
 
     s = _sched(k=3)
     req = make_request("a", [5, 6, 7, 8, 5, 6, 7, 8], max_tokens=60)
@@ -340,8 +340,8 @@ def test_distribution_at_drafted_positions(small_vocab, top_p):
 # ---- metrics on /metrics ------------------------------------------------------------------
 
 def test_prometheus_exposes_spec_counters():
-    from cluster.openai.metrics import ServeMetrics
-    from engine.async_client import EngineCounters
+    from conveyor.cluster.openai.metrics import ServeMetrics
+    from conveyor.engine.async_client import EngineCounters
 
     class FakeLLM:
         stats = SchedulerStats()
@@ -362,7 +362,7 @@ def test_prometheus_exposes_spec_counters():
 # ---- structured outputs next to drafting requests (more in test_spec_decode_structured.py) ----
 
 def test_structured_requests_share_the_batch(ckpts, prompts, base):
-    from engine import StructuredOutputsParams
+    from conveyor.engine import StructuredOutputsParams
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
@@ -387,9 +387,9 @@ def test_async_llm_and_metrics_endpoint(ckpts, prompts, base):
 
     import httpx
 
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
-    from engine.async_client import AsyncLLM, collect
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.async_client import AsyncLLM, collect
 
     cfg = build_config({"model": {"path": ckpts["llama"]}, "speculative": spec(3),
                         "serve": {"served_model_name": "tiny", "metrics_public": True}})

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.spec_decode.ngram import NgramProposer, find_ngram_draft
-from workers.rejection_sampler import SpecLayout, sample_with_drafts
-from workers.sampler import Sampler, SamplingMetadata
+from conveyor.engine.sampling_params import SamplingParams
+from conveyor.engine.spec_decode.ngram import NgramProposer, find_ngram_draft
+from conveyor.workers.rejection_sampler import SpecLayout, sample_with_drafts
+from conveyor.workers.sampler import Sampler, SamplingMetadata
 
 V = 8
 CPU = torch.device("cpu")
@@ -219,7 +219,7 @@ def test_logprob_rows_per_emitted_token():
 
 @pytest.mark.parametrize("q_lens", [[1, 3, 5, 9, 2], [2, 1, 1, 4], [9]])
 def test_short_query_attention_matches_reference(q_lens):
-    from kernels.torch_attention import paged_attention_ref, paged_attention_torch
+    from conveyor.kernels.torch_attention import paged_attention_ref, paged_attention_torch
 
     torch.manual_seed(5)
     bs, hkv, hq, d, num_blocks = 4, 2, 4, 8, 64

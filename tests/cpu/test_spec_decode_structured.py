@@ -15,10 +15,10 @@ from llm_utils import make_checkpoint, random_prompts
 from sched_utils import make_request
 from structured_schemas import REGEXES, SCHEMAS
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.contracts import GrammarOutput
-from engine.structured_output.manager import StructuredOutputManager
-from workers.grammar_mask import apply_grammar_bitmask
+from conveyor.engine import LLM, SamplingParams, StructuredOutputsParams
+from conveyor.engine.contracts import GrammarOutput
+from conveyor.engine.structured_output.manager import StructuredOutputManager
+from conveyor.workers.grammar_mask import apply_grammar_bitmask
 
 DRAFTS = "conveyor:spec_decode_num_draft_tokens"
 ACCEPTED = "conveyor:spec_decode_num_accepted_tokens"
@@ -56,8 +56,8 @@ def _choice_grammar(manager: StructuredOutputManager):
 def test_drafts_cut_at_first_token_the_grammar_rejects(manager):
     import msgspec
 
-    from engine.config import EngineConfig
-    from engine.scheduler import Scheduler
+    from conveyor.engine.config import EngineConfig
+    from conveyor.engine.scheduler import Scheduler
 
     grammar, good = _choice_grammar(manager)
     tree = {"model": {"max_model_len": 256}, "speculative": {**SPEC, "prompt_lookup_min": 1}}

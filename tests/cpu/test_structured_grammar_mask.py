@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.contracts import GrammarOutput
-from workers.grammar_mask import apply_grammar_bitmask, mask_penalty, unpack_bitmask_reference
+from conveyor.engine.contracts import GrammarOutput
+from conveyor.workers.grammar_mask import apply_grammar_bitmask, mask_penalty, unpack_bitmask_reference
 
 
 def _random_packed(rng: np.random.Generator, rows: int, words: int) -> np.ndarray:

@@ -102,10 +102,10 @@ def test_schemas_without_additional_properties_are_closed(api, ckpt):
     Schema's open default. A bare {"type": "object"} stays open."""
     import llguidance as llg
 
-    from engine.structured_output.llguidance_backend import LLGuidanceBackend
-    from engine.structured_output.params import StructuredOutputsParams
-    from engine.structured_output.schema import close_objects
-    from engine.tokenizer import load_tokenizer
+    from conveyor.engine.structured_output.llguidance_backend import LLGuidanceBackend
+    from conveyor.engine.structured_output.params import StructuredOutputsParams
+    from conveyor.engine.structured_output.schema import close_objects
+    from conveyor.engine.tokenizer import load_tokenizer
 
     schema = Pet.model_json_schema()
     assert "additionalProperties" not in schema
@@ -206,7 +206,7 @@ def test_errors_are_400_naming_the_field(api, body, param):
 
 
 def test_structured_metrics(api):
-    from cluster.openai.metrics import ServeMetrics
+    from conveyor.cluster.openai.metrics import ServeMetrics
 
     _, _, llm = api
     text = ServeMetrics(llm, "tiny").render().decode()
@@ -223,7 +223,7 @@ def test_structured_metrics(api):
 
 
 def test_batch_lines_with_structured_bodies(tmp_path, ckpt):
-    from cluster.batch.job import main
+    from conveyor.cluster.batch.job import main
 
     schema = SCHEMAS[1]
     cfg = tmp_path / "engine.yaml"

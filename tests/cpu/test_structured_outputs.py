@@ -11,8 +11,8 @@ import pytest
 from llm_utils import make_checkpoint, random_prompts
 from structured_schemas import CHOICES, LARK, REGEXES, SCHEMAS
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
-from engine.contracts import RequestStatus
+from conveyor.engine import LLM, SamplingParams, StructuredOutputsParams
+from conveyor.engine.contracts import RequestStatus
 
 FORMATS = jsonschema.FormatChecker()
 PROMPTS = ["Tell me about the cat", "Give me data", "The dog runs to the ball"]
@@ -139,8 +139,8 @@ def test_invalid_constraints_raise_before_queueing(llm):
 def test_compile_failure_in_core_ends_request_with_error(llm):
     """A constraint that skipped the frontend's check fails in the compile thread:
     the request ends with an error and the engine goes on."""
-    from engine.contracts import EngineCoreRequest
-    from engine.request import Request
+    from conveyor.engine.contracts import EngineCoreRequest
+    from conveyor.engine.request import Request
 
     sp = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(ab"))
     ecr = EngineCoreRequest(request_id="direct-0", prompt_token_ids=[5, 6, 7], sampling_params=sp)
@@ -186,7 +186,7 @@ def test_grammar_bitmask_only_for_sampling_structured_rows():
     from sched_utils import create_scheduler, fake_output, make_request
     from tokenizer_utils import train_tiny_tokenizer
 
-    from engine.structured_output.manager import StructuredOutputManager
+    from conveyor.engine.structured_output.manager import StructuredOutputManager
 
     tok_dir = tempfile.mkdtemp()
     train_tiny_tokenizer(tok_dir)

@@ -42,10 +42,10 @@ def api(ckpt):
     """(loop, {parser: FastAPI app}, AsyncLLM): one engine, one app per parser."""
     import msgspec
 
-    from cluster.openai.app import build_api
-    from cluster.openai.server import OpenAIServer
-    from engine.async_client import AsyncLLM
-    from engine.config import build_config
+    from conveyor.cluster.openai.app import build_api
+    from conveyor.cluster.openai.server import OpenAIServer
+    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.config import build_config
 
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 2048},
                         "serve": {"served_model_name": "tiny"}})
@@ -206,7 +206,7 @@ def test_tool_choice_none_returns_no_calls(api):
 
 
 def test_multi_turn_renders_and_generates(api, ckpt):
-    from engine.tokenizer import load_tokenizer
+    from conveyor.engine.tokenizer import load_tokenizer
 
     history = [*MSGS,
                {"role": "assistant", "content": None, "tool_calls": [{
@@ -264,10 +264,10 @@ def test_auto_with_response_format_is_calls_or_the_answer(api, ckpt):
     or the schema-shaped answer, nothing else; every output is one of them."""
     import llguidance as llg
 
-    from cluster.openai.protocol import ChatRequest
-    from cluster.openai.tools.request import tool_plan
-    from engine.structured_output.llguidance_backend import LLGuidanceBackend
-    from engine.tokenizer import load_tokenizer
+    from conveyor.cluster.openai.protocol import ChatRequest
+    from conveyor.cluster.openai.tools.request import tool_plan
+    from conveyor.engine.structured_output.llguidance_backend import LLGuidanceBackend
+    from conveyor.engine.tokenizer import load_tokenizer
 
     req = ChatRequest.model_validate({"messages": MSGS, "tools": TOOLS, "response_format": ANSWER_FORMAT})
     plan = tool_plan(req, "hermes", lambda so: None)
@@ -397,7 +397,7 @@ def test_tools_are_typed_in_the_openapi_schema(api):
 
 
 def test_batch_lines_with_tools(tmp_path, ckpt):
-    from cluster.batch.job import main
+    from conveyor.cluster.batch.job import main
 
     cfg = tmp_path / "engine.yaml"
     cfg.write_text(json.dumps({"model": {"path": ckpt, "max_model_len": 2048},

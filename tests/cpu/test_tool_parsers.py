@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cluster.openai.tools.parsers import TOOL_PARSERS, ToolCall, ToolSpec, get_tool_parser
-from cluster.openai.tools.parsers.base import fold
+from conveyor.cluster.openai.tools.parsers import TOOL_PARSERS, ToolCall, ToolSpec, get_tool_parser
+from conveyor.cluster.openai.tools.parsers.base import fold
 
 NAMES = frozenset({"get_weather", "add"})
 W = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -102,7 +102,7 @@ def test_grammar_sentences_parse_back(parser):
 
 
 def test_registry_matches_config():
-    from engine.config import TOOL_CALL_PARSERS, ConfigError, build_config
+    from conveyor.engine.config import TOOL_CALL_PARSERS, ConfigError, build_config
 
     assert set(TOOL_PARSERS) == set(TOOL_CALL_PARSERS)
     assert build_config({"serve": {"tool_call_parser": "llama3_json"}}).serve.tool_call_parser == "llama3_json"
@@ -113,7 +113,7 @@ def test_registry_matches_config():
 
 
 def _plan(parser: str = "hermes", max_calls: int = 8):
-    from cluster.openai.tools.request import ToolPlan
+    from conveyor.cluster.openai.tools.request import ToolPlan
 
     return ToolPlan("auto", get_tool_parser(parser), NAMES, None, max_calls)
 
@@ -147,8 +147,8 @@ def _accumulate(chunks: list[list[dict]]) -> dict:
 def test_session_deltas_assemble_to_the_final_message(parser, text, content, calls, max_calls):
     """Streamed one character a time, the deltas add up to the non-streamed
     message; parallel_tool_calls false (max_calls 1) keeps the first call only."""
-    from cluster.openai import bodies as B
-    from cluster.openai.tools.response import ToolSession, rounds
+    from conveyor.cluster.openai import bodies as B
+    from conveyor.cluster.openai.tools.response import ToolSession, rounds
 
     calls = calls[:max_calls]
     final = ToolSession(_plan(parser, max_calls)).finish_choice(B.chat_choice(0, text, None, "stop"), text)
@@ -198,10 +198,10 @@ def test_eager_reading_at_every_split(parser):
 
 @pytest.mark.parametrize("parser", sorted(GRAMMAR_TEXT))
 def test_eager_deltas_name_first_then_argument_fragments(parser):
-    from cluster.openai import bodies as B
-    from cluster.openai.tools.request import ToolPlan
-    from cluster.openai.tools.response import ToolSession, rounds
-    from engine.structured_output.params import StructuredOutputsParams
+    from conveyor.cluster.openai import bodies as B
+    from conveyor.cluster.openai.tools.request import ToolPlan
+    from conveyor.cluster.openai.tools.response import ToolSession, rounds
+    from conveyor.engine.structured_output.params import StructuredOutputsParams
 
     plan = ToolPlan("required", get_tool_parser(parser), NAMES, StructuredOutputsParams(grammar='start: "x"'))
     text = GRAMMAR_TEXT[parser]

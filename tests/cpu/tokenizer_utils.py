@@ -1,12 +1,12 @@
 """A tiny byte-level BPE tokenizer trained on the spot (tests never download).
 
-The code lives in cluster/demo/model.py (the demo checkpoint of `make run`
+The code lives in conveyor/cluster/demo/model.py (the demo checkpoint of `make run`
 uses it too): one copy, re-exported here under the names tests import.
 Special token ids are fixed: <s>=0 (bos), </s>=1 (eos), <unk>=2, <pad>=3.
 """
 from __future__ import annotations
 
-from cluster.demo.model import (
+from conveyor.cluster.demo.model import (
                                 BOS,
                                 CHAT_TEMPLATE,
                                 EOS,

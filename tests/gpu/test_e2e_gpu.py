@@ -21,7 +21,7 @@ for p in (ROOT, os.path.join(ROOT, "tests", "cpu")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from engine import LLM, SamplingParams  # noqa: E402
+from conveyor.engine import LLM, SamplingParams  # noqa: E402
 from llm_utils import (close_or_why, engine_top5, hf_greedy, hf_top5, make_checkpoint,  # noqa: E402
                        random_prompts)
 

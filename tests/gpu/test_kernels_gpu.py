@@ -23,9 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from kernels.cache_write import write_kv  # noqa: E402
-from kernels.paged_attention import choose_num_segments, paged_attention  # noqa: E402
-from kernels.torch_attention import paged_attention_torch, write_kv_torch  # noqa: E402
+from conveyor.kernels.cache_write import write_kv  # noqa: E402
+from conveyor.kernels.paged_attention import choose_num_segments, paged_attention  # noqa: E402
+from conveyor.kernels.torch_attention import paged_attention_torch, write_kv_torch  # noqa: E402
 
 DEV = torch.device("cuda")
 TOL = {torch.bfloat16: 1.5e-2, torch.float16: 3e-3, torch.float32: 2e-5}

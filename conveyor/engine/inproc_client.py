@@ -1,0 +1,66 @@
+"""InProcCoreClient: the EngineCore and its busy loop in a thread of this process
+(LLM/AsyncLLM when the core is not asked into an actor; data-parallel engines)."""
+from __future__ import annotations
+
+import threading
+
+from conveyor.engine.busy_loop import EngineBusyLoop
+from conveyor.engine.config import EngineConfig
+from conveyor.engine.contracts import EngineCoreRequest
+from conveyor.engine.core_client import OutputHandler
+from conveyor.engine.errors import DeadFlag
+
+
+class InProcCoreClient:
+    def __init__(self, config: EngineConfig) -> None:
+        from conveyor.engine.core import EngineCore
+        from conveyor.executors import make_executor
+
+        self.core = EngineCore(config, make_executor(config))
+        self.kv_info = self.core.kv_info
+        self.dead = DeadFlag()
+        self._loop: EngineBusyLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, on_outputs: OutputHandler) -> None:
+        self._loop = EngineBusyLoop(self.core, on_outputs, self.dead)
+        self._thread = threading.Thread(target=self._loop.run, name="conveyor-core", daemon=True)
+        self._thread.start()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._require().submit("add", request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self._require().submit("abort", list(request_ids))
+
+    def resume(self, tag: int, requests: list[EngineCoreRequest]) -> None:
+        """Never asked for (a core in this process loses no request: it
+        rebuilds its own workers); answered as new adds all the same."""
+        for r in requests:
+            self.add_request(r)
+
+    def request_kv_snapshot(self) -> None:
+        """The router saw a gap in this engine's events: send a full snapshot."""
+        self._require().submit("kv_snapshot", None)
+
+    def check_health(self) -> str:
+        self._require()
+        if not (self._thread and self._thread.is_alive()):
+            self.dead.set("core thread exited")
+        self.dead.check()
+        return self.core.check_health()
+
+    def worker_pids(self) -> list[int]:
+        return self.core.worker_pids()
+
+    def _require(self) -> EngineBusyLoop:
+        if self._loop is None:
+            raise RuntimeError("core client not started")
+        return self._loop
+
+    def shutdown(self) -> None:
+        if self._loop is not None:
+            self._loop.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.core.shutdown()

@@ -1,0 +1,71 @@
+// Small-M linears (decode batches) on CPU over weights packed once.
+//
+// Packed layout (conveyor/kernels/cpu_linear.py packs it): output columns in blocks of
+// kBlockN = 16, N zero-padded to a multiple of 16 (np).
+//   fp32: block b is [k][16]: per k the block's 16 weights, 64 bytes.
+//   bf16: block b is [k / 2][16][2] (k zero-padded to even): per pair of k the
+//         16 columns' two weights side by side, 64 bytes (vdpbf16ps' operand).
+//   int8: block b is [k][16] as fp32, 16 bytes per k (weight-only int8: the
+//         sums times a per-column scale are the output).
+// A thread's range of blocks is one contiguous stream, read once per m-block
+// of rows (all decode rows are one m-block) in address order, and each 64-byte
+// line feeds one vector FMA per row with that row's x broadcast. oneDNN's
+// packed GEMM reached half the FMA peak at M = 16 where this reaches 1.3-1.4x
+// its speed (BENCHMARKS.md, "Small-M linears"); on AVX2 it stays ahead to 64
+// rows ("x in place").
+//
+// Built into the CPU attention extension under cpu_kernels.h's rules: each ISA
+// file raises its own target and keeps its code in an anonymous namespace; no
+// torch headers and no allocation here (the glue, linear_cpu.cpp, owns the
+// scratch and the threads).
+#pragma once
+
+#include <cstdint>
+
+namespace conveyor_linear {
+
+constexpr int64_t kBlockN = 16;   // output columns per packed block
+// k per pass of a row block (the chunk's weights stay in L1/L2 for the
+// m-block's next rows); fp32 takes kChunkKF32 (64 KiB of weights): 1024 ran
+// 2-3% faster than 512 there at 32 and 2048 rows. bf16 and int8 unmeasured.
+constexpr int64_t kChunkK = 512;
+constexpr int64_t kChunkKF32 = 1024;
+
+// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) for the blocks [lo, hi).
+struct LinearArgs {
+  const void* w;      // packed weights, fp32 or bf16 (above)
+  const void* x;      // fp32 x; for bf16_dot, x's bf16 pairs as uint32 (k below counts pairs)
+  const float* bias;  // [np] or nullptr
+  float* y;           // [m][np], fp32: the sums (between k chunks: partial ones)
+  uint16_t* yb;       // [m][np] bf16, or nullptr: the last chunk's sums go here, rounded once
+  const float* scale;  // [np] per-column scales of int8 weights (the sums are multiplied
+                       // before the bias), or nullptr
+  int64_t m, k, np;   // k: even for bf16 (padded)
+  int64_t xk, xm;     // x's value at row i, k: x[i * xm + k * xk] (x^T [k][m]: xk = m, xm = 1;
+                      // x row-major: xk = 1, xm = its row stride)
+};
+
+// fp32 -> bf16 bits, round to nearest even (NaN -> a quiet NaN), as torch's
+// scalar conversion; the vector tables round the same way.
+inline uint16_t round_bf16(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+using LinearFn = void (*)(const LinearArgs&, int64_t lo, int64_t hi);
+
+struct LinearTable {
+  const char* name;
+  LinearFn f32;        // fp32 weights, fp32 x^T
+  LinearFn bf16_wide;  // bf16 weights widened to fp32 in registers (exact), fp32 x^T: fp32 math
+  LinearFn bf16_dot;   // bf16 weights and x pairs, vdpbf16ps (exact products, fp32 sums); nullptr: none
+  LinearFn i8;         // int8 weights ([k][16] bytes per block) widened in registers, fp32 x^T, scale
+};
+
+const LinearTable* linear_portable();
+const LinearTable* linear_avx2();        // nullptr off x86
+const LinearTable* linear_avx512();      // nullptr off x86
+const LinearTable* linear_avx512bf16();  // nullptr off x86 or without compiler support
+
+}  // namespace conveyor_linear

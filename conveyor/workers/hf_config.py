@@ -1,0 +1,78 @@
+"""A checkpoint's config.json as the attributes the model classes read, with
+the defaults of transformers' config class for its ``model_type``.
+
+Why not ``transformers.AutoConfig``: importing transformers' configuration
+code pulls in its model-loading, kernel-hub and torch.distributed.tensor
+modules, about 2 CPU-seconds in every rank process that only needs a dozen
+numbers (a 2x2 engine starts four). The engine side already reads config.json
+directly (conveyor/engine/lora.py, conveyor/engine/tokenizer.py). The defaults below are those
+of transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config for
+the fields the models read; tests/cpu/test_models.py compares every field
+with AutoConfig for each family, so a drift in transformers shows there.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# Defaults every supported family shares.
+_COMMON: dict[str, Any] = {
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "attention_bias": False, "mlp_bias": False, "rope_theta": 10000.0,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "hidden_size": 4096,
+}
+
+# model_type -> the defaults of its transformers config class that differ from _COMMON.
+_FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"vocab_size": 32000, "intermediate_size": 11008, "max_position_embeddings": 2048},
+    "mistral": {"vocab_size": 32000, "intermediate_size": 14336, "max_position_embeddings": 131072,
+                "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32, "sliding_window": None, "use_sliding_window": False},
+    "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
+              "num_key_value_heads": 32, "sliding_window": None, "use_sliding_window": False,
+              "head_dim": 128},
+}
+# Families whose config keeps sliding_window only when use_sliding_window is set.
+_WINDOW_SWITCHED = frozenset({"qwen2", "qwen3"})
+
+
+class HFConfig:
+    """Read-only attributes: config.json's keys over the family defaults.
+    A key neither holds raises AttributeError, so ``getattr(c, k, default)``
+    behaves as it does on a transformers config."""
+
+    def __init__(self, raw: dict[str, Any]) -> None:
+        model_type = str(raw.get("model_type"))
+        # Another family gets the shared defaults only: the model registry
+        # (conveyor.workers.models.get_model_class) refuses its architecture anyway.
+        values = {**_COMMON, **_FAMILIES.get(model_type, {}), **raw}
+        if values.get("num_key_value_heads") is None:
+            values["num_key_value_heads"] = values["num_attention_heads"]
+        if values.get("head_dim") is None:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        if model_type in _WINDOW_SWITCHED and not values.get("use_sliding_window"):
+            values["sliding_window"] = None
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("HFConfig is read-only")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def __repr__(self) -> str:
+        return f"HFConfig({self._values.get('model_type')!r}, {len(self._values)} keys)"
+
+
+def read_hf_config(model_dir: str) -> HFConfig:
+    """The HFConfig of a local checkpoint directory (never downloads)."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return HFConfig(json.load(f))
