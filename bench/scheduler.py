@@ -446,7 +446,7 @@ def hardware_info() -> dict:
 
 # The code on the measured path (for the "local changes" note in the results).
 MEASURED = ("conveyor/engine/scheduler.py", "conveyor/engine/kv_cache", "conveyor/engine/request.py", "conveyor/engine/contracts.py",
-            "conveyor/engine/request_queue.py", "engine/config.py", "conveyor/engine/sampling_params.py")
+            "conveyor/engine/request_queue.py", "conveyor/engine/config", "conveyor/engine/sampling_params.py")
 
 
 def software_info() -> dict:

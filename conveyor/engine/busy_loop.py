@@ -2,7 +2,7 @@
 
 The seed's EngineCoreProc loop. It runs wherever the EngineCore lives: a
 thread of this process (conveyor/engine/inproc_client.py) or an EngineCoreActor
-(cluster/engine_actor.py)."""
+(conveyor/cluster/engine_actor/)."""
 from __future__ import annotations
 
 import logging

@@ -193,3 +193,20 @@ def test_one_delta_merge_for_every_consumer():
     assert (acc.text, acc.token_ids, acc.logprobs) == ("abc", [1, 2, 3], [{2: -0.5}, {3: -0.1}])
     assert (acc.finish_reason, acc.stop_reason) == ("stop", "x")
     assert _Acc is CompletionOutput
+
+
+def test_every_logger_is_under_the_conveyor_root():
+    """Loggers are named `__name__` (conveyor.<package>...) or a literal under `conveyor.`,
+    so configuring the `conveyor` logger configures them all."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "conveyor"
+    names = []
+    for f in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "getLogger" and node.args:
+                arg = node.args[0]
+                names.append(arg.value if isinstance(arg, ast.Constant) else ast.unparse(arg))
+    assert len(names) > 20
+    assert [n for n in names if n != "__name__" and not n.startswith("conveyor")] == []

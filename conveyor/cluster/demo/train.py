@@ -5,7 +5,7 @@
 The corpus is on every machine without a download: the docstrings of Python's own
 standard library, read with `ast` from the interpreter's source files (nothing is
 imported, so no module's side effects run). Each docstring becomes one chat turn in
-the demo template (cluster/demo_model.CHAT_TEMPLATE): the user asks about a module,
+the demo template (conveyor.cluster.demo.model.CHAT_TEMPLATE): the user asks about a module,
 class or function by name, the assistant answers with its docstring's prose. So the
 model learns the template's shape and answers a question with sentences.
 
