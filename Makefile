@@ -6,6 +6,7 @@ PIP := $(VENV)/bin/pip
 # Every install goes through the lock (pip constraints; `make lock` refreshes it).
 # `make test-latest` empties it to run against the newest releases.
 CONSTRAINTS ?= constraints.txt
+EXTRAS ?= test
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 export CONVEYOR_CONSTRAINTS := $(abspath $(CONSTRAINTS))
 
@@ -24,7 +25,7 @@ $(VPY):
 # (+1 s an import, in hundreds of test processes).
 venv: $(VPY)
 	$(VPY) -c "import torch" 2>/dev/null || $(PIP) install -q $(PIN) torch==2.13.0
-	$(PIP) install -q $(PIN) -e ".[test]"
+	$(PIP) install -q $(PIN) -e ".[$(EXTRAS)]"
 
 # The gate: lint everything, type-check the engine side (config in pyproject.toml),
 # and the code's shape (files <= 500 lines, functions <= 60, no import cycle).
@@ -53,10 +54,7 @@ test-latest:
 # afresh in a scratch venv and pin what pip chose. Run `make test` after it.
 lock:
 	rm -rf .venv-lock
-	$(PY) -m venv .venv-lock
-	.venv-lock/bin/python -m pip install -q pip==26.3
-	.venv-lock/bin/pip install -q torch==2.13.0
-	.venv-lock/bin/pip install -q -e ".[test,bench]"
+	$(MAKE) venv VENV=.venv-lock CONSTRAINTS= EXTRAS=test,bench
 	{ echo "# The lock: every dependency pinned (pip constraints). Written by \`make lock\`;"; \
 	  echo "# Python $$(.venv-lock/bin/python -c 'import platform; print(platform.python_version(), platform.machine())'), $$(date -u +%Y-%m-%d)."; \
 	  .venv-lock/bin/pip freeze --exclude-editable | sed "s/^torch==\(.*\)+cpu$$/torch==\1/"; } > constraints.txt

@@ -1,19 +1,22 @@
-"""Conveyor's engine core. `import conveyor.engine.scheduler` loads no torch: the LLM
-class (which reaches the executors and workers) is exposed lazily."""
+"""Conveyor's engine core and the public names the `conveyor` package re-exports.
+`import conveyor.engine.scheduler` loads no torch: the LLM classes (which reach the
+executors and workers) are exposed lazily."""
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from conveyor.engine.lora import LoRARequest
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.structured_output.params import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "LoRARequest", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+# name -> the module under conveyor.engine that defines it, imported on first use
+_LAZY = {"LLM": "llm", "RequestOutput": "llm", "CompletionOutput": "llm", "AsyncLLM": "async_client"}
+
+__all__ = ["SamplingParams", "LoRARequest", "StructuredOutputsParams", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("LLM", "RequestOutput", "CompletionOutput"):
-        from conveyor.engine import llm
-
-        return getattr(llm, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"conveyor.engine.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'conveyor.engine' has no attribute {name!r}")

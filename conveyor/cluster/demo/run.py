@@ -31,11 +31,6 @@ from conveyor.parallel.ports import free_port
 DEFAULT_CONFIG = str(Path(__file__).resolve().with_name("tiny-cpu.yaml"))
 
 
-def _in_cwd(path: str) -> str:
-    """Relative paths are relative to the working directory (the repo root under `make run`)."""
-    return os.path.abspath(path)
-
-
 def _port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -70,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     from conveyor.cluster.demo.model import ensure_demo_model
     from conveyor.engine.config import load_config
 
-    config_path = _in_cwd(args.config)
+    # Relative paths are relative to the working directory (the repo root under `make run`).
+    config_path = os.path.abspath(args.config)
     config = load_config(config_path)
-    model_dir = _in_cwd(config.model.path)
+    model_dir = os.path.abspath(config.model.path)
     if ensure_demo_model(model_dir):
         print(f"built the demo checkpoint in {model_dir}", flush=True)
     host = config.serve.host
