@@ -122,6 +122,18 @@ def _wait_idle(url: str, timeout_s: float = 30.0) -> str:
     raise AssertionError("engine did not go idle")
 
 
+def _wait_health_ok(url: str, timeout_s: float = 60.0) -> tuple[int, dict]:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.get(f"{url}/health", timeout=30)
+        got = (r.status_code, r.json())
+        if got == (200, {"status": "ok"}) or time.monotonic() > deadline:
+            return got
+        time.sleep(0.5)
+
+
 def test_killed_worker_rank_costs_no_stream(server):
     ref, _ = asyncio.run(_run_streams(server, None))
     before = _worker_pids()
@@ -137,5 +149,8 @@ def test_killed_worker_rank_costs_no_stream(server):
     metrics = _wait_idle(server)
     assert _metric(metrics, "conveyor:engine_restarts_total") == 1
     assert _metric(metrics, "conveyor:engine_recovery_seconds_count") == 1
-    r = httpx.get(f"{server}/health", timeout=30)
-    assert (r.status_code, r.json()) == (200, {"status": "ok"})
+    # /health reads "recovering" also while the engine actor is slow to answer
+    # its health call (a loaded 2-core box): it must settle on "ok", and with
+    # no second restart behind it.
+    assert _wait_health_ok(server) == (200, {"status": "ok"})
+    assert _metric(httpx.get(f"{server}/metrics").text, "conveyor:engine_restarts_total") == 1
