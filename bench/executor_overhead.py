@@ -63,10 +63,10 @@ from conveyor.engine.contracts import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from conveyor.engine.core import EngineCore
-from conveyor.engine.request import Request
+from conveyor.engine.core.engine_core import EngineCore
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
 from conveyor.executors.base import Executor
 from conveyor.executors.messages import WorkerCommand, WorkerReply
 

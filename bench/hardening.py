@@ -39,8 +39,8 @@ def serve(model: str, port: int) -> None:
 
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     cfg = build_config({"model": {"path": model, "max_model_len": 1024},
                         "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},

@@ -22,7 +22,7 @@ stream --max-tokens long (ignore_eos).
    streams that stayed (engine 1's own, which share its steps with the moved
    contexts' prefill).
 
---warm-drain: parallel.warm_drain (warm handover, conveyor/engine/dp_handover.py);
+--warm-drain: parallel.warm_drain (warm handover, conveyor/engine/dp/paced_drain.py);
 --no-paced: parallel.paced_drain off (every request moves at once); by
 default the paced move (waves of at most the longest moved context).
 
@@ -115,8 +115,8 @@ def _gaps(ts: list[float]) -> list[float]:
 
 async def main_async(a: argparse.Namespace) -> dict:
     from bench.structured_output import build_model
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     path = build_model(os.path.join(a.model_dir, "llama30m_v512"))
     cfg = build_config(model=path, max_model_len=1024, data_parallel_size=2, max_num_seqs=a.streams,
@@ -174,7 +174,7 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=8, help="tokens every stream has before the drain")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warm-drain", action=argparse.BooleanOptionalAction, default=False,
-                   help="parallel.warm_drain: warm handover (conveyor/engine/dp_handover.py); off: the plain move")
+                   help="parallel.warm_drain: warm handover (conveyor/engine/dp/paced_drain.py); off: the plain move")
     p.add_argument("--paced", action=argparse.BooleanOptionalAction, default=True,
                    help="parallel.paced_drain: move in waves (default); off: all at once")
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "conveyor-bench-models"))

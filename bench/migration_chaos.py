@@ -127,8 +127,8 @@ def series(streams: list[Stream], t0: float, bin_s: float = 1.0) -> tuple[list[f
 async def main_async(a: argparse.Namespace) -> dict:
     from bench.migration import _params, _prompts
     from bench.structured_output import build_model
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     path = build_model(os.path.join(a.model_dir, "llama30m_v512"))
     cfg = build_config(model=path, max_model_len=1024, data_parallel_size=2, max_num_seqs=128,

@@ -161,7 +161,7 @@ def checkpoint(args) -> str:
 
 def start_engine(name: str, path: str, args, comm_dir: str | None):
     from conveyor.engine.config import build_config
-    from conveyor.engine.core import EngineCore
+    from conveyor.engine.core.engine_core import EngineCore
 
     tp, pp = CONFIGS[name]
     executor_name = "uniproc" if tp * pp == 1 else "mp"

@@ -29,8 +29,8 @@ if ROOT not in sys.path:
 
 from bench.routing_sim import SimRequest, simulate  # noqa: E402
 from bench.routing_workloads import MultiTurn, shared_prefix, trace, write_synthetic_trace  # noqa: E402
-from conveyor.engine.router.events import KVEvents  # noqa: E402
-from conveyor.engine.router.policy import POLICIES, Router, RouterSettings  # noqa: E402
+from conveyor.engine.dp.router.events import KVEvents  # noqa: E402
+from conveyor.engine.dp.router.policy import POLICIES, Router, RouterSettings  # noqa: E402
 
 BS = 16
 LAM = float(os.environ.get("ROUTER_LAM", RouterSettings.lam))
@@ -94,7 +94,7 @@ def index_bytes_per_block(reqs: list[SimRequest], n: int = 8) -> tuple[float, in
     (hashes arrive as fresh bytes objects, as decoded from an engine's events)."""
     import tracemalloc
 
-    from conveyor.engine.router.index import PrefixIndex
+    from conveyor.engine.dp.router.index import PrefixIndex
 
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
@@ -124,7 +124,7 @@ def main() -> None:
               f"  index entries={entries}")
     per, entries = index_bytes_per_block(reqs)
     print(f"\nindex memory: {per:.0f} bytes per (hash, engine) entry over {entries} entries "
-          f"(conveyor/engine/router/index.py BYTES_PER_BLOCK)")
+          f"(conveyor/engine/dp/router/index.py BYTES_PER_BLOCK)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The routing simulation: the real Router (conveyor/engine/router/) in front of N
+"""The routing simulation: the real Router (conveyor/engine/dp/router/) in front of N
 simulated engines.
 
 A simulated engine has an LRU cache of C blocks (keyed by the same block
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conveyor.engine.router.events import EngineLoad, KVEventPublisher
-from conveyor.engine.router.policy import Router, RouterSettings
+from conveyor.engine.dp.router.events import EngineLoad, KVEventPublisher
+from conveyor.engine.dp.router.policy import Router, RouterSettings
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Workloads for bench/routing.py, each a list of SimRequests (token ids
-hashed with the engine's own block hash chain, conveyor/engine/router/policy.py).
+hashed with the engine's own block hash chain, conveyor/engine/dp/router/policy.py).
 
 - shared_prefix: vLLM's prefix_repetition shape: groups sharing a 512-token
   prefix, each request a unique 128-token suffix, random order.
@@ -17,8 +17,8 @@ import json
 import random
 
 from bench.routing_sim import FollowUps, SimRequest
+from conveyor.engine.dp.router.policy import block_hashes_of
 from conveyor.engine.kv_cache.hashing import hash_block
-from conveyor.engine.router.policy import block_hashes_of
 
 TRACE_BLOCK = 512
 

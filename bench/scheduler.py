@@ -2,7 +2,7 @@
 """Scheduler CPU cost per engine step, on the vLLM peer harness's traces.
 
 Replays the deterministic traces of ``../shared/peers/vllm_sched/traces.py``
-(relative to the repository root) through our ``conveyor.engine.scheduler.Scheduler``
+(relative to the repository root) through our ``conveyor.engine.core.scheduler.Scheduler``
 with the peer harness's step protocol and timing method, so that the numbers
 sit next to vLLM 0.32's ``Scheduler`` (``vllm_sched_bench.py`` in that folder):
 
@@ -82,9 +82,9 @@ class ConveyorDriver:
 
         from conveyor.engine.config import EngineConfig
         from conveyor.engine.contracts import EngineCoreRequest, ModelRunnerOutput
-        from conveyor.engine.request import Request
+        from conveyor.engine.core.request import Request
+        from conveyor.engine.core.scheduler import Scheduler
         from conveyor.engine.sampling_params import SamplingParams
-        from conveyor.engine.scheduler import Scheduler
 
         self.msgspec = msgspec
         self.EngineConfig = EngineConfig
@@ -445,8 +445,8 @@ def hardware_info() -> dict:
 
 
 # The code on the measured path (for the "local changes" note in the results).
-MEASURED = ("conveyor/engine/scheduler.py", "conveyor/engine/kv_cache", "conveyor/engine/request.py", "conveyor/engine/contracts.py",
-            "conveyor/engine/request_queue.py", "conveyor/engine/config", "conveyor/engine/sampling_params.py")
+MEASURED = ("conveyor/engine/core/scheduler.py", "conveyor/engine/kv_cache", "conveyor/engine/core/request.py", "conveyor/engine/contracts.py",
+            "conveyor/engine/core/request_queue.py", "conveyor/engine/config", "conveyor/engine/sampling_params.py")
 
 
 def software_info() -> dict:
@@ -476,7 +476,7 @@ def software_info() -> dict:
         except (OSError, KeyError, ValueError, ImportError):
             conveyor = None
     return dict(conveyor_version=conveyor, git_rev=rev, msgspec_version=msgspec.__version__,
-                scheduler_class="conveyor.engine.scheduler.Scheduler")
+                scheduler_class="conveyor.engine.core.scheduler.Scheduler")
 
 
 def pin_cpu(cpu: int) -> list | None:
@@ -765,7 +765,7 @@ def main(argv=None) -> int:
                f"every {GC_EVERY} steps",
             timer="time.perf_counter_ns",
             num_blocks="trace engine.num_blocks, including the null block 0 (as vLLM)",
-            requests="conveyor.engine.request.Request.from_engine_core_request, built before the loop; "
+            requests="conveyor.engine.core.request.Request.from_engine_core_request, built before the loop; "
                      "prefix hashing in Scheduler.add_request (timed as add)",
             env={k: os.environ.get(k) for k in ("PYTHONHASHSEED",)},
             loadavg_start=list(os.getloadavg()),

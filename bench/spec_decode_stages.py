@@ -84,7 +84,7 @@ def install() -> None:
     import gc
 
     gc.callbacks.append(_gc_timer)
-    import conveyor.engine.scheduler as sched_mod
+    import conveyor.engine.core.scheduler as sched_mod
     import conveyor.engine.spec_decode.scheduling as spec_mod
     import conveyor.workers.model_runner as mr
 

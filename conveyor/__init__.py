@@ -2,7 +2,7 @@
 
 The public face is `from conveyor import LLM, SamplingParams, LoRARequest`: the names
 of `conveyor.engine.__all__`, re-exported on first use, so `import conveyor` and
-`import conveyor.engine.scheduler` load neither torch nor Ray."""
+`import conveyor.engine.core.scheduler` load neither torch nor Ray."""
 from __future__ import annotations
 
 import importlib

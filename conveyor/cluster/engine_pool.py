@@ -50,7 +50,7 @@ from conveyor.cluster.engine_actor.link import STARTUP_TIMEOUT_S, CoreActorSpec,
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
 from conveyor.engine.core_client import OutputHandler
-from conveyor.engine.dp_engine import DataParallelClient, make_engine_clients
+from conveyor.engine.dp.client import DataParallelClient, make_engine_clients
 from conveyor.engine.errors import EngineDeadError
 from conveyor.executors.channel import DataPlane, PlaneKeys
 
@@ -290,7 +290,7 @@ class PooledClient(DataParallelClient):
     """A replica's DataParallelClient over the pool's engines. Drain, undrain
     and replace act on the pool (every replica follows), see the module doc."""
 
-    can_scale = False  # the pool owns the engines (conveyor/engine/dp_scale.py)
+    can_scale = False  # the pool owns the engines (conveyor/engine/dp/scaling.py)
 
     def __init__(self, config: EngineConfig, pool: Any) -> None:
         self.pool = pool

@@ -116,7 +116,7 @@ def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:
     """parallel.data_parallel_size engines behind the router, each an
     EngineCoreActor with its own resources (executor "ray": its own worker
     placement group; otherwise the model in the actor, with its GPUs)."""
-    from conveyor.engine.dp_engine import DataParallelClient, make_engine_clients
+    from conveyor.engine.dp.client import DataParallelClient, make_engine_clients
 
     if config.serve.replicas > 1:  # the engines are the app's, not this replica's
         from conveyor.cluster.engine_pool import pooled_client
@@ -163,7 +163,7 @@ class OpenAIDeployment:
     def __init__(self, config_path: str, overrides: dict[str, Any], use_gpu: bool) -> None:
         from conveyor.cluster.openai.metrics import ServeMetrics
         from conveyor.cluster.openai.server import OpenAIServer, model_name_of
-        from conveyor.engine.async_client import AsyncLLM
+        from conveyor.engine.frontend.async_client import AsyncLLM
 
         self.config = load_config(config_path, **overrides)
         check_model_dir(self.config, source=config_path)
@@ -179,7 +179,7 @@ class OpenAIDeployment:
         client = RayCoreClient.launch(self.config, place) if place is not None else None
         if self.config.parallel.data_parallel_size > 1:
             client = data_parallel_client(self.config, use_gpu)
-            # /admin/reload and SIGHUP read the file again (conveyor/engine/dp_scale.py).
+            # /admin/reload and SIGHUP read the file again (conveyor/engine/dp/scaling.py).
             client.config_source = lambda: load_config(config_path, **overrides)
         try:
             self.llm = AsyncLLM(self.config, client)

@@ -1,5 +1,5 @@
 """Conveyor's engine core and the public names the `conveyor` package re-exports.
-`import conveyor.engine.scheduler` loads no torch: the LLM classes (which reach the
+`import conveyor.engine.core.scheduler` loads no torch: the LLM classes (which reach the
 executors and workers) are exposed lazily."""
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.structured_output.params import StructuredOutputsParams
 
 # name -> the module under conveyor.engine that defines it, imported on first use
-_LAZY = {"LLM": "llm", "RequestOutput": "llm", "CompletionOutput": "llm", "AsyncLLM": "async_client"}
+_LAZY = {"LLM": "frontend.llm", "RequestOutput": "frontend.llm", "CompletionOutput": "frontend.llm",
+         "AsyncLLM": "frontend.async_client"}
 
 __all__ = ["SamplingParams", "LoRARequest", "StructuredOutputsParams", *_LAZY]
 

@@ -11,10 +11,11 @@ import enum
 import msgspec
 import numpy as np
 
+from conveyor.engine.dp.router.events import KVEvents
+
 # SamplingFields, not SamplingParams: decoding a message trusts the checks
 # that ran once at the edge (see conveyor/engine/sampling_params.py).
 from conveyor.engine.lora import LoRARequest
-from conveyor.engine.router.events import KVEvents
 from conveyor.engine.sampling_params import SamplingFields
 
 
@@ -208,7 +209,7 @@ class PrefixCacheStats(msgspec.Struct, gc=False):
 
 class RecoveryStats(msgspec.Struct, gc=False):
     """Worker-group rebuilds since start (cumulative): how many, and a
-    histogram of their durations (per bucket of conveyor.engine.recovery.RECOVERY_BUCKETS_S,
+    histogram of their durations (per bucket of conveyor.engine.core.recovery.RECOVERY_BUCKETS_S,
     not cumulative, the last one +Inf)."""
     restarts: int = 0
     seconds_buckets: list[int] = msgspec.field(default_factory=list)

@@ -1,10 +1,10 @@
 """The boundary between a frontend and an EngineCore, and which client a config gets.
 
 CoreClient is the protocol every client meets: InProcCoreClient (the core in
-a thread of this process, conveyor/engine/inproc_client.py), RayCoreClient (the core in
+a thread of this process, conveyor/engine/core/inproc_client.py), RayCoreClient (the core in
 an EngineCoreActor, conveyor/cluster/engine_actor/client.py) and DataParallelClient (N
-engines behind the router, conveyor/engine/dp_engine.py). SyncCoreEngine
-(conveyor/engine/sync_engine.py) gives any of them the blocking face LLM steps.
+engines behind the router, conveyor/engine/dp/client.py). SyncCoreEngine
+(conveyor/engine/frontend/sync_engine.py) gives any of them the blocking face LLM steps.
 
 Where the core runs is one knob, `parallel.engine_actor` (core_in_actor);
 `parallel.executor` says only where the workers run. A core in an actor needs
@@ -64,9 +64,9 @@ def actor_client_factory() -> CoreClientFactory:
 
 def make_core_client(config: EngineConfig, actor_factory: CoreClientFactory | None = None) -> CoreClient:
     """The client of the config's engine; with parallel.data_parallel_size > 1,
-    of its N engines behind the router (conveyor/engine/dp_engine.py)."""
+    of its N engines behind the router (conveyor/engine/dp/client.py)."""
     if config.parallel.data_parallel_size > 1:
-        from conveyor.engine.dp_engine import DataParallelClient, make_engine_clients
+        from conveyor.engine.dp.client import DataParallelClient, make_engine_clients
 
         if core_in_actor(config):
             factory = actor_factory or actor_client_factory()
@@ -79,6 +79,6 @@ def make_single_core_client(config: EngineConfig,
                             actor_factory: CoreClientFactory | None = None) -> CoreClient:
     if core_in_actor(config):
         return (actor_factory or actor_client_factory())(config)
-    from conveyor.engine.inproc_client import InProcCoreClient
+    from conveyor.engine.core.inproc_client import InProcCoreClient
 
     return InProcCoreClient(config)

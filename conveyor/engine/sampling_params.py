@@ -8,7 +8,7 @@ the engine carries the result as SamplingFields, the same fields without the
 checks, so a clone for an `n` child, a decode in the engine actor or a worker
 (every step's SchedulerOutput) never re-runs them. The limits that depend on
 the engine (n cap, context length, KV pool) are checked once per request by
-the frontend (conveyor/engine/frontend.py).
+the frontend (conveyor/engine/frontend/prepare.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from conveyor.engine.errors import ParamError
-from conveyor.engine.json_limits import utf8_problem
+from conveyor.engine.frontend.json_limits import utf8_problem
 from conveyor.engine.structured_output.params import StructuredOutputsParams
 
 # Upper bounds that are policy, not physics. n's cap is the engine's

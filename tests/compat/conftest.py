@@ -54,8 +54,8 @@ class _Server:
 
         from conveyor.cluster.openai.app import build_api
         from conveyor.cluster.openai.server import OpenAIServer
-        from conveyor.engine.async_client import AsyncLLM
         from conveyor.engine.config import build_config
+        from conveyor.engine.frontend.async_client import AsyncLLM
 
         cfg = build_config({"model": {"path": self._ckpt, "max_model_len": 4096},
                             "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 4096},

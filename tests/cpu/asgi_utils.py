@@ -16,8 +16,8 @@ def in_process_api(ckpt: str, max_model_len: int) -> Iterator[Api]:
     """A module fixture's body: yields (loop, app, llm), shuts the engine down after."""
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     cfg = build_config({"model": {"path": ckpt, "max_model_len": max_model_len},
                         "serve": {"served_model_name": "tiny"}})

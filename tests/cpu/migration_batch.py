@@ -92,7 +92,7 @@ async def job_lost_and_resubmitted(runner, config, out_path: str, ref: dict[str,
     KILL_AFTER-th record with its unflushed tail; run 2 on a new LineRunner."""
     from conveyor.cluster.batch.engines import LineRunner, LocalEngine
     from conveyor.cluster.batch.job import OutputLog, Progress, Summary, drive
-    from conveyor.engine.token_journal import TokenJournal, journal_path
+    from conveyor.cluster.batch.token_journal import TokenJournal, journal_path
 
     jc = runner.journal
     jc.journal = TokenJournal(journal_path(out_path), min_flush_tokens=1)

@@ -24,9 +24,9 @@ from node_loss_case import PARAMS, PROMPTS, engine_config  # noqa: E402
 from ray.util.placement_group import placement_group, remove_placement_group  # noqa: E402
 from recovery_utils import drain_all  # noqa: E402
 
-from conveyor.engine.async_client import AsyncLLM  # noqa: E402
 from conveyor.engine.config import build_config  # noqa: E402
-from conveyor.engine.inproc_client import InProcCoreClient  # noqa: E402
+from conveyor.engine.core.inproc_client import InProcCoreClient  # noqa: E402
+from conveyor.engine.frontend.async_client import AsyncLLM  # noqa: E402
 
 
 def _parent_pid(pid: int) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.async_client import EngineDeadError as FrontendDeadError
+from conveyor.engine.frontend.async_client import EngineDeadError as FrontendDeadError
 
 Drained = tuple[list[int], str | None]  # a stream's tokens and its last finish reason
 

@@ -17,9 +17,9 @@ from conveyor.engine.contracts import (
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.scheduler import Scheduler
 from conveyor.executors.base import Executor
 
 EOS = 0

@@ -1,4 +1,4 @@
-"""Async scheduling end to end (conveyor/engine/async_scheduling.py): with the next step
+"""Async scheduling end to end (conveyor/engine/core/async_scheduling.py): with the next step
 planned while one runs, an LLM gives the tokens of the synchronous loop —
 greedy and seeded, under chunked prefill and preemption, with stop strings and
 stop ids, structured outputs and n-gram drafts. Two engines (async on / off)

@@ -1,5 +1,5 @@
-"""Engines scaled and rolled over while serving (conveyor/engine/scale_policy.py,
-conveyor/engine/dp_scale.py, conveyor/engine/reload_plan.py, POST /admin/reload).
+"""Engines scaled and rolled over while serving (conveyor/engine/dp/scale_policy.py,
+conveyor/engine/dp/scaling.py, conveyor/engine/dp/reload_plan.py, POST /admin/reload).
 
 - The policy: bounds first, each move only after its whole delay, the clock
   restarted by a break in the signal, by a move and by a busy cluster, and a
@@ -24,7 +24,7 @@ from llm_utils import make_checkpoint
 from recovery_utils import FakeFrontend
 
 from conveyor.engine import SamplingParams
-from conveyor.engine.scale_policy import EngineLoad, LoadSnapshot, ScalePolicy, ScaleSettings, wanted
+from conveyor.engine.dp.scale_policy import EngineLoad, LoadSnapshot, ScalePolicy, ScaleSettings, wanted
 
 
 def _snap(*waiting: int, running: int = 0, kv: float = 0.0, cap: int = 8, busy: bool = False) -> LoadSnapshot:
@@ -73,7 +73,7 @@ def test_policy_signals_and_no_flapping() -> None:
 
 def test_reload_plan_refuses_a_changed_model_and_frontend_keys() -> None:
     from conveyor.engine.config import build_config
-    from conveyor.engine.reload_plan import plan_reload
+    from conveyor.engine.dp.reload_plan import plan_reload
 
     old = build_config(data_parallel_size=2, max_engines=3)
     new = build_config(data_parallel_size=2, max_engines=4, max_num_seqs=8)
@@ -127,9 +127,9 @@ def _req(rid: str):
 def test_engines_added_removed_and_rolled_over_without_engines() -> None:
     from conveyor.engine.config import build_config
     from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
-    from conveyor.engine.dp_engine import DataParallelClient
-    from conveyor.engine.dp_scale import Autoscaler
-    from conveyor.engine.scale_policy import ScaleSettings
+    from conveyor.engine.dp.client import DataParallelClient
+    from conveyor.engine.dp.scale_policy import ScaleSettings
+    from conveyor.engine.dp.scaling import Autoscaler
 
     cfg = build_config(data_parallel_size=2, router="round_robin", min_engines=1, max_engines=3,
                        **{"serve.autoscale_interval_s": 3600.0, "parallel.warm_drain": False})
@@ -204,8 +204,8 @@ def test_scale_down_and_reload_under_load_lose_no_request(tmp_path) -> None:
 
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     ckpt = make_checkpoint("llama", str(tmp_path / "llama"))
     cfg = build_config(model=ckpt, max_model_len=256, data_parallel_size=2, router="round_robin",

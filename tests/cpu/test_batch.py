@@ -204,7 +204,7 @@ def test_batch_on_ray_executor_and_data_parallel(tmp_path, ckpt, refs):
         assert main(["--config", cfg, "--input", inp, "--output", out2, "--no-progress",
                      "--data-parallel", "2", "--max-in-flight", "3"]) == 0
         _check_results(out2, refs)
-        # Each engine journaled its tokens (conveyor/engine/token_journal.py); a finished job keeps none.
+        # Each engine journaled its tokens (conveyor/cluster/batch/token_journal.py); a finished job keeps none.
         assert not [f for f in os.listdir(tmp_path) if ".tokens" in f]
         # A finished output makes a re-run a no-op (nothing is repeated).
         before = open(out2, "rb").read()

@@ -67,7 +67,7 @@ def test_sampling_params_cross_field_and_decode():
     sp = SamplingParams(stop="end", top_k=-1)
     assert sp.stop == ["end"] and sp.top_k == 0
     from conveyor.engine.config import ConfigError, build_config
-    from conveyor.engine.frontend import check_engine_limits
+    from conveyor.engine.frontend.prepare import check_engine_limits
 
     with pytest.raises(ValueError, match="n must be <= 4"):  # the one cap: the engine's
         check_engine_limits([1], SamplingParams(n=5), build_config(**{"model.max_n": 4}), 0)
@@ -79,7 +79,7 @@ def test_sampling_params_cross_field_and_decode():
 
 
 def test_engine_imports_no_torch_or_ray():
-    code = ("import sys; import conveyor, conveyor.engine, conveyor.engine.scheduler, conveyor.engine.core, conveyor.engine.kv_cache, "
+    code = ("import sys; import conveyor, conveyor.engine, conveyor.engine.core.scheduler, conveyor.engine.core.engine_core, conveyor.engine.kv_cache, "
             "conveyor.engine.config, conveyor.engine.contracts, conveyor.engine.sampling_params, conveyor.executors.base; "
             "bad = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
@@ -124,7 +124,7 @@ def test_engine_loads_without_cluster_and_the_knob_alone_places_the_core():
     the core runs is parallel.engine_actor alone (executor "ray" keeps its old
     meaning only while the knob is unset; serve.engine_actor maps onto it),
     and only a core asked into an actor reaches cluster's RayCoreClient."""
-    code = ("import sys; import conveyor.engine.llm, conveyor.engine.async_client, conveyor.engine.core_client as cc; "
+    code = ("import sys; import conveyor.engine.frontend.llm, conveyor.engine.frontend.async_client, conveyor.engine.core_client as cc; "
             "from conveyor.engine.config import build_config as b; "
             "assert not [m for m in sys.modules if m.startswith('conveyor.cluster')]; "
             "assert [cc.core_in_actor(b(executor=e)) for e in ('uniproc', 'mp', 'ray')] == [False, False, True]; "
@@ -185,7 +185,7 @@ def test_one_delta_merge_for_every_consumer():
     """CompletionOutput.merge is the only fold of deltas: AsyncLLM's output
     slot, collect() and the HTTP server's per-choice accumulators use it."""
     from conveyor.cluster.openai.responses import _Acc
-    from conveyor.engine.output_processor import CompletionOutput
+    from conveyor.engine.frontend.output_processor import CompletionOutput
 
     acc = CompletionOutput(0, "a", [1], logprobs=None)
     acc.merge(CompletionOutput(0, "b", [2], logprobs=[{2: -0.5}]))

@@ -18,8 +18,8 @@ from ray_nodes import engine_actor_pids
 from recovery_utils import before_step, expect_fail_fast
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.async_client import AsyncLLM
 from conveyor.engine.config import build_config
+from conveyor.engine.frontend.async_client import AsyncLLM
 from conveyor.parallel.ports import free_port
 
 PROMPTS = random_prompts(10, 5, 40, seed=53)
@@ -111,7 +111,7 @@ def test_a_resumed_request_reports_its_first_prefix_cache_hit():
     """The frontend's RequestState owns what the client was told: a resumed
     request's new engine reports its own hit, and the first one stays."""
     from conveyor.engine.contracts import EngineCoreOutput, FinishReason
-    from conveyor.engine.output_processor import RequestState
+    from conveyor.engine.frontend.output_processor import RequestState
 
     st = RequestState.make("a", 0, SamplingParams(max_tokens=3), [1, 2, 3], None)
     st.process(EngineCoreOutput("a", [7], num_cached_tokens=2))
@@ -214,7 +214,7 @@ def test_a_data_parallel_move_waits_for_the_outputs_queued_before_it(ckpt):
     with every token delivered before the loss, and the stream carries each
     token once."""
     from conveyor.engine.contracts import EngineCoreOutputs
-    from conveyor.engine.dp_engine import DataParallelClient
+    from conveyor.engine.dp.client import DataParallelClient
 
     async def scenario():
         engines = [_LosingClient(), _LosingClient()]
@@ -495,7 +495,7 @@ class _IngressLLM(LLM):
     @staticmethod
     def _make_engine(config, actor_factory=None):  # noqa: ANN205 - SyncCoreEngine
         from conveyor.cluster.engine_pool import pooled_client
-        from conveyor.engine.sync_engine import SyncCoreEngine
+        from conveyor.engine.frontend.sync_engine import SyncCoreEngine
 
         return SyncCoreEngine(pooled_client(config, use_gpu=False))
 
@@ -519,7 +519,7 @@ def test_two_ingress_frontends_share_the_pools_engines(ray_local, ckpt, params, 
 
     import ray
 
-    from conveyor.engine.router.policy import block_hashes_of
+    from conveyor.engine.dp.router.policy import block_hashes_of
 
     cfg = build_config(model=ckpt, max_num_batched_tokens=64, data_parallel_size=2,
                        **{"serve.replicas": 2, "parallel.num_cpus_per_worker": 0.5})

@@ -6,7 +6,7 @@ from sched_utils import EOS, FakeExecutor
 
 from conveyor.engine.config import build_config
 from conveyor.engine.contracts import EngineCoreRequest
-from conveyor.engine.core import EngineCore
+from conveyor.engine.core.engine_core import EngineCore
 from conveyor.engine.sampling_params import SamplingParams
 
 
@@ -81,7 +81,7 @@ def test_abort_mid_flight_with_batch_queue():
 
 def test_add_request_validation():
     # An empty prompt and the context length are checked once, at the edge
-    # (conveyor/engine/frontend.py, test_malformed_requests_fail_alone); the core checks
+    # (conveyor/engine/frontend/prepare.py, test_malformed_requests_fail_alone); the core checks
     # what it alone knows: the request fits its KV pool, and its id is new.
     core = _core(1)
     with pytest.raises(ValueError, match="KV blocks"):

@@ -9,7 +9,7 @@ import msgspec
 from conveyor.cluster.engine_actor.actor import TO_CORE, TO_FRONTEND, CoreInput
 from conveyor.cluster.engine_actor.frontends import Frontend, Frontends
 from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from conveyor.engine.router.events import KVEvents
+from conveyor.engine.dp.router.events import KVEvents
 from conveyor.engine.sampling_params import SamplingParams
 
 

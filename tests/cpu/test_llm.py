@@ -387,8 +387,8 @@ def test_a_core_asked_into_an_actor_comes_from_the_factory_handed_in(ckpts, prom
     """parallel.engine_actor alone decides that the core runs behind a client,
     and LLM builds that client with the caller's factory (here the in-process
     client, so no Ray is needed): same tokens as the engine stepped directly."""
-    from conveyor.engine.inproc_client import InProcCoreClient
-    from conveyor.engine.sync_engine import SyncCoreEngine
+    from conveyor.engine.core.inproc_client import InProcCoreClient
+    from conveyor.engine.frontend.sync_engine import SyncCoreEngine
 
     made = []
 

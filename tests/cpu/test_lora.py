@@ -149,8 +149,8 @@ def test_http_adapter_addressing(models):
 
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer, model_name_of
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     base, adapters = models["llama"]
     prompt = random_prompts(1, 6, 6, seed=12)[0]

@@ -201,8 +201,8 @@ def test_lora_config_fields() -> None:
 
 def test_prefix_cache_keys_include_the_adapter() -> None:
     from conveyor.engine.contracts import EngineCoreRequest
+    from conveyor.engine.core.request import Request
     from conveyor.engine.kv_cache import BlockHasher
-    from conveyor.engine.request import Request
     from conveyor.engine.sampling_params import SamplingParams
 
     def hashes(lr):

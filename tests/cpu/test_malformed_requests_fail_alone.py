@@ -235,7 +235,7 @@ def test_a_grammar_that_fails_mid_generation_is_a_400_naming_the_field(ckpt):
 def test_a_matcher_error_ends_the_request_with_its_reason():
     from sched_utils import make_request
 
-    from conveyor.engine.stopping import grammar_done as _grammar_done
+    from conveyor.engine.core.stopping import grammar_done as _grammar_done
 
     req = make_request("r", [1, 2])
     grammar = SimpleNamespace(accept_tokens=lambda _t: False, error=lambda: "Too many items")
@@ -246,7 +246,7 @@ def test_a_matcher_error_ends_the_request_with_its_reason():
 # ---- a large prompt: bounded before tokenizing, tokenized off the event loop ----------------
 
 def test_a_prompt_past_any_context_is_refused_without_tokenizing(ckpt, monkeypatch):
-    from conveyor.engine.tokenizer import Tokenizer
+    from conveyor.engine.frontend.tokenizer import Tokenizer
 
     def never(*_a: Any, **_k: Any) -> list[int]:
         raise AssertionError("tokenized a prompt that can never fit")
@@ -268,7 +268,7 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(ckpt, monkeypatch):
     """The big prompt's tokenization waits until a small request has been
     answered: on the event loop it would deadlock (the wait_for fails)."""
     import conveyor.cluster.openai.request_prep as S
-    from conveyor.engine.tokenizer import Tokenizer
+    from conveyor.engine.frontend.tokenizer import Tokenizer
 
     monkeypatch.setattr(S, "INLINE_CHARS", 100)
     entered, small_done = threading.Event(), threading.Event()

@@ -1,4 +1,4 @@
-"""Live migration between data-parallel engines (conveyor/engine/dp_engine.py): drain an
+"""Live migration between data-parallel engines (conveyor/engine/dp/client.py): drain an
 engine, and lose one (its only worker SIGKILLed, restart budget 0), with
 greedy, seeded-with-penalties, JSON-schema and n=2-with-stop-strings requests
 in flight on two in-process engines. Every request ends with its normal
@@ -104,7 +104,7 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
 
     from conveyor.cluster.batch.engines import LineRunner
 
-    caplog.set_level(logging.INFO, logger="conveyor.engine.migration")
+    caplog.set_level(logging.INFO, logger="conveyor.engine.dp.migration_log")
 
     async def scenario() -> None:  # one event loop: AsyncLLM binds to the first it runs on
         runner = LineRunner.start(config, str(tmp_path / "warmup.tokens"))
@@ -135,7 +135,7 @@ def test_drain_and_engine_loss_move_requests_token_exact(config, caplog, tmp_pat
 
 
 async def _scenario(llm, caplog) -> tuple[list[SamplingParams], list[dict]]:
-    dp = llm.client.inner  # under the batch's token journal (conveyor/engine/token_journal.py)
+    dp = llm.client.inner  # under the batch's token journal (conveyor/cluster/batch/token_journal.py)
     # A stop string child 1 of the n=2 request meets mid-way: from a run without one.
     probe = (await _run(llm, _params([])))[4][1]["text"]
     stop = probe[len(probe) // 2:len(probe) // 2 + 3]
@@ -206,13 +206,13 @@ class _Fake:
 
 def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False, paced: bool = False):
     from conveyor.engine.config import build_config
-    from conveyor.engine.dp_engine import DataParallelClient
+    from conveyor.engine.dp.client import DataParallelClient
 
     engines = [_Fake() for _ in range(n)]
     if ray_like:
         for e in engines:
             e.hand_over_losses = lambda lost, back, e=e: setattr(e, "hooks", (lost, back))
-    # warm: parallel.warm_drain, so a drain hands over through warm-ups (conveyor/engine/dp_handover.py).
+    # warm: parallel.warm_drain, so a drain hands over through warm-ups (conveyor/engine/dp/paced_drain.py).
     dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin",
                                          **{"parallel.warm_drain": warm, "parallel.paced_drain": paced}),
                              engines)
@@ -347,7 +347,7 @@ def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplo
 
     from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
 
-    caplog.set_level(logging.INFO, logger="conveyor.engine.migration")
+    caplog.set_level(logging.INFO, logger="conveyor.engine.dp.migration_log")
     dp, engines, front = _fake_dp(paced=True)
     for i in range(6):
         front.add(dp, _req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
@@ -451,7 +451,13 @@ def test_data_parallel_batch_journals_merge_and_resume_on_any_engine(tmp_path) -
     resumes from the job's merged journal, whichever engine a line lands on in
     the next run; the driver's merge keeps each key's longest entry and drops
     written lines; a finished job leaves no journal file."""
-    from conveyor.engine.token_journal import LineJournal, TokenJournal, engine_journals, load_entries, merge_journals
+    from conveyor.cluster.batch.token_journal import (
+        LineJournal,
+        TokenJournal,
+        engine_journals,
+        load_entries,
+        merge_journals,
+    )
 
     base = str(tmp_path / "out.jsonl.tokens")
     la, lb = LineJournal.line_id({"custom_id": "a"}), LineJournal.line_id({"custom_id": "b"})

@@ -37,8 +37,8 @@ def served(tmp_path_factory):
 
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     ckpt = make_checkpoint("llama", str(tmp_path_factory.mktemp("fuzz") / "llama"))
     # A short context keeps every generated request (max_tokens None fills it) quick.

@@ -13,8 +13,8 @@ from probe_workers import use_worker_class
 from recovery_utils import drain_all, expect_fail_fast
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.async_client import AsyncLLM
 from conveyor.engine.config import build_config
+from conveyor.engine.frontend.async_client import AsyncLLM
 
 # logprobs=5: parity is vLLM's rule, which needs both sides' top-5.
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)

@@ -11,7 +11,7 @@ from llm_utils import make_checkpoint, pid_alive, random_prompts
 from recovery_utils import before_step, greedy_and_seeded, undisturbed_tokens
 
 from conveyor.engine import LLM
-from conveyor.engine.recovery import RestartBudget
+from conveyor.engine.core.recovery import RestartBudget
 from conveyor.executors.base import EngineDeadError
 
 PROMPTS = random_prompts(6, 5, 70, seed=31)

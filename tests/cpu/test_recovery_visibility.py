@@ -23,7 +23,7 @@ import pytest
 from llm_utils import make_checkpoint, pid_alive, random_prompts
 from recovery_utils import before_step, drain_all, greedy_and_seeded, undisturbed_tokens
 
-import conveyor.engine.core
+import conveyor.engine.core.engine_core
 from conveyor.engine import LLM
 
 PROMPTS = random_prompts(4, 5, 40, seed=13)
@@ -51,24 +51,24 @@ class _Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entered, self.release = threading.Event(), threading.Event()
-        real = conveyor.engine.core.rebuild_executor
+        real = conveyor.engine.core.engine_core.rebuild_executor
 
         def gated(*args):
             self.entered.set()
             self.release.wait(120)
             return real(*args)
-        monkeypatch.setattr(conveyor.engine.core, "rebuild_executor", gated)
+        monkeypatch.setattr(conveyor.engine.core.engine_core, "rebuild_executor", gated)
 
 
 def test_health_metrics_and_logs_during_and_after_recovery(ckpt, reference, monkeypatch, caplog):
     import conveyor.cluster.openai.server as server_mod
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     monkeypatch.setattr(server_mod, "HEALTH_TTL_S", 0.0)  # every probe asks the engine
-    caplog.set_level(logging.WARNING, logger="conveyor.engine.core")
+    caplog.set_level(logging.WARNING, logger="conveyor.engine.core.engine_core")
     gate = _Gate(monkeypatch)
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 512},
                         "parallel": {"executor": "mp", "tensor_parallel_size": 2, "max_restarts": 1},
@@ -148,7 +148,7 @@ def _stop_rank_at_step(llm: LLM, rank: int, step: int) -> list[tuple[int, float]
 
 def test_sigstopped_rank_is_detected_by_step_timeout_and_recovered(ckpt, reference, caplog):
     timeout_s = 4.0
-    caplog.set_level(logging.WARNING, logger="conveyor.engine.core")
+    caplog.set_level(logging.WARNING, logger="conveyor.engine.core.engine_core")
     llm = LLM(model=ckpt, executor="mp", tensor_parallel_size=2, max_num_batched_tokens=64,
               max_model_len=512, **{"parallel.step_timeout_s": timeout_s})
     stopped: list[tuple[int, float]] = []

@@ -28,9 +28,9 @@ from conveyor.engine.contracts import (
     NewRequestData,
     RequestStatus,
 )
+from conveyor.engine.core.stopping import check_stop
 from conveyor.engine.errors import DeadFlag, EngineDeadError
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.stopping import check_stop
 
 PROMPT = [5, 6, 7, 8]
 
@@ -84,7 +84,7 @@ def _cfg(**kw: Any):
 
 def _llm(core: FakeCore, model: str = "", **kw: Any):
     """An AsyncLLM over `core`; `model` only lends its tokenizer."""
-    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     return AsyncLLM(_cfg(model=model, **kw), core)
 
@@ -185,7 +185,7 @@ def test_engine_refuses_a_pool_that_cannot_hold_max_model_len(ckpt):
 
 
 def test_core_refuses_measured_pool_and_names_the_memory_knob():
-    from conveyor.engine.core import EngineCore
+    from conveyor.engine.core.engine_core import EngineCore
 
     ex = FakeExecutor(num_blocks=8, block_size=16)
     with pytest.raises(ConfigError, match=r"7 usable blocks of 16 tokens.*needs 16 blocks.*"
@@ -364,17 +364,17 @@ def test_a_request_id_in_use_is_refused_by_the_one_check_and_free_after_its_stre
 # ---- one EngineDeadError: 503, and batch lines stay undone -----------------------------------
 
 def test_one_engine_dead_error_class():
-    import conveyor.engine.async_client
+    import conveyor.engine.frontend.async_client
     import conveyor.executors.base
 
-    assert conveyor.executors.base.EngineDeadError is conveyor.engine.async_client.EngineDeadError is EngineDeadError
+    assert conveyor.executors.base.EngineDeadError is conveyor.engine.frontend.async_client.EngineDeadError is EngineDeadError
 
 
 def test_one_dead_flag_shared_by_the_frontend_its_client_and_an_in_process_loop():
     """The client detects the death (here its in-process core loop dies) and
     AsyncLLM reads the same record before any engine_error message arrives."""
-    from conveyor.engine.async_client import AsyncLLM
-    from conveyor.engine.busy_loop import EngineBusyLoop
+    from conveyor.engine.core.busy_loop import EngineBusyLoop
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     core = FakeCore()
     llm = AsyncLLM(_cfg(), core)

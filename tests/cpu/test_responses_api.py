@@ -198,7 +198,7 @@ def test_store_is_bounded_expires_and_survives_reopen(tmp_path):
 
 
 def test_tokenize_detokenize_and_model_card(api, ckpt):
-    from conveyor.engine.tokenizer import load_tokenizer
+    from conveyor.engine.frontend.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ckpt)
     msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hello"}]

@@ -1,4 +1,4 @@
-"""The data-parallel router (conveyor/engine/router/): the four anchor failure modes,
+"""The data-parallel router (conveyor/engine/dp/router/): the four anchor failure modes,
 the index under churn (restart, dropped event), policies. Pure Python, no engine."""
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from conveyor.engine.dp.router.events import KVEventPublisher, KVEvents
+from conveyor.engine.dp.router.index import PrefixIndex
+from conveyor.engine.dp.router.policy import Router, RouterSettings, block_hashes_of
 from conveyor.engine.kv_cache.block_pool import BlockPool
 from conveyor.engine.kv_cache.hashing import BlockHasher
-from conveyor.engine.router.events import KVEventPublisher, KVEvents
-from conveyor.engine.router.index import PrefixIndex
-from conveyor.engine.router.policy import Router, RouterSettings, block_hashes_of
 
 BS = 16
 
@@ -250,7 +250,7 @@ class _FakeEngine:
 def test_data_parallel_client_routes_sessions_feeds_events_and_resyncs() -> None:
     from conveyor.engine.config import build_config
     from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-    from conveyor.engine.dp_engine import DataParallelClient
+    from conveyor.engine.dp.client import DataParallelClient
     from conveyor.engine.sampling_params import SamplingParams
 
     engines = [_FakeEngine(), _FakeEngine()]

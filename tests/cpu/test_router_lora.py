@@ -1,4 +1,4 @@
-"""Adapter-aware routing (conveyor/engine/router/policy.py): a hot
+"""Adapter-aware routing (conveyor/engine/dp/router/policy.py): a hot
 adapter spreads once its engine crosses the spill bound, cold adapters stick
 to their holders, the KV score still decides among holders, and the router's
 hashes carry the adapter like the engine's. Pure Python, no engine."""
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from conveyor.engine.dp.router.events import KVEvents
+from conveyor.engine.dp.router.policy import Router, RouterSettings, block_hashes_of
 from conveyor.engine.kv_cache.hashing import BlockHasher
 from conveyor.engine.lora import LoRARequest
-from conveyor.engine.router.events import KVEvents
-from conveyor.engine.router.policy import Router, RouterSettings, block_hashes_of
 
 BS = 16
 
@@ -98,7 +98,7 @@ def test_adapter_holdings_are_bounded_and_forgotten_with_the_engine() -> None:
 def test_data_parallel_client_routes_on_the_adapter_and_its_hashes() -> None:
     from conveyor.engine.config import build_config
     from conveyor.engine.contracts import EngineCoreRequest, KVCacheInfo
-    from conveyor.engine.dp_engine import DataParallelClient
+    from conveyor.engine.dp.client import DataParallelClient
     from conveyor.engine.sampling_params import SamplingParams
 
     class Fake:

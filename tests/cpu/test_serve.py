@@ -47,7 +47,7 @@ def ckpt(tmp_path_factory):
 def refs(ckpt):
     """LLM.generate greedy references (run before the server engine is busy)."""
     from conveyor.engine import LLM, SamplingParams
-    from conveyor.engine.tokenizer import load_tokenizer
+    from conveyor.engine.frontend.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ckpt)
     chat_ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}]),
@@ -216,8 +216,8 @@ class _LoopThread:
 @pytest.fixture(scope="class")
 def inproc(ckpt):
     """(loop, AsyncLLM, config) for one class; shut down before the Ray tests."""
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 512}})
     lt = _LoopThread()
@@ -252,7 +252,7 @@ def _fake_app(core=None, cfg=None, headers=AUTH, **server_kw):
 
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     core = core or FakeCore(finish=True)
     cfg = cfg or _cfg(**{"serve.metrics_public": True})
@@ -405,8 +405,8 @@ def test_cors_preflight_only_when_configured_and_never_with_credentials(origins,
 def test_output_slot_merges_and_batching_interval(ckpt):
     """A consumer that falls behind gets the steps it missed merged into one
     delta; min_interval_s spaces deltas out; neither changes the tokens."""
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
     from conveyor.engine.sampling_params import SamplingParams
 
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 512}})
@@ -559,7 +559,7 @@ def _check_echo_logprobs(lp: dict, ids: list[int], ref, n_out: int) -> None:
 def test_completions_echo_prompt_logprobs_match_transformers(server, ckpt, refs):
     from llm_utils import hf_logprobs
 
-    from conveyor.engine.tokenizer import load_tokenizer
+    from conveyor.engine.frontend.tokenizer import load_tokenizer
 
     text = PROMPTS[1]
     tok = load_tokenizer(ckpt)
@@ -658,7 +658,7 @@ def test_null_means_absent(server):
 
 
 def test_logit_bias_and_allowed_token_ids_http(server, ckpt):
-    from conveyor.engine.tokenizer import load_tokenizer
+    from conveyor.engine.frontend.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ckpt)
     r = _post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,

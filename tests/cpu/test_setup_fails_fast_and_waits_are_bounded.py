@@ -15,9 +15,9 @@ import torch
 from llm_utils import make_checkpoint
 
 from conveyor.engine import LLM, SamplingParams
-from conveyor.engine.async_client import AsyncLLM, collect
-from conveyor.engine.async_client import EngineDeadError as FrontendDeadError
 from conveyor.engine.config import TRITON_BLOCK_SIZES, ConfigError, ParallelConfig, build_config
+from conveyor.engine.frontend.async_client import AsyncLLM, collect
+from conveyor.engine.frontend.async_client import EngineDeadError as FrontendDeadError
 from conveyor.executors.base import EngineDeadError
 
 SLOW_STEP = {"parallel.step_timeout_s": 2.0, "parallel.first_step_extra_s": 0.0}
@@ -123,7 +123,7 @@ def test_health_check_timeout_is_unhealthy(monkeypatch):
     from conveyor.cluster.engine_actor.client import RayCoreClient
     from conveyor.cluster.engine_actor.link import CoreActorSpec, CoreLink
     from conveyor.engine.contracts import KVCacheInfo
-    from conveyor.engine.recovery import RestartBudget
+    from conveyor.engine.core.recovery import RestartBudget
 
     def timeout(*_a, **_k):
         raise ray.exceptions.GetTimeoutError("timed out")

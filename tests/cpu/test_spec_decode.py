@@ -14,7 +14,7 @@ from sched_utils import make_request
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.config import ConfigError, EngineConfig, build_config
 from conveyor.engine.contracts import ModelRunnerOutput, SchedulerStats
-from conveyor.engine.scheduler import Scheduler, _StepPlan
+from conveyor.engine.core.scheduler import Scheduler, _StepPlan
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -341,7 +341,7 @@ def test_distribution_at_drafted_positions(small_vocab, top_p):
 
 def test_prometheus_exposes_spec_counters():
     from conveyor.cluster.openai.metrics import ServeMetrics
-    from conveyor.engine.async_client import EngineCounters
+    from conveyor.engine.frontend.async_client import EngineCounters
 
     class FakeLLM:
         stats = SchedulerStats()
@@ -389,7 +389,7 @@ def test_async_llm_and_metrics_endpoint(ckpts, prompts, base):
 
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM, collect
+    from conveyor.engine.frontend.async_client import AsyncLLM, collect
 
     cfg = build_config({"model": {"path": ckpts["llama"]}, "speculative": spec(3),
                         "serve": {"served_model_name": "tiny", "metrics_public": True}})

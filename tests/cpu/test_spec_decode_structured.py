@@ -57,7 +57,7 @@ def test_drafts_cut_at_first_token_the_grammar_rejects(manager):
     import msgspec
 
     from conveyor.engine.config import EngineConfig
-    from conveyor.engine.scheduler import Scheduler
+    from conveyor.engine.core.scheduler import Scheduler
 
     grammar, good = _choice_grammar(manager)
     tree = {"model": {"max_model_len": 256}, "speculative": {**SPEC, "prompt_lookup_min": 1}}

@@ -102,10 +102,10 @@ def test_schemas_without_additional_properties_are_closed(api, ckpt):
     Schema's open default. A bare {"type": "object"} stays open."""
     import llguidance as llg
 
+    from conveyor.engine.frontend.tokenizer import load_tokenizer
     from conveyor.engine.structured_output.llguidance_backend import LLGuidanceBackend
     from conveyor.engine.structured_output.params import StructuredOutputsParams
     from conveyor.engine.structured_output.schema import close_objects
-    from conveyor.engine.tokenizer import load_tokenizer
 
     schema = Pet.model_json_schema()
     assert "additionalProperties" not in schema

@@ -140,7 +140,7 @@ def test_compile_failure_in_core_ends_request_with_error(llm):
     """A constraint that skipped the frontend's check fails in the compile thread:
     the request ends with an error and the engine goes on."""
     from conveyor.engine.contracts import EngineCoreRequest
-    from conveyor.engine.request import Request
+    from conveyor.engine.core.request import Request
 
     sp = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(ab"))
     ecr = EngineCoreRequest(request_id="direct-0", prompt_token_ids=[5, 6, 7], sampling_params=sp)

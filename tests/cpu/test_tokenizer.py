@@ -1,4 +1,4 @@
-"""conveyor.engine.tokenizer / conveyor.engine.detokenizer against a tiny byte-level BPE tokenizer
+"""conveyor.engine.frontend.tokenizer / conveyor.engine.frontend.detokenizer against a tiny byte-level BPE tokenizer
 trained on the spot, with transformers.AutoTokenizer as the reference."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from conveyor.engine.detokenizer import IncrementalDetokenizer
-from conveyor.engine.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, load_tokenizer
+from conveyor.engine.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.engine.frontend.tokenizer import DEFAULT_CHAT_TEMPLATE, Tokenizer, load_tokenizer
 from tests.cpu.tokenizer_utils import build_tiny_tokenizer, tiny_corpus, train_tiny_tokenizer
 
 TEXTS = [
@@ -118,7 +118,7 @@ def test_config_json_fallback(tmp_path) -> None:
 def test_a_checkpoint_without_tokenizer_resolves_eos_by_the_same_rule(tmp_path) -> None:
     """One EOS rule: a token-id-only checkpoint gets generation_config's ids
     first and config.json's as a fallback, as load_tokenizer does."""
-    from conveyor.engine.tokenizer import eos_of_model_dir
+    from conveyor.engine.frontend.tokenizer import eos_of_model_dir
 
     d = str(tmp_path)
     _write(os.path.join(d, "config.json"), {"eos_token_id": 7})

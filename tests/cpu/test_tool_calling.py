@@ -44,8 +44,8 @@ def api(ckpt):
 
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM
     from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 2048},
                         "serve": {"served_model_name": "tiny"}})
@@ -206,7 +206,7 @@ def test_tool_choice_none_returns_no_calls(api):
 
 
 def test_multi_turn_renders_and_generates(api, ckpt):
-    from conveyor.engine.tokenizer import load_tokenizer
+    from conveyor.engine.frontend.tokenizer import load_tokenizer
 
     history = [*MSGS,
                {"role": "assistant", "content": None, "tool_calls": [{
@@ -266,8 +266,8 @@ def test_auto_with_response_format_is_calls_or_the_answer(api, ckpt):
 
     from conveyor.cluster.openai.protocol import ChatRequest
     from conveyor.cluster.openai.tools.request import tool_plan
+    from conveyor.engine.frontend.tokenizer import load_tokenizer
     from conveyor.engine.structured_output.llguidance_backend import LLGuidanceBackend
-    from conveyor.engine.tokenizer import load_tokenizer
 
     req = ChatRequest.model_validate({"messages": MSGS, "tools": TOOLS, "response_format": ANSWER_FORMAT})
     plan = tool_plan(req, "hermes", lambda so: None)

@@ -23,13 +23,13 @@ from conveyor.cluster.openai.job import RequestMeta
 from conveyor.cluster.openai.protocol import ChatRequest, CompletionRequest
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import EngineDeadError, UnsendableRequestError
-from conveyor.engine.json_limits import utf8_problem
+from conveyor.engine.frontend.json_limits import utf8_problem
 from conveyor.executors.ray_placement import worker_bundle
 
 if TYPE_CHECKING:  # the engine loads on first use (see LineRunner.start)
+    from conveyor.cluster.batch.token_journal import LineJournal
     from conveyor.cluster.openai.server import OpenAIServer
-    from conveyor.engine.async_client import AsyncLLM
-    from conveyor.engine.token_journal import LineJournal
+    from conveyor.engine.frontend.async_client import AsyncLLM
 
 log = logging.getLogger("conveyor.batch")
 
@@ -61,11 +61,11 @@ class LineRunner:
               restore_from: str | None = None) -> LineRunner:
         """Start an engine for `config` (blocks: run it off the event loop)."""
         # Here, not at the top: `conveyor --help` and the job's parser never load the engine.
+        from conveyor.cluster.batch.token_journal import journaled_client
         from conveyor.cluster.openai.server import OpenAIServer
-        from conveyor.engine.async_client import AsyncLLM
-        from conveyor.engine.token_journal import journaled_client
+        from conveyor.engine.frontend.async_client import AsyncLLM
 
-        # journal_path: generated tokens survive a lost job (conveyor/engine/token_journal.py);
+        # journal_path: generated tokens survive a lost job (conveyor/cluster/batch/token_journal.py);
         # restore_from: a data-parallel job's merged journal this engine resumes from.
         journal = journaled_client(config, journal_path, restore_from) if journal_path else None
         llm = AsyncLLM(config, journal)
@@ -210,7 +210,7 @@ class ActorEngine:
     def __init__(self, config: EngineConfig, index: int, max_in_flight: int,
                  journal: str | None = None) -> None:
         """journal: the job's token journal; this engine writes `journal.<index>`
-        and resumes from `journal` (conveyor/engine/token_journal.py, data parallel)."""
+        and resumes from `journal` (conveyor/cluster/batch/token_journal.py, data parallel)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -41,6 +41,7 @@ from typing import Any
 import msgspec
 
 from conveyor.cluster.batch.engines import ActorEngine, Engine, LineRunner, LocalEngine
+from conveyor.cluster.batch.token_journal import LineJournal, journal_path, merge_journals
 from conveyor.cluster.cli.options import (
     ENGINE_OVERRIDES,
     SERVE_OVERRIDES,
@@ -51,7 +52,6 @@ from conveyor.cluster.cli.options import (
 from conveyor.engine.config import ConfigError, EngineConfig, check_cluster_fits, load_config
 from conveyor.engine.core_client import core_in_actor
 from conveyor.engine.errors import EngineDeadError
-from conveyor.engine.token_journal import LineJournal, journal_path, merge_journals
 
 log = logging.getLogger("conveyor.batch")
 
@@ -315,7 +315,7 @@ async def run_batch(config: EngineConfig, input_path: str, output_path: str, *,
         engines = await _start_engines(config, data_parallel,
                                        max_in_flight or 2 * config.scheduler.max_num_seqs, jpath)
         journal = getattr(engines[0], "runner", None) and engines[0].runner.journal
-        if journal is not None:  # written lines need no tokens kept (conveyor/engine/token_journal.py)
+        if journal is not None:  # written lines need no tokens kept (conveyor/cluster/batch/token_journal.py)
             journal.forget_lines([ln.obj for ln in lines if ln.custom_id in done])
         bar = Progress(summary, progress)
         summary.started = time.monotonic()  # engine start-up is not in the rate

@@ -7,8 +7,8 @@ import errno
 import os
 import socket
 
-from conveyor.engine.checkpoint_check import check_checkpoint
 from conveyor.engine.config import ConfigError, EngineConfig, check_model_dir
+from conveyor.engine.frontend.checkpoint_check import check_checkpoint
 
 
 def check_engine_setup(config: EngineConfig, source: str) -> None:

@@ -6,7 +6,7 @@ small random-weight Llamas with a byte-level BPE tokenizer trained on the spot
     python -m conveyor.cluster.demo_model demo_model     # what `make run` builds if missing
 
 `train_tiny_tokenizer(path)` writes tokenizer.json, tokenizer_config.json and
-special_tokens_map.json so that both conveyor.engine.tokenizer.load_tokenizer(path) and
+special_tokens_map.json so that both conveyor.engine.frontend.tokenizer.load_tokenizer(path) and
 transformers.AutoTokenizer.from_pretrained(path) load it. Its output is a pure
 function of `vocab_size`: the corpus is built by index arithmetic (no RNG) and
 the BPE trainer breaks ties deterministically. The tests build their tiny

@@ -21,9 +21,9 @@ import msgspec
 import ray
 
 from conveyor.cluster.engine_actor.frontends import Frontends
-from conveyor.engine.busy_loop import EngineBusyLoop
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreRequest
+from conveyor.engine.core.busy_loop import EngineBusyLoop
 from conveyor.engine.errors import EngineDeadError
 from conveyor.executors.channel import DataPlane, PlaneKeys
 from conveyor.executors.frames import Route
@@ -48,7 +48,7 @@ TO_FRONTEND = Route("core->frontend", "EngineCoreOutputs")
 class EngineCoreActor:
     def __init__(self, config_bytes: bytes, keys_bytes: bytes,
                  engine_cpus: tuple[int, ...] = ()) -> None:
-        from conveyor.engine.core import EngineCore
+        from conveyor.engine.core.engine_core import EngineCore
         from conveyor.executors import make_executor
 
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)

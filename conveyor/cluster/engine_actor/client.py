@@ -17,7 +17,7 @@ ends every stream with "error" and health fails.
 An engine that reports itself dead (its core's own fail-fast path) is not
 restarted: it already spent its worker-restart budget.
 
-Under data parallel (conveyor/engine/dp_engine.py, hand_over_losses) the requests do
+Under data parallel (conveyor/engine/dp/client.py, hand_over_losses) the requests do
 not wait for the rebuild: the moment the actor is lost, on_lost moves them to
 the other engines, and the rebuild goes on in the background (on_back: it
 takes requests again). The data-parallel client then asks the frontend.
@@ -36,9 +36,9 @@ from conveyor.cluster.engine_actor.actor import CoreActorPlacement, CoreInput
 from conveyor.cluster.engine_actor.link import CoreActorSpec, CoreLink
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo, ResumeCall
+from conveyor.engine.core.recovery import RestartBudget
 from conveyor.engine.core_client import OutputHandler
 from conveyor.engine.errors import DeadFlag, EngineDeadError
-from conveyor.engine.recovery import RestartBudget
 from conveyor.executors.ray_executor import ensure_ray
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: batch's parser imports this without loading the engine
     from conveyor.cluster.openai.tools.response import ToolSession
-    from conveyor.engine.frontend import PreparedRequest
+    from conveyor.engine.frontend.prepare import PreparedRequest
     from conveyor.engine.lora import LoRARequest
     from conveyor.engine.sampling_params import SamplingParams
 

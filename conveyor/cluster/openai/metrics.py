@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from conveyor.engine.contracts import RecoveryStats
-from conveyor.engine.recovery import RECOVERY_BUCKETS_S
+from conveyor.engine.core.recovery import RECOVERY_BUCKETS_S
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "conveyor:"

@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from conveyor.cluster.openai.errors import bad_request
 from conveyor.cluster.openai.structured_request import structured_outputs_of
 from conveyor.engine.errors import ParamError
-from conveyor.engine.json_limits import check_json_value
+from conveyor.engine.frontend.json_limits import check_json_value
 from conveyor.engine.sampling_params import SamplingParams
 
 # ---- requests -----------------------------------------------------------------------
@@ -37,7 +37,7 @@ class StreamOptions(StrictModel):
 
 
 class _BoundedFields(StrictModel):
-    """Every field of the body, as sent, within conveyor/engine/json_limits.py's bounds
+    """Every field of the body, as sent, within conveyor/engine/frontend/json_limits.py's bounds
     (valid Unicode, int64, nesting), before its own type check: a 400 naming
     the field instead of a failure deep inside (tokenizer, msgpack, json.dumps)."""
 

@@ -9,7 +9,7 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from conveyor.cluster.openai import errors as E
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.engine.frontend.tokenizer import Tokenizer
 
 # Texts below this many characters are tokenized inline (well under a millisecond).
 INLINE_CHARS = 8192

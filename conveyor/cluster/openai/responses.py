@@ -21,7 +21,7 @@ from conveyor.cluster.openai.metrics import RequestTimer, ServeMetrics
 from conveyor.cluster.openai.request_prep import constraint_param
 from conveyor.cluster.openai.streams import merge_streams
 from conveyor.cluster.openai.tools.response import rounds
-from conveyor.engine.output_processor import CompletionOutput, RequestOutput
+from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput
 
 Streams = list[AsyncIterator[RequestOutput]]  # one engine stream per prompt of a Job
 

@@ -35,14 +35,14 @@ from conveyor.cluster.openai.responses import ResponseBuilder
 from conveyor.cluster.openai.structured_request import constraint_field
 from conveyor.cluster.openai.tools.request import ToolPlan, template_input, tool_plan
 from conveyor.cluster.openai.tools.response import ToolSession
-from conveyor.engine.async_client import AsyncLLM
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import EngineDeadError, ParamError, UnsendableRequestError
-from conveyor.engine.frontend import ContextLengthError
+from conveyor.engine.frontend.async_client import AsyncLLM
+from conveyor.engine.frontend.output_processor import RequestOutput
+from conveyor.engine.frontend.prepare import ContextLengthError
+from conveyor.engine.frontend.tokenizer import DEFAULT_CHAT_TEMPLATE
 from conveyor.engine.lora import LoRARequest
-from conveyor.engine.output_processor import RequestOutput
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.engine.tokenizer import DEFAULT_CHAT_TEMPLATE
 
 log = logging.getLogger("conveyor.serve")
 

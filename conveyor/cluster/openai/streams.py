@@ -5,7 +5,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from conveyor.engine.output_processor import RequestOutput
+from conveyor.engine.frontend.output_processor import RequestOutput
 
 
 async def merge_streams(gens: list[AsyncIterator[RequestOutput]]

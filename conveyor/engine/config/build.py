@@ -1,7 +1,7 @@
 """Building the one frozen EngineConfig from YAML or keyword arguments.
 
 Values measured at start-up (how many KV blocks fit) live in
-`conveyor.engine.core.KVCacheInfo`, never here. Environment variables only feed
+`conveyor.engine.core.engine_core.KVCacheInfo`, never here. Environment variables only feed
 defaults, in `_env_defaults`.
 
 Every mistake fails at load time as a ConfigError in one style:

@@ -35,7 +35,7 @@ class ModelConfig(msgspec.Struct, **_FROZEN):
                                                   help="context length cap")] = None
     seed: Annotated[int, knob("int", kwarg=True, flag=True, help="engine seed")] = 0
     attention_backend: Annotated[str, one_of(BACKENDS, kwarg=True, flag=True)] = "auto"
-    # The cap on SamplingParams.n (conveyor/engine/frontend.py checks it per request).
+    # The cap on SamplingParams.n (conveyor/engine/frontend/prepare.py checks it per request).
     max_n: Annotated[int, int_in(1, MAX_N)] = 16
     # The cpu backend's kernel table: "auto" (the best this CPU runs, by cpuid)
     # or one forced (benchmarks, tests).
@@ -95,18 +95,18 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # capacity within recovery_timeout_s fails the engine as before.
     max_restarts: Annotated[int, int_in(0, 100)] = 3
     # data_parallel_size > 1, prefix caching on: a drain first computes each
-    # request's context on its new engine (conveyor/engine/dp_handover.py). Off by
+    # request's context on its new engine (conveyor/engine/dp/paced_drain.py). Off by
     # default: slower on the 2-core CPU box (BENCHMARKS.md "Live migration").
     warm_drain: Annotated[bool, knob("bool")] = False
     # data_parallel_size > 1: a drain moves its requests in waves of at most
     # the longest moved context's tokens, the next wave once the last one's
     # streams have their first token on their new engine, so each moved
     # stream waits for its own re-prefill, not for all of them together
-    # (conveyor/engine/dp_handover.py PacedDrain). Off: every request moves at once.
+    # (conveyor/engine/dp/paced_drain.py PacedDrain). Off: every request moves at once.
     paced_drain: Annotated[bool, knob("bool")] = True
     # CPU: torch threads of each worker; 0: this machine's cores over the
     # ranks that share it (world_size, times data_parallel_size for engines
-    # in this process: conveyor/engine/dp_engine.py engine_config). Oversubscribed
+    # in this process: conveyor/engine/dp/client.py engine_config). Oversubscribed
     # OpenMP threads spin against each other: two in-process engines with a
     # thread per core each decoded 2.2x slower on 2 cores (BENCHMARKS.md
     # "Live migration").
@@ -198,7 +198,7 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     # Off, a request that sends a non-default priority gets 400.
     allow_client_priority: Annotated[bool, _BOOL] = False
     # Which engine serves a request when parallel.data_parallel_size > 1
-    # (conveyor/engine/router/policy.py). Offline LLM(...) and batch jobs too, so its
+    # (conveyor/engine/dp/router/policy.py). Offline LLM(...) and batch jobs too, so its
     # flag is among the engine options.
     router: Annotated[str, one_of(ROUTER_POLICIES, kwarg=True, flag=True, cli_group="engine")] = "kv_aware"
     # Stored /v1/responses (store: true): a sqlite file in this directory
@@ -207,7 +207,7 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
     responses_store_dir: Annotated[str | None, knob("null or a directory")] = None
     responses_max_entries: Annotated[int, int_in(1, 10_000_000)] = 10000
     responses_ttl_s: Annotated[float, finite_in(1.0, 365 * 86400.0)] = 86400.0
-    # Engine autoscaling (conveyor/engine/scale_policy.py, conveyor/engine/dp_scale.py): the
+    # Engine autoscaling (conveyor/engine/dp/scale_policy.py, conveyor/engine/dp/scaling.py): the
     # data-parallel engines in service move between min_engines and
     # max_engines (None: parallel.data_parallel_size, the count it starts
     # with) on a load signal, one engine at a time, each move held for its

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 
 if TYPE_CHECKING:
-    from conveyor.engine.router.events import KVEventPublisher
+    from conveyor.engine.dp.router.events import KVEventPublisher
 
 
 class KVCacheBlock:
@@ -113,7 +113,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        # Data parallel: the router's event stream (conveyor/engine/router/events.py).
+        # Data parallel: the router's event stream (conveyor/engine/dp/router/events.py).
         # A hash is published when it first maps to a block, and as removed
         # when its last block is evicted; None (one engine): no cost at all.
         self.events: KVEventPublisher | None = None

@@ -11,7 +11,7 @@ import hashlib
 
 import msgspec
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 
 _enc = msgspec.msgpack.Encoder()
 
@@ -38,7 +38,7 @@ class BlockHasher:
 
 
 def first_block_extra(cache_salt: str | None, lora_int_id: int | None) -> object:
-    """Block 0's extra key; the router (conveyor/engine/router/policy.py) hashes with it too.
+    """Block 0's extra key; the router (conveyor/engine/dp/router/policy.py) hashes with it too.
     Without an adapter the key is the salt alone, as before LoRA existed."""
     return cache_salt if lora_int_id is None else (cache_salt, "lora", lora_int_id)
 

@@ -4,8 +4,8 @@ through SchedulerOutput diffs."""
 from __future__ import annotations
 
 from conveyor.engine.contracts import PrefixCacheStats, RequestStatus
+from conveyor.engine.core.request import Request
 from conveyor.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from conveyor.engine.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

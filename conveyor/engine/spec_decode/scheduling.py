@@ -24,7 +24,7 @@ Invariants:
 from __future__ import annotations
 
 from conveyor.engine.config import SpeculativeConfig
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 from conveyor.engine.spec_decode.ngram import NgramProposer
 
 MAX_BACKOFF = 16  # steps a request goes undrafted, at most, after rejected drafts

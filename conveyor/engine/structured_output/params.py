@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from conveyor.engine.json_limits import check_json_value
+from conveyor.engine.frontend.json_limits import check_json_value
 
 # Bounds on what a client may ask to compile; larger specs are refused at the edge.
 MAX_SPEC_CHARS = 64 * 1024

@@ -1,7 +1,7 @@
 """LoRA adapters over HTTP: /v1/models entries (with `parent`), and
 POST /v1/load_lora_adapter / /v1/unload_lora_adapter (vLLM's routes; behind
 the API key like every non-public path). The registry is the replica's
-frontend's (conveyor.engine.frontend.LoRARegistry): a load reaches the replica that
+frontend's (conveyor.engine.frontend.prepare.LoRARegistry): a load reaches the replica that
 served it; workers read the adapter from its path when a request first uses it."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 key like the other admin routes (conveyor/cluster/openai/routes/admin.py):
 
 - `POST /admin/reload {"timeout_s"?}`: read the replica's config file again
-  and apply it (DataParallelClient.reload, conveyor/engine/dp_scale.py): changed engine
+  and apply it (DataParallelClient.reload, conveyor/engine/dp/scaling.py): changed engine
   settings roll out engine by engine, each engine's requests migrating first;
   changed autoscaling knobs apply at once. A changed model, or a key the
   frontend was built with, is a 400 naming the keys (nothing changes).

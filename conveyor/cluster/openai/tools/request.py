@@ -24,7 +24,7 @@ from conveyor.cluster.openai import errors as E
 from conveyor.cluster.openai import protocol as P
 from conveyor.cluster.openai.structured_request import structured_outputs_of
 from conveyor.cluster.openai.tools.parsers import ToolParser, ToolSpec, get_tool_parser
-from conveyor.engine.json_limits import JSONLimitError, check_json_value
+from conveyor.engine.frontend.json_limits import JSONLimitError, check_json_value
 from conveyor.engine.structured_output.params import StructuredOutputsParams
 from conveyor.engine.structured_output.schema import close_objects
 

@@ -20,7 +20,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from conveyor.engine.tokenizer import Tokenizer
+from conveyor.engine.frontend.tokenizer import Tokenizer
 
 # Left context taken from the prompt: enough for any UTF-8 character (<= 4
 # bytes, i.e. <= 4 byte-level tokens) plus a SentencePiece leading space.

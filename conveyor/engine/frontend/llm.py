@@ -13,15 +13,15 @@ from typing import Any
 
 from conveyor.engine.config import EngineConfig, build_config, check_model_dir, load_config
 from conveyor.engine.contracts import EngineCoreRequest
-from conveyor.engine.core import EngineCore
+from conveyor.engine.core.engine_core import EngineCore
 from conveyor.engine.core_client import CoreClientFactory, core_in_actor, make_core_client
-from conveyor.engine.frontend import Frontend, PreparedRequest, Prompt
+from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
+from conveyor.engine.frontend.prepare import Frontend, PreparedRequest, Prompt
+from conveyor.engine.frontend.sync_engine import SyncCoreEngine
+from conveyor.engine.frontend.tokenizer import Tokenizer
 from conveyor.engine.lora import LoRARequest
-from conveyor.engine.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from conveyor.engine.sampling_params import SamplingParams
 from conveyor.engine.spec_decode.metrics import SpecDecodeCounters
-from conveyor.engine.sync_engine import SyncCoreEngine
-from conveyor.engine.tokenizer import Tokenizer
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput"]
 

@@ -1,11 +1,11 @@
 """When a request stops, decided token by token as the scheduler appends
-sampled tokens (stop strings are the detokenizer's: conveyor/engine/detokenizer.py)."""
+sampled tokens (stop strings are the detokenizer's: conveyor/engine/frontend/detokenizer.py)."""
 from __future__ import annotations
 
 from typing import Any
 
 from conveyor.engine.contracts import RequestStatus
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

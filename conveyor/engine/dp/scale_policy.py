@@ -1,7 +1,7 @@
 """When to add or remove a data-parallel engine (serve.min_engines ..
 serve.max_engines): a pure decision over one load snapshot and the clock.
 
-The mechanism (conveyor/engine/dp_scale.py) samples the engines every
+The mechanism (conveyor/engine/dp/scaling.py) samples the engines every
 serve.autoscale_interval_s and asks `ScalePolicy.decide`; the policy answers
 the number of engines to have, which is the current one, one more or one
 fewer. Signals, per engine in service:

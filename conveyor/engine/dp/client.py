@@ -2,7 +2,7 @@
 
 A CoreClient (conveyor/engine/core_client.py), so the blocking LLM (through
 SyncCoreEngine) and AsyncLLM (offline, Serve, batch) drive N engines exactly
-as they drive one. `add_request` asks the router (conveyor/engine/router/policy.py)
+as they drive one. `add_request` asks the router (conveyor/engine/dp/router/policy.py)
 which engine takes the request, counts it there at once and hands it to that
 engine's client; every engine's outputs go to the frontend's one handler,
 after their prefix-cache events have fed the router's index (a gap asks that
@@ -29,13 +29,13 @@ import msgspec
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest
-from conveyor.engine.dp_handover import PacedDrain, WarmHandover
-from conveyor.engine.dp_resume import Ask, MoveBook, ResumeAsks
-from conveyor.engine.dp_scale import EngineScaling, owns_ray
+from conveyor.engine.dp.migration_log import MigrationLog
+from conveyor.engine.dp.mover import Ask, MoveBook, ResumeAsks
+from conveyor.engine.dp.paced_drain import PacedDrain, WarmHandover
+from conveyor.engine.dp.router.policy import Router, RouterSettings, block_hashes_of
+from conveyor.engine.dp.scaling import EngineScaling, owns_ray
 from conveyor.engine.errors import DeadFlag, EngineDeadError
-from conveyor.engine.frontend import resolved_max_tokens
-from conveyor.engine.migration import MigrationLog
-from conveyor.engine.router.policy import Router, RouterSettings, block_hashes_of
+from conveyor.engine.frontend.prepare import resolved_max_tokens
 
 log = logging.getLogger(__name__)
 
@@ -101,21 +101,21 @@ class DataParallelClient(ResumeAsks, WarmHandover, PacedDrain, EngineScaling):
         # on in one piece, so a move never interleaves with a delivery.
         self._lock = threading.Lock()
         self._live: dict[str, int] = {}  # request id -> the engine that owns it now
-        # Context sizes and delivery times; the tokens are the frontend's (conveyor/engine/dp_resume.py).
+        # Context sizes and delivery times; the tokens are the frontend's (conveyor/engine/dp/mover.py).
         self.book = MoveBook()
         self._init_asks()
         self.dead = DeadFlag()  # the frontend's record (AsyncLLM shares it)
         self.migrations = MigrationLog(len(self.clients))
-        self._warming = {}  # warm-up request id -> its request's move (conveyor/engine/dp_handover.py)
+        self._warming = {}  # warm-up request id -> its request's move (conveyor/engine/dp/paced_drain.py)
         self._warm_queue = {}
-        self._paces = {}  # drained engine -> its paced handover (conveyor/engine/dp_handover.py)
+        self._paces = {}  # drained engine -> its paced handover (conveyor/engine/dp/paced_drain.py)
         self.states = [UP] * len(self.clients)
         self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
         self._prefix = [[0, 0] for _ in self.clients]  # per engine: queried, hit tokens
         self._stats: list[Any] = [None] * len(self.clients)  # per engine: its last SchedulerStats
         for i, c in enumerate(self.clients):
             self._hook(i, c)
-        self._init_scaling()  # add/remove engines, rollout, autoscaler (conveyor/engine/dp_scale.py)
+        self._init_scaling()  # add/remove engines, rollout, autoscaler (conveyor/engine/dp/scaling.py)
 
     def _hook(self, i: int, c: Any) -> None:
         if hasattr(c, "hand_over_losses"):  # a RayCoreClient: its requests move instead of waiting
@@ -264,7 +264,7 @@ class DataParallelClient(ResumeAsks, WarmHandover, PacedDrain, EngineScaling):
         """Take every request engine i owns (or those of `ids`) off it now and
         ask the frontend for them: its answer resubmits each, with the tokens
         it delivered (never as prompt), to the engine the router picks
-        (conveyor/engine/dp_resume.py). A drained engine is told to drop them; a lost
+        (conveyor/engine/dp/mover.py). A drained engine is told to drop them; a lost
         one has nothing left to drop."""
         if ids is None:
             ids = [rid for rid, e in self._live.items() if e == i]
@@ -363,7 +363,7 @@ class DataParallelClient(ResumeAsks, WarmHandover, PacedDrain, EngineScaling):
         drained first (its requests move, none is lost); a drained or dead
         one is shut down. Returns how many requests moved. While the new one
         starts the others serve everything; it takes requests once it runs."""
-        with self._scale_lock:  # one scale operation at a time (conveyor/engine/dp_scale.py)
+        with self._scale_lock:  # one scale operation at a time (conveyor/engine/dp/scaling.py)
             with self._lock:
                 if not 0 <= engine < len(self.clients):
                     raise ValueError(f"engine must be in [0, {len(self.clients)}), got {engine}")
@@ -422,7 +422,7 @@ class DataParallelClient(ResumeAsks, WarmHandover, PacedDrain, EngineScaling):
         value) for prefix-cache queries and hits in tokens, the router's
         decisions by policy and reason, its index size in blocks, migrations
         off each engine by cause, and tokens each engine prefilled again for
-        requests migrated to it (conveyor/engine/migration.py)."""
+        requests migrated to it (conveyor/engine/dp/migration_log.py)."""
         rows: list[tuple[str, str, dict[str, str], float]] = []
         with self._lock:
             for e, (q, h) in enumerate(self._prefix):

@@ -1,8 +1,8 @@
-"""How the data-parallel client (conveyor/engine/dp_engine.py) moves a request without
+"""How the data-parallel client (conveyor/engine/dp/client.py) moves a request without
 a record of its tokens.
 
 The frontend's RequestState is the one record of the tokens a request has
-delivered (conveyor/engine/output_processor.py). A move (its engine lost or drained,
+delivered (conveyor/engine/frontend/output_processor.py). A move (its engine lost or drained,
 a warm handover) is decided under the client's lock, on whichever thread saw
 the cause. At that instant the request leaves its engine (later outputs of
 it there are dropped) and a ResumeCall goes to the frontend through the
@@ -32,7 +32,7 @@ from typing import Any
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest, ResumeCall
 from conveyor.engine.errors import EngineDeadError
 
-WARM = "warm"  # an ask that reads contexts for a warm handover (conveyor/engine/dp_handover.py)
+WARM = "warm"  # an ask that reads contexts for a warm handover (conveyor/engine/dp/paced_drain.py)
 
 
 @dataclass

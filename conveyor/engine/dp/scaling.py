@@ -1,4 +1,4 @@
-"""Engines added and removed while serving (conveyor/engine/dp_engine.py's mixin):
+"""Engines added and removed while serving (conveyor/engine/dp/client.py's mixin):
 autoscaling between serve.min_engines and serve.max_engines, and a rollout
 of a changed config, all without losing a request.
 
@@ -10,9 +10,9 @@ of a changed config, all without losing a request.
   ("off") until an add reuses it.
 - `rollout` replaces the engines one at a time with the new config; the last
   engine up is never drained onto nothing: a new engine starts first.
-- `reload` checks a changed config (conveyor/engine/reload_plan.py) and does the above.
+- `reload` checks a changed config (conveyor/engine/dp/reload_plan.py) and does the above.
 - `Autoscaler` samples the engines' load every serve.autoscale_interval_s
-  and applies `ScalePolicy` (conveyor/engine/scale_policy.py).
+  and applies `ScalePolicy` (conveyor/engine/dp/scale_policy.py).
 
 Invariants: one scale operation at a time (`_scale_lock`, re-entrant: a
 rollout adds and removes); the autoscaler never waits for it (it skips a
@@ -30,12 +30,12 @@ from collections.abc import Callable
 from typing import Any
 
 from conveyor.engine.config import EngineConfig
+from conveyor.engine.dp.reload_plan import plan_reload
+from conveyor.engine.dp.scale_policy import EngineLoad, LoadSnapshot, ScalePolicy, ScaleSettings
 from conveyor.engine.errors import EngineDeadError
-from conveyor.engine.reload_plan import plan_reload
-from conveyor.engine.scale_policy import EngineLoad, LoadSnapshot, ScalePolicy, ScaleSettings
 
 log = logging.getLogger(__name__)
-UP, LOST, DEAD = "up", "lost", "dead"  # == conveyor/engine/dp_engine.py's states
+UP, LOST, DEAD = "up", "lost", "dead"  # == conveyor/engine/dp/client.py's states
 OFF = "off"  # how engines() shows a slot emptied by a scale-down
 SHUTDOWN_WAIT_S = 120.0  # the longest shutdown waits for an engine being started or drained
 
@@ -237,7 +237,7 @@ class EngineScaling:
         """Apply a changed config (default: read again from config_source):
         engine settings roll out engine by engine, autoscaling knobs apply at
         once. ValueError (nothing changed) for a changed model or a key the
-        frontend was built with (conveyor/engine/reload_plan.py)."""
+        frontend was built with (conveyor/engine/dp/reload_plan.py)."""
         if config is None:
             if self.config_source is None:
                 raise ValueError("this client has no config file to reload; pass the new config")

@@ -21,9 +21,9 @@ from conveyor.engine.config import EngineConfig, check_model_dir
 from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
 from conveyor.engine.core_client import CoreClient, CoreClientFactory, make_core_client
 from conveyor.engine.errors import EngineDeadError
-from conveyor.engine.frontend import Frontend, PreparedRequest
+from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
+from conveyor.engine.frontend.prepare import Frontend, PreparedRequest
 from conveyor.engine.lora import LoRARequest
-from conveyor.engine.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from conveyor.engine.sampling_params import SamplingFields
 from conveyor.engine.spec_decode.metrics import SpecDecodeCounters
 

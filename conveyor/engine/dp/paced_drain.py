@@ -1,4 +1,4 @@
-"""Warm handover for a drain (conveyor/engine/dp_engine.py): the drained engine keeps
+"""Warm handover for a drain (conveyor/engine/dp/client.py): the drained engine keeps
 decoding its streams while their new engines compute their contexts.
 
 A plain move aborts every request on the drained engine at once and resubmits
@@ -15,7 +15,7 @@ Moves thus spread over the steps the warm-ups finish in, and the old engine
 serves every stream until its own move.
 
 The contexts come from the frontend, the one record of delivered tokens: the
-drain asks for them (conveyor/engine/dp_resume.py) and the warm-ups start on its
+drain asks for them (conveyor/engine/dp/mover.py) and the warm-ups start on its
 answer; each move asks again, for the tokens delivered by then.
 
 Warm-ups run a few at a time per engine (a quarter of its step's token budget
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.engine.contracts import EngineCoreOutput, EngineCoreRequest
-from conveyor.engine.dp_resume import WARM, Ask
+from conveyor.engine.dp.mover import WARM, Ask
 from conveyor.engine.sampling_params import SamplingParams
 
 WARM_SUFFIX = "~warm"
@@ -104,7 +104,7 @@ class WarmHandover:
 
     def _pick(self: Any, r: EngineCoreRequest) -> int | None:
         """The engine the router would send the request to, not counted anywhere."""
-        from conveyor.engine.router.policy import block_hashes_of
+        from conveyor.engine.dp.router.policy import block_hashes_of
 
         if sum(s == "up" for s in self.states) == 0:
             return None

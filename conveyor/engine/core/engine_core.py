@@ -14,7 +14,6 @@ from collections import deque
 from concurrent.futures import Future
 from typing import cast
 
-from conveyor.engine.async_scheduling import must_wait, use_async_scheduling
 from conveyor.engine.config import ConfigError, EngineConfig
 from conveyor.engine.contracts import (
     EngineCoreOutputs,
@@ -24,12 +23,13 @@ from conveyor.engine.contracts import (
     RequestStatus,
     SchedulerOutput,
 )
+from conveyor.engine.core.async_scheduling import must_wait, use_async_scheduling
+from conveyor.engine.core.recovery import RestartBudget, rebuild_executor, record_recovery, recovery_enabled
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.dp.router.events import EngineLoad, KVEventPublisher, KVEvents
 from conveyor.engine.kv_cache.manager import cdiv
-from conveyor.engine.recovery import RestartBudget, rebuild_executor, record_recovery, recovery_enabled
-from conveyor.engine.request import Request
-from conveyor.engine.router.events import EngineLoad, KVEventPublisher, KVEvents
 from conveyor.engine.sampling_params import resolved_max_tokens
-from conveyor.engine.scheduler import Scheduler
 from conveyor.engine.structured_output.manager import StructuredOutputManager
 from conveyor.executors.base import EngineDeadError, Executor
 
@@ -124,7 +124,7 @@ class EngineCore:
         """The core's own invariant, not input validation: the request fits,
         alone, in the KV pool (only the core knows the pool). A non-empty
         prompt within max_model_len is the frontend's check, made once at the
-        edge (conveyor/engine/frontend.py: check_engine_limits): every request reaches
+        edge (conveyor/engine/frontend/prepare.py: check_engine_limits): every request reaches
         here through Frontend.prepare, or is one of those resubmitted (recovery,
         migration) with the same prompt and max_tokens."""
         n, max_len = len(request.prompt_token_ids), self.config.max_model_len
@@ -291,7 +291,7 @@ class EngineCore:
         return self.scheduler.update_from_output(so, out), executed
 
     def _step_async(self) -> tuple[EngineCoreOutputs | None, bool]:
-        """Plan and launch step N+1, then finish step N (conveyor/engine/async_scheduling.py).
+        """Plan and launch step N+1, then finish step N (conveyor/engine/core/async_scheduling.py).
         The first step of a busy period returns at once (None) so the next
         call plans its successor while it runs."""
         bq = self.batch_queue
@@ -335,7 +335,7 @@ def _pending(fut: object) -> Future[ModelRunnerOutput]:
 
 
 def make_structured_output_manager(config: EngineConfig, vocab_size: int) -> StructuredOutputManager:
-    from conveyor.engine.frontend import eos_token_id_of
+    from conveyor.engine.frontend.prepare import eos_token_id_of
 
     so = config.structured_outputs
     return StructuredOutputManager(so.backend, config.model.tokenizer or config.model.path,

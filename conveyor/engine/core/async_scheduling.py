@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import SchedulerOutput
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 
 if TYPE_CHECKING:
-    from conveyor.engine.scheduler import Scheduler
+    from conveyor.engine.core.scheduler import Scheduler
     from conveyor.executors.base import Executor
 
 

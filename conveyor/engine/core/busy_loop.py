@@ -1,7 +1,7 @@
 """EngineBusyLoop: input queue -> EngineCore step -> output handler.
 
 The seed's EngineCoreProc loop. It runs wherever the EngineCore lives: a
-thread of this process (conveyor/engine/inproc_client.py) or an EngineCoreActor
+thread of this process (conveyor/engine/core/inproc_client.py) or an EngineCoreActor
 (conveyor/cluster/engine_actor/)."""
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import cast
 
 from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from conveyor.engine.core_client import OutputHandler
+from conveyor.engine.dp.router.events import KVEvents
 from conveyor.engine.errors import DeadFlag
-from conveyor.engine.router.events import KVEvents
 
 log = logging.getLogger(__name__)
 

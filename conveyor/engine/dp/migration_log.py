@@ -1,4 +1,4 @@
-"""What the data-parallel client records about migrations (conveyor/engine/dp_engine.py).
+"""What the data-parallel client records about migrations (conveyor/engine/dp/client.py).
 
 A request migrates when its engine is lost (its core died, its restart budget
 is spent, its actor is being rebuilt) or drained: the client resubmits it to

@@ -42,9 +42,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conveyor.engine.dp.router.events import KVEvents
+from conveyor.engine.dp.router.index import PrefixIndex
 from conveyor.engine.kv_cache.hashing import first_block_extra, hash_block
-from conveyor.engine.router.events import KVEvents
-from conveyor.engine.router.index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

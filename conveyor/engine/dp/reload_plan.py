@@ -1,5 +1,5 @@
 """What a reloaded config changes, and whether a running server can take it
-(DataParallelClient.reload, conveyor/engine/dp_scale.py).
+(DataParallelClient.reload, conveyor/engine/dp/scaling.py).
 
 A reload keeps the model and the frontend: it rolls the engines over to the
 new engine settings one at a time (scheduler, cache, parallel layout,

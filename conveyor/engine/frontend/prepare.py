@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreRequest
 from conveyor.engine.errors import ParamError
-from conveyor.engine.json_limits import utf8_problem
+from conveyor.engine.frontend.json_limits import utf8_problem
+from conveyor.engine.frontend.tokenizer import Tokenizer, eos_of_model_dir, load_tokenizer
 from conveyor.engine.lora import LoRARequest, ModelDims, check_adapter
 from conveyor.engine.sampling_params import SamplingFields, child_seed, resolved_max_tokens
 from conveyor.engine.structured_output.backend import StructuredOutputBackend, make_backend
 from conveyor.engine.structured_output.params import StructuredOutputsParams
-from conveyor.engine.tokenizer import Tokenizer, eos_of_model_dir, load_tokenizer
 
 Prompt = str | list[int]
 _VALID_SPECS_CACHED = 256
@@ -244,7 +244,7 @@ def eos_token_id_of(config: EngineConfig) -> int | None:
 
 def _eos_ids(config: EngineConfig, tok: Tokenizer | None) -> tuple[int | None, set[int]]:
     """(eos_token_id, the other ids that end generation): the tokenizer's
-    resolution (conveyor/engine/tokenizer.py: resolve_eos), or the same rule over the
+    resolution (conveyor/engine/frontend/tokenizer.py: resolve_eos), or the same rule over the
     checkpoint's files when it has no tokenizer."""
     eos, ids = (tok.eos_token_id, set(tok.eos_token_ids)) if tok is not None else \
         eos_of_model_dir(config.model.path)

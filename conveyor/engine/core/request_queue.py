@@ -8,7 +8,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from conveyor.engine.request import Request
+from conveyor.engine.core.request import Request
 
 
 class FCFSQueue:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import threading
 
-from conveyor.engine.busy_loop import EngineBusyLoop
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreRequest
+from conveyor.engine.core.busy_loop import EngineBusyLoop
 from conveyor.engine.core_client import OutputHandler
 from conveyor.engine.errors import DeadFlag
 
 
 class InProcCoreClient:
     def __init__(self, config: EngineConfig) -> None:
-        from conveyor.engine.core import EngineCore
+        from conveyor.engine.core.engine_core import EngineCore
         from conveyor.executors import make_executor
 
         self.core = EngineCore(config, make_executor(config))

@@ -6,7 +6,7 @@ engine drops out at the first block it lacks. Each engine also keeps its own
 hashes in insertion order, to drop them all when its stream starts over and to
 cap its share of memory (oldest first, as its LRU would have evicted them).
 
-Stream rules per engine (conveyor/engine/router/events.py): a new epoch drops the
+Stream rules per engine (conveyor/engine/dp/router/events.py): a new epoch drops the
 engine's entries and expects seq 1; a seq that is not last + 1 is a gap: the
 entries are dropped (a stale index would mispredict) and `apply` returns False,
 so the caller asks that engine for a snapshot; events until then are ignored.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.engine.router.events import EngineLoad, KVEvents
+from conveyor.engine.dp.router.events import EngineLoad, KVEvents
 
 # Measured (bench/routing.py, tracemalloc, the synthetic trace on 8 engines:
 # 127 bytes): one indexed (hash, engine) entry, i.e. the 32-byte hash as a

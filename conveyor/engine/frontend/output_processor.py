@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from conveyor.engine.contracts import EngineCoreOutput, EngineCoreRequest, FinishReason, PromptLogprobs, ResumeCall
-from conveyor.engine.detokenizer import IncrementalDetokenizer
+from conveyor.engine.frontend.detokenizer import IncrementalDetokenizer
+from conveyor.engine.frontend.tokenizer import Tokenizer
 from conveyor.engine.sampling_params import SamplingFields
-from conveyor.engine.tokenizer import Tokenizer
 
 
 @dataclass

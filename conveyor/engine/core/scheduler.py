@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from conveyor.engine.async_scheduling import add_placeholders, at_length_cap
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import (
     CachedRequestData,
@@ -29,12 +28,13 @@ from conveyor.engine.contracts import (
     SchedulerOutput,
     SchedulerStats,
 )
+from conveyor.engine.core.async_scheduling import add_placeholders, at_length_cap
+from conveyor.engine.core.request import Request
+from conveyor.engine.core.request_queue import make_queue
+from conveyor.engine.core.stopping import check_stop, grammar_done
 from conveyor.engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
 from conveyor.engine.lora import lora_stats
-from conveyor.engine.request import Request
-from conveyor.engine.request_queue import make_queue
 from conveyor.engine.spec_decode.scheduling import SpecDecodeScheduling
-from conveyor.engine.stopping import check_stop, grammar_done
 from conveyor.engine.structured_output.manager import StructuredOutputManager
 
 _RUNNING = RequestStatus.RUNNING
