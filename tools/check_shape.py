@@ -1,7 +1,8 @@
 """The code-shape gate of `make lint`: fails on any product file over
 MAX_FILE_LINES lines, any function over MAX_FUNC_LINES lines, and any import
-cycle between product modules (module-level imports, as they run at import
-time: imports inside functions and under `if TYPE_CHECKING:` do not count).
+cycle between product modules. Every import counts, a function-local one
+too: deferring an import hides a circle from Python, not from the reader.
+Only imports under `if TYPE_CHECKING:` (never executed) do not count.
 
 Standard library only, one pass of `ast` over the product packages (well
 under a second). Usage: python tools/check_shape.py [--root DIR]. Entries of
@@ -46,20 +47,22 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _module_level_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
-    """Imports that run when the module is imported (try/if bodies included,
-    `if TYPE_CHECKING:` bodies and function/class bodies not)."""
+def _imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """Every import in these statements, nested ones included, except the
+    bodies of `if TYPE_CHECKING:`."""
     out: list[ast.Import | ast.ImportFrom] = []
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             out.append(node)
-        elif isinstance(node, ast.If):
-            if not _is_type_checking(node.test):
-                out += _module_level_imports(node.body)
-            out += _module_level_imports(node.orelse)
-        elif isinstance(node, ast.Try):
-            for part in (node.body, node.orelse, node.finalbody, *[h.body for h in node.handlers]):
-                out += _module_level_imports(part)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            out += _imports(node.orelse)
+        else:
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                part = getattr(node, field, None)
+                if isinstance(part, list):
+                    out += _imports([x for x in part if isinstance(x, ast.stmt)] +
+                                    [s for h in part if isinstance(h, (ast.ExceptHandler, ast.match_case))
+                                     for s in h.body])
     return out
 
 
@@ -90,7 +93,7 @@ def import_graph(root: Path, trees: dict[Path, ast.Module]) -> Graph:
     for path, tree in trees.items():
         mod = names[path]
         edges: set[str] = set()
-        for node in _module_level_imports(tree.body):
+        for node in _imports(tree.body):
             edges |= _targets(mod, path.name == "__init__.py", node, known)
         graph[mod] = edges - {mod}
     return graph

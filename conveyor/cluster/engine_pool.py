@@ -49,8 +49,9 @@ from conveyor.cluster.engine_actor.client import RayCoreClient
 from conveyor.cluster.engine_actor.link import STARTUP_TIMEOUT_S, CoreActorSpec, CoreLink
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo
-from conveyor.engine.core_client import OutputHandler
-from conveyor.engine.dp.client import DataParallelClient, make_engine_clients
+from conveyor.engine.core_client import CoreClient, OutputHandler
+from conveyor.engine.dp.client import DataParallelClient
+from conveyor.engine.dp.fleet import EngineState, Fleet, Slot
 from conveyor.engine.errors import EngineDeadError
 from conveyor.executors.channel import DataPlane, PlaneKeys
 
@@ -59,22 +60,12 @@ CALL_TIMEOUT_S = 30.0
 HANDSHAKE_POLL_MS = 200
 POOL_RETRIES = 20
 WATCH_TIMEOUT_S = 5.0  # a watcher's long poll; it also notices a closed replica this often
-UP, DRAINED = "up", "drained"
+UP, DRAINED = EngineState.UP, EngineState.DRAINED
 
 
 def uses_pool(config: EngineConfig) -> bool:
     """Several ingress replicas share the engines only under data parallel."""
     return config.parallel.data_parallel_size > 1 and config.serve.replicas > 1
-
-
-def engine_placement(config: EngineConfig, use_gpu: bool) -> CoreActorPlacement:
-    """Each engine's own resources (executor "ray": its workers' placement
-    group; otherwise the model in the actor, with its GPUs)."""
-    p = config.parallel
-    if p.executor == "ray":
-        return CoreActorPlacement()
-    return CoreActorPlacement(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
-                              num_gpus=float(config.world_size) if use_gpu else 0.0)
 
 
 # max_concurrency: each replica keeps one call waiting in watch().
@@ -84,9 +75,9 @@ class EnginePool:
 
     def __init__(self, config_bytes: bytes, use_gpu: bool) -> None:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        self._place = engine_placement(config, use_gpu)
+        self._place = CoreActorPlacement.of_engine(config, use_gpu)
         self._config = config
-        self.clients = make_engine_clients(config, lambda c: RayCoreClient.launch(c, self._place))
+        self.clients = Fleet.start(config, lambda c: RayCoreClient.launch(c, self._place)).clients
         for c in self.clients:
             # The pool is frontend 0 of each engine: it owns no request, so it
             # gets only the broadcast stats and events, and reads them to keep
@@ -95,7 +86,7 @@ class EnginePool:
         self.users = 0
         self.closing = False
         # Admin state per engine (absent: up) and its version; watchers wait on it.
-        self._admin: dict[int, str] = {}
+        self._admin: dict[int, EngineState] = {}
         self._version = 0
         self._changed = threading.Condition()
 
@@ -132,10 +123,10 @@ class EnginePool:
             self._version += 1
             self._changed.notify_all()
 
-    def admin_states(self) -> list[str]:
+    def admin_states(self) -> list[EngineState]:
         return [self._admin.get(i, UP) for i in range(len(self.clients))]
 
-    def set_state(self, i: int, state: str) -> None:
+    def set_state(self, i: int, state: EngineState) -> None:
         """Engine i drained (routed to by no replica) or up again, pool-wide.
         ValueError: out of range, or draining the last engine up."""
         if not 0 <= i < len(self.clients) or state not in (UP, DRAINED):
@@ -149,7 +140,7 @@ class EnginePool:
             self._admin[i] = state
         self._bump()
 
-    def watch(self, version: int, timeout_s: float) -> tuple[int, list[str], bool]:
+    def watch(self, version: int, timeout_s: float) -> tuple[int, list[EngineState], bool]:
         """(version, admin states, closing) once the version is not `version`
         (or after timeout_s): a replica's long poll."""
         with self._changed:
@@ -290,8 +281,6 @@ class PooledClient(DataParallelClient):
     """A replica's DataParallelClient over the pool's engines. Drain, undrain
     and replace act on the pool (every replica follows), see the module doc."""
 
-    can_scale = False  # the pool owns the engines (conveyor/engine/dp/scaling.py)
-
     def __init__(self, config: EngineConfig, pool: Any) -> None:
         self.pool = pool
         self._leading: set[int] = set()  # engines this replica's own admin call is draining
@@ -299,11 +288,12 @@ class PooledClient(DataParallelClient):
         self._replacing = threading.Lock()
         self._watching = True
         n = ray.get(pool.register.remote(), timeout=STARTUP_TIMEOUT_S)
-        clients: list[Any] = []
+        clients: list[CoreClient] = []
         try:
             for i in range(n):
                 clients.append(AttachedCoreClient(config, pool, i))
-            super().__init__(config, clients, spawn=self._spawn_in_pool)
+            super().__init__(config, spawn=self._spawn_in_pool, fleet=Fleet([Slot(c) for c in clients]))
+            self.scaler.can_scale = False  # the pool owns the engines (conveyor/engine/dp/scaling.py)
         except BaseException:
             for c in clients:
                 c.shutdown()
@@ -329,9 +319,10 @@ class PooledClient(DataParallelClient):
         # state. The engine's stats (broadcast to every replica) count them
         # all; an empty abort makes an idle engine send fresh ones (the last
         # we hold may predate a rebuild), a busy one sends them every step.
-        stale = self._stats[engine]
-        self.clients[engine].abort_requests([])
-        while (st := self._stats[engine]) is stale or st.num_running_reqs + st.num_waiting_reqs:
+        slot = self.fleet.slots[engine]
+        stale = slot.stats
+        slot.client.abort_requests([])
+        while (st := slot.stats) is stale or st is None or st.num_running_reqs + st.num_waiting_reqs:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {engine} still holds requests after {timeout_s:g}s")
             time.sleep(0.02)
@@ -339,7 +330,7 @@ class PooledClient(DataParallelClient):
 
     def undrain(self, engine: int) -> None:
         with self._lock:
-            if not 0 <= engine < len(self.clients) or self.states[engine] != DRAINED:
+            if not 0 <= engine < len(self.fleet) or self.fleet.state(engine) is not DRAINED:
                 raise ValueError(f"engine {engine} is not drained")
         self._leading.add(engine)  # this replica's watcher leaves it to this call
         try:

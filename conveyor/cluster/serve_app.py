@@ -42,7 +42,7 @@ from conveyor.cluster.engine_actor.actor import CoreActorPlacement
 from conveyor.cluster.engine_actor.client import RayCoreClient
 from conveyor.cluster.openai.responses_api.store import RayResponseStore
 from conveyor.engine.config import EngineConfig, check_model_dir, load_config
-from conveyor.engine.core_client import core_in_actor
+from conveyor.engine.core_client import NOT_DATA_PARALLEL
 from conveyor.executors.ray_placement import worker_bundle
 
 log = logging.getLogger("conveyor.serve")
@@ -104,7 +104,7 @@ def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
 
 def core_actor_placement(config: EngineConfig, use_gpu: bool) -> CoreActorPlacement | None:
     """Where the replica puts its EngineCoreActor (None: in-process core)."""
-    if not core_in_actor(config, serving=True):
+    if not config.core_in_actor(serving=True):
         return None
     if config.parallel.executor == "ray":
         return CoreActorPlacement()
@@ -116,17 +116,13 @@ def data_parallel_client(config: EngineConfig, use_gpu: bool) -> Any:
     """parallel.data_parallel_size engines behind the router, each an
     EngineCoreActor with its own resources (executor "ray": its own worker
     placement group; otherwise the model in the actor, with its GPUs)."""
-    from conveyor.engine.dp.client import DataParallelClient, make_engine_clients
+    from conveyor.engine.dp.client import DataParallelClient
 
     if config.serve.replicas > 1:  # the engines are the app's, not this replica's
         from conveyor.cluster.engine_pool import pooled_client
         return pooled_client(config, use_gpu)
-    p = config.parallel
-    place = (CoreActorPlacement() if p.executor == "ray" else
-             CoreActorPlacement(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
-                                num_gpus=float(config.world_size) if use_gpu else 0.0))
-    spawn = lambda c: RayCoreClient.launch(c, place)  # noqa: E731 - replace_engine starts one more the same way
-    return DataParallelClient(config, make_engine_clients(config, spawn), spawn)
+    place = CoreActorPlacement.of_engine(config, use_gpu)
+    return DataParallelClient(config, spawn=lambda c: RayCoreClient.launch(c, place))
 
 
 def max_admitted(config: EngineConfig) -> int:
@@ -180,7 +176,7 @@ class OpenAIDeployment:
         if self.config.parallel.data_parallel_size > 1:
             client = data_parallel_client(self.config, use_gpu)
             # /admin/reload and SIGHUP read the file again (conveyor/engine/dp/scaling.py).
-            client.config_source = lambda: load_config(config_path, **overrides)
+            client.scaler.config_source = lambda: load_config(config_path, **overrides)
         try:
             self.llm = AsyncLLM(self.config, client)
         except BaseException:
@@ -210,11 +206,11 @@ class OpenAIDeployment:
         (`conveyor serve` calls this on SIGHUP); {"error": ...} when refused."""
         import asyncio
 
-        reload = getattr(self.llm.client, "reload", None)
-        if reload is None:
-            return {"error": "reload needs parallel.data_parallel_size > 1"}
+        admin = self.llm.client.admin
+        if admin is None:
+            return {"error": NOT_DATA_PARALLEL}
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, reload)
+            return await asyncio.get_running_loop().run_in_executor(None, admin.reload)
         except (ValueError, TimeoutError) as e:
             return {"error": str(e)}
 

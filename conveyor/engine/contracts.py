@@ -77,6 +77,9 @@ class EngineCoreRequest(RequestFields, kw_only=True, array_like=True, gc=False):
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     # The LoRA adapter this request runs with; None = the base model.
     lora_request: LoRARequest | None = None
+    # The session the data-parallel router keeps on one engine (x-session-id /
+    # `user`); a single engine ignores it.
+    session: str | None = None
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):

@@ -49,7 +49,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from .backends import AttentionMetadata
+from .metadata import AttentionMetadata
 from .torch_attention import _SHORT_QUERY, _prefill_one, write_kv_torch
 
 logger = logging.getLogger(__name__)

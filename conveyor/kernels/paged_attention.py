@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .backends import AttentionMetadata
 from .cache_write import write_kv
+from .metadata import AttentionMetadata
 from .torch_attention import paged_attention_torch
 
 _LOG2E = 1.4426950408889634

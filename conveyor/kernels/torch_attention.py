@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .backends import AttentionMetadata
+from .metadata import AttentionMetadata
 
 # Upper bound on gathered K+V elements per decode chunk (fp32: 4 bytes each), and
 # rows per chunk: small chunks keep the gathered K/V in cache.

@@ -50,7 +50,6 @@ from conveyor.cluster.cli.options import (
     collect_overrides,
 )
 from conveyor.engine.config import ConfigError, EngineConfig, check_cluster_fits, load_config
-from conveyor.engine.core_client import core_in_actor
 from conveyor.engine.errors import EngineDeadError
 
 log = logging.getLogger("conveyor.batch")
@@ -374,7 +373,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     work = any(ln.custom_id not in done for ln in lines)
-    needs_ray = work and (core_in_actor(config) or config.parallel.executor == "ray" or args.data_parallel > 1)
+    needs_ray = work and (config.core_in_actor() or config.parallel.executor == "ray" or args.data_parallel > 1)
     started = False
     try:
         if needs_ray:

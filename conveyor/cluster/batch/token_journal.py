@@ -242,10 +242,6 @@ class JournalClient:
     def __getattr__(self, name: str) -> Any:  # everything else: the wrapped client's
         return getattr(self.inner, name)
 
-    @property
-    def takes_session(self) -> bool:
-        return getattr(self.inner, "takes_session", False)
-
     def start(self, on_outputs: Callable[[EngineCoreOutputs], None]) -> None:
         self._emit = on_outputs
         self.inner.start(self._handle)
@@ -266,7 +262,7 @@ class JournalClient:
         assert self._emit is not None
         self._emit(outs)
 
-    def add_request(self, request: EngineCoreRequest, **kw: Any) -> None:
+    def add_request(self, request: EngineCoreRequest) -> None:
         key = journal_key(request.request_id)
         with self._lock:
             prior = self.journal.restored.pop(key, None)
@@ -275,7 +271,7 @@ class JournalClient:
             if prior is not None:
                 self.journal.adopt(key, prior)
         if prior is None:
-            self.inner.add_request(request, **kw)
+            self.inner.add_request(request)
             return
         self.resumed_tokens += len(prior.tokens)
         assert self._emit is not None
@@ -289,7 +285,7 @@ class JournalClient:
             with self._lock:
                 self._keys.pop(request.request_id, None)
             return  # finished in the earlier run: nothing left to generate
-        self.inner.add_request(msgspec.structs.replace(request, output_token_ids=list(prior.tokens)), **kw)
+        self.inner.add_request(msgspec.structs.replace(request, output_token_ids=list(prior.tokens)))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         with self._lock:
@@ -347,7 +343,7 @@ class LineJournal(JournalClient):
 
 def journaled_client(config: Any, path: str, restore_from: str | None = None) -> LineJournal:
     from conveyor.engine.config import check_model_dir
-    from conveyor.engine.core_client import make_core_client
+    from conveyor.engine.frontend.clients import make_core_client
 
     check_model_dir(config)
     return LineJournal(make_core_client(config), TokenJournal(path, restore_from=restore_from))

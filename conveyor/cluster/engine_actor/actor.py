@@ -167,3 +167,14 @@ class CoreActorPlacement:
     num_cpus: float = 0.0
     num_gpus: float = 0.0
     engine_cpus: tuple[int, ...] = ()  # cores for its step thread (): unpinned
+
+    @classmethod
+    def of_engine(cls, config: EngineConfig, use_gpu: bool) -> CoreActorPlacement:
+        """A data-parallel engine's actor, with resources of its own (executor
+        "ray": its workers' placement group; otherwise the model in the actor,
+        with its GPUs)."""
+        p = config.parallel
+        if p.executor == "ray":
+            return cls()
+        return cls(num_cpus=1.0 if use_gpu else p.num_cpus_per_worker,
+                   num_gpus=float(config.world_size) if use_gpu else 0.0)

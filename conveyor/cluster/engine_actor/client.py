@@ -37,7 +37,7 @@ from conveyor.cluster.engine_actor.link import CoreActorSpec, CoreLink
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest, KVCacheInfo, ResumeCall
 from conveyor.engine.core.recovery import RestartBudget
-from conveyor.engine.core_client import OutputHandler
+from conveyor.engine.core_client import FleetAdmin, OutputHandler
 from conveyor.engine.errors import DeadFlag, EngineDeadError
 from conveyor.executors.ray_executor import ensure_ray
 
@@ -101,8 +101,8 @@ class RayCoreClient:
         return self.link.keys
 
     @property
-    def _in(self):  # noqa: ANN201 - Channel
-        return self.link.inp
+    def admin(self) -> FleetAdmin | None:
+        return None
 
     def engine_pid(self) -> int:
         """The current EngineCoreActor's process id."""

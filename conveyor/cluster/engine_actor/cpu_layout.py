@@ -22,7 +22,6 @@ import os
 from dataclasses import dataclass
 
 from conveyor.engine.config import EngineConfig
-from conveyor.engine.core_client import core_in_actor
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,7 @@ def frontend_cpus(config: EngineConfig, use_gpu: bool) -> int:
     n = config.serve.frontend_cpus
     if n is not None:
         return n
-    runs_model_in_actor = core_in_actor(config, serving=True) and config.parallel.executor != "ray"
+    runs_model_in_actor = config.core_in_actor(serving=True) and config.parallel.executor != "ray"
     return 1 if runs_model_in_actor and not use_gpu and config.serve.replicas == 1 else 0
 
 

@@ -24,7 +24,6 @@ from conveyor.cluster.openai.middleware import AuthMiddleware, BodyLimitMiddlewa
 from conveyor.cluster.openai.responses_api.routes import add_responses_routes
 from conveyor.cluster.openai.routes import lora as lora_routes
 from conveyor.cluster.openai.routes.admin import add_admin_routes
-from conveyor.cluster.openai.routes.scale import add_scale_routes
 from conveyor.cluster.openai.routes.utility import add_utility_routes
 from conveyor.cluster.openai.server import OpenAIServer
 from conveyor.engine.config import ServeConfig
@@ -58,7 +57,6 @@ def build_api(server: OpenAIServer, *, api_key: str | None, echo_request_id: boo
     add_utility_routes(app, server, guarded, _ERROR_RESPONSES)
     add_responses_routes(app, server, guarded, _ERROR_RESPONSES)
     add_admin_routes(app, server, guarded, _ERROR_RESPONSES)
-    add_scale_routes(app, server, guarded, _ERROR_RESPONSES)
     _add_probe_routes(app, server)
     _add_error_handlers(app)
     _add_middleware(app, server.config.serve, api_key, echo_request_id)

@@ -52,9 +52,9 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Any]:
         st, c, lab = self.llm.stats, self.llm.counters, [self.model_name]
-        # Per-engine series carry an `engine` label (data parallel: which
-        # replica; a replica with one engine is engine "0").
-        eng = [self.model_name, str(getattr(self.llm, "engine_index", 0))]
+        # Per-engine series carry an `engine` label (a replica with one
+        # engine is engine "0"; with N, the per-engine rows below).
+        eng = [self.model_name, "0"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "engine"])
@@ -66,13 +66,13 @@ class _EngineCollector:
             m.add_metric(eng, value)
             return m
 
-        rows = getattr(getattr(self.llm, "client", None), "metric_rows", None)
-        if callable(rows):  # data parallel: N engines behind the router
-            yield from _engine_rows(rows(), self.model_name)
+        admin = self.llm.client.admin
+        if admin is not None:  # data parallel: N engines behind the router
+            yield from _engine_rows(admin.metric_rows(), self.model_name)
         yield gauge("num_requests_running", "Requests in the running batch.", st.num_running_reqs)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting_reqs)
         yield gauge("kv_cache_usage_perc", "KV-cache usage, 1 = full.", st.kv_cache_usage)
-        if not callable(rows):  # with N engines: per engine, above
+        if admin is None:  # with N engines: per engine, above
             yield counter("prefix_cache_queries", "Prefix-cache queries, in tokens.", c.prefix_queries)
             yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", c.prefix_hits)
         yield counter("num_preemptions", "Cumulative preemptions.", c.preemptions)

@@ -15,6 +15,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 EXECUTORS = ("uniproc", "ray", "mp")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+GRAMMAR_BACKENDS = ("llguidance",)  # conveyor/engine/structured_output/registry.py builds them
 ROUTER_POLICIES = ("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")
 SCALE_SIGNALS = ("waiting", "kv_usage")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # == conveyor.cluster.openai.tools.parsers.TOOL_PARSERS (a test checks)
@@ -65,7 +66,7 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # frontend's event loop and the engine step never share a GIL. None (the
     # default): on with executor "ray" (what that executor always meant) and
     # in Serve replicas, off for LLM/AsyncLLM with another executor
-    # (conveyor/engine/core_client.py: core_in_actor). serve.engine_actor is its older
+    # (EngineConfig.core_in_actor). serve.engine_actor is its older
     # spelling and maps onto it.
     engine_actor: Annotated[bool | None, knob("true, false or null (auto)", kwarg=True)] = None
     placement_strategy: Annotated[str, one_of(STRATEGIES, kwarg=True, flag=True)] = "PACK"
@@ -94,10 +95,6 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # max_restarts times per restart_window_s; a rebuild that finds no
     # capacity within recovery_timeout_s fails the engine as before.
     max_restarts: Annotated[int, int_in(0, 100)] = 3
-    # data_parallel_size > 1, prefix caching on: a drain first computes each
-    # request's context on its new engine (conveyor/engine/dp/paced_drain.py). Off by
-    # default: slower on the 2-core CPU box (BENCHMARKS.md "Live migration").
-    warm_drain: Annotated[bool, knob("bool")] = False
     # data_parallel_size > 1: a drain moves its requests in waves of at most
     # the longest moved context's tokens, the next wave once the last one's
     # streams have their first token on their new engine, so each moved
@@ -229,7 +226,7 @@ class ServeConfig(msgspec.Struct, **_FROZEN):
 
 
 class StructuredOutputsConfig(msgspec.Struct, **_FROZEN):
-    backend: Annotated[str, one_of(("llguidance",))] = "llguidance"
+    backend: Annotated[str, one_of(GRAMMAR_BACKENDS)] = "llguidance"
     # grammar compiles run here, never on the step loop
     compile_threads: Annotated[int, int_in(1, 64)] = 1
     # JSON schemas (response_format, structured_outputs.json, tool parameters):
@@ -292,3 +289,13 @@ class EngineConfig(msgspec.Struct, **_FROZEN):
     @property
     def world_size(self) -> int:
         return self.parallel.tensor_parallel_size * self.parallel.pipeline_parallel_size
+
+    def core_in_actor(self, serving: bool = False) -> bool:
+        """Whether the EngineCore runs in its own Ray actor: parallel.engine_actor
+        when set (YAML's older serve.engine_actor maps onto it at load). Unset: on
+        with executor "ray" (that key's meaning before the knob existed) and in
+        Serve replicas (`serving`), off for LLM/AsyncLLM with another executor."""
+        p = self.parallel
+        if p.engine_actor is not None:
+            return p.engine_actor
+        return p.executor == "ray" or serving

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreRequest
 from conveyor.engine.core.busy_loop import EngineBusyLoop
-from conveyor.engine.core_client import OutputHandler
+from conveyor.engine.core_client import FleetAdmin, OutputHandler
 from conveyor.engine.errors import DeadFlag
 
 
 class InProcCoreClient:
+    started_ray = False  # LLM/AsyncLLM in this process start no Ray for it
+
     def __init__(self, config: EngineConfig) -> None:
         from conveyor.engine.core.engine_core import EngineCore
         from conveyor.executors import make_executor
@@ -38,6 +41,16 @@ class InProcCoreClient:
         rebuilds its own workers); answered as new adds all the same."""
         for r in requests:
             self.add_request(r)
+
+    @property
+    def admin(self) -> FleetAdmin | None:
+        return None
+
+    def hand_over_losses(self, on_lost: Callable[[str], None], on_back: Callable[[], None]) -> None:
+        pass  # a core in this process is never lost: it rebuilds its own workers
+
+    def engine_pid(self) -> int | None:
+        return None  # no process of its own
 
     def request_kv_snapshot(self) -> None:
         """The router saw a gap in this engine's events: send a full snapshot."""

@@ -1,38 +1,42 @@
-"""How the data-parallel client (conveyor/engine/dp/client.py) moves a request without
-a record of its tokens.
+"""How the data-parallel client (conveyor/engine/dp/client.py) moves a request
+between engines without a record of its tokens.
 
 The frontend's RequestState is the one record of the tokens a request has
-delivered (conveyor/engine/frontend/output_processor.py). A move (its engine lost or drained,
-a warm handover) is decided under the client's lock, on whichever thread saw
-the cause. At that instant the request leaves its engine (later outputs of
-it there are dropped) and a ResumeCall goes to the frontend through the
-output handler, under the same lock as every delivery, so the frontend
-reaches it after each output it was handed before. Its answer, resume() on
-the frontend's thread, brings the request back with exactly those tokens and
-the move completes: routed, sent, recorded. A warm handover asks the same
-way for the contexts to warm (the requests stay where they are).
+delivered (conveyor/engine/frontend/output_processor.py). A move (its engine
+lost or drained) is decided under the client's lock, on whichever thread saw
+the cause: `move(src, ids, cause)`. At that instant the requests leave their
+engine (later outputs of theirs there are dropped) and a ResumeCall goes to
+the frontend through the output handler, under the same lock as every
+delivery, so the frontend reaches it after each output it was handed before.
+Its answer, `complete(tag, requests)` on the frontend's thread, brings the
+requests back with exactly those tokens and the move completes: routed,
+sent, recorded.
 
-Invariants: a moving request is on no engine and in `_moving` under the tag
+Invariants: a moving request is on no engine and in `moving` under the tag
 of the one ask that moves it (an answer to an older ask of it is ignored);
-an abort ends its move; an answer that finds no engine up parks the request
-until one is (`_unpark`). MoveBook holds per live request what a move needs
-besides its tokens: its context length (prompt + tokens delivered, a count)
-for the paced drain's waves, and when it last delivered (migration gaps).
-The owner holds DataParallelClient._lock around every method here but
-resume(), which takes it.
+an abort ends its move (`end`); an answer that finds no engine up parks the
+request until one is (`unpark`). MoveBook holds per live request what a move
+needs besides its tokens: its context length (prompt + tokens delivered, a
+count) for the paced drain's waves, and when it last delivered (migration
+gaps). The owner holds its lock around every method here but complete(),
+which takes it.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal
 
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest, ResumeCall
+from conveyor.engine.dp.migration_log import MigrationLog
 from conveyor.engine.errors import EngineDeadError
 
-WARM = "warm"  # an ask that reads contexts for a warm handover (conveyor/engine/dp/paced_drain.py)
+MoveCause = Literal["lost", "drain"]
+# place(request) -> the engine it was sent to; EngineDeadError when none is up.
+Place = Callable[[EngineCoreRequest], int]
 
 
 @dataclass
@@ -41,11 +45,10 @@ class _Entry:
     last_delivery: float  # when tokens last reached the frontend
 
 
-@dataclass
+@dataclass(frozen=True)
 class Ask:
     src: int
-    cause: str  # "lost" | "drain" (a move) | WARM
-    prefer: int | None = None  # a move's destination when it is up (a warmed engine)
+    cause: MoveCause
 
 
 class MoveBook:
@@ -84,67 +87,68 @@ class MoveBook:
         return e.last_delivery if e is not None else None
 
 
-class ResumeAsks:
-    """Mixin of DataParallelClient (uses its _lock, _on_outputs, _place, migrations, book)."""
+class Mover:
+    """The moves in flight: asked of the frontend, not yet answered (or
+    answered while no engine was up: parked)."""
 
-    _asks: dict[int, Ask]
-    _moving: dict[str, int]  # request id -> the tag of the ask that moves it
-    _parked: dict[str, tuple[EngineCoreRequest, Ask]]  # answered while no engine was up
-
-    def _init_asks(self: Any) -> None:
-        self._asks, self._moving, self._parked = {}, {}, {}
+    def __init__(self, lock: threading.Lock, emit: Callable[[EngineCoreOutputs], None],
+                 place: Place, migrations: MigrationLog) -> None:
+        self._lock, self._emit, self._place, self._migrations = lock, emit, place, migrations
+        self.book = MoveBook()
+        self._asks: dict[int, Ask] = {}
+        self.moving: dict[str, int] = {}  # request id -> the tag of the ask that moves it
+        self.parked: dict[str, tuple[EngineCoreRequest, Ask]] = {}  # answered while no engine was up
         self._tags = itertools.count()
-        # Notified (under the client's lock) whenever an ask is answered.
-        self._answered = threading.Condition(self._lock)
+        self._answered = threading.Condition(lock)  # notified whenever an ask is answered
 
-    def _ask(self: Any, ask: Ask, request_ids: list[str]) -> None:
-        """Ask the frontend for these requests as delivered so far."""
+    def move(self, src: int, request_ids: list[str], cause: MoveCause) -> None:
+        """Ask the frontend for these requests (off engine src) as delivered so far."""
         tag = next(self._tags)
-        self._asks[tag] = ask
-        if ask.cause != WARM:
-            for rid in request_ids:
-                self._moving[rid] = tag
-        self._on_outputs(EngineCoreOutputs(resume=ResumeCall(tag, list(request_ids))))
+        self._asks[tag] = Ask(src, cause)
+        for rid in request_ids:
+            self.moving[rid] = tag
+        self._emit(EngineCoreOutputs(resume=ResumeCall(tag, list(request_ids))))
 
-    def resume(self: Any, tag: int, requests: list[EngineCoreRequest]) -> None:
-        """The frontend's answer: complete the moves (or warm-ups) it was asked for."""
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self.moving or request_id in self.parked
+
+    def complete(self, tag: int, requests: list[EngineCoreRequest]) -> None:
+        """The frontend's answer: place each request it was asked for."""
         with self._lock:
             ask = self._asks.pop(tag, None)
             if ask is None:
                 return
             self._answered.notify_all()
-            if ask.cause == WARM:
-                self._warm_answer(ask.src, requests)
-                return
             for r in requests:
-                if self._moving.get(r.request_id) == tag:
-                    del self._moving[r.request_id]
-                    self._complete_move(r, ask)
+                if self.moving.get(r.request_id) == tag:
+                    del self.moving[r.request_id]
+                    self._complete_one(r, ask)
 
-    def _complete_move(self: Any, r: EngineCoreRequest, ask: Ask) -> None:
+    def _complete_one(self, r: EngineCoreRequest, ask: Ask) -> None:
         last = self.book.last_delivery(r.request_id) or time.monotonic()
         try:
-            dst = self._place(r, prefer=ask.prefer)
+            dst = self._place(r)
         except EngineDeadError:  # no engine up now: it goes on once one is
-            self._parked[r.request_id] = (r, ask)
+            self.parked[r.request_id] = (r, ask)
             return
-        self.migrations.record(r.request_id, ask.src, dst, ask.cause,
-                               len(r.prompt_token_ids) + len(r.output_token_ids), last)
+        self._migrations.record(r.request_id, ask.src, dst, ask.cause,
+                                len(r.prompt_token_ids) + len(r.output_token_ids), last)
 
-    def _unpark(self: Any) -> None:
+    def unpark(self) -> None:
         """An engine is up again: requests answered while none was go on."""
-        parked, self._parked = self._parked, {}
+        parked, self.parked = self.parked, {}
         for r, ask in parked.values():
-            self._complete_move(r, ask)
+            self._complete_one(r, ask)
 
-    def _wait_answers(self: Any, src: int, timeout_s: float) -> bool:
+    def wait_answers(self, src: int, timeout_s: float) -> bool:
         """Under the lock: wait until every ask about engine src's requests
         is answered (their moves are counted then); False on timeout."""
         return self._answered.wait_for(
             lambda: not any(a.src == src for a in self._asks.values()), max(timeout_s, 0.0))
 
-    def _end_moves(self: Any, request_ids: list[str]) -> None:
+    def end(self, request_ids: list[str]) -> None:
         """Aborted: a move in progress ends here."""
+        self.book.drop(request_ids)
         for rid in request_ids:
-            self._moving.pop(rid, None)
-            self._parked.pop(rid, None)
+            self.moving.pop(rid, None)
+            self.parked.pop(rid, None)

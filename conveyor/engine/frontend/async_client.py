@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from conveyor.engine.config import EngineConfig, check_model_dir
 from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
-from conveyor.engine.core_client import CoreClient, CoreClientFactory, make_core_client
+from conveyor.engine.core_client import NOT_DATA_PARALLEL, CoreClient, CoreClientFactory, FleetAdmin
 from conveyor.engine.errors import EngineDeadError
+from conveyor.engine.frontend.clients import make_core_client
 from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from conveyor.engine.frontend.prepare import Frontend, PreparedRequest
 from conveyor.engine.lora import LoRARequest
@@ -170,17 +171,19 @@ class AsyncLLM:
         """Data parallel: move every request off `engine` to the others and
         route nothing more there; returns (how many moved) once it holds none.
         Streams go on without a break (DataParallelClient.drain)."""
-        drain = getattr(self.client, "drain", None)
-        if drain is None:
-            raise ValueError("drain needs parallel.data_parallel_size > 1")
-        return await asyncio.get_running_loop().run_in_executor(None, drain, engine, timeout_s)
+        return await asyncio.get_running_loop().run_in_executor(None, self.admin.drain, engine, timeout_s)
 
     def undrain(self, engine: int) -> None:
         """A drained engine takes requests again."""
-        undrain = getattr(self.client, "undrain", None)
-        if undrain is None:
-            raise ValueError("undrain needs parallel.data_parallel_size > 1")
-        undrain(engine)
+        self.admin.undrain(engine)
+
+    @property
+    def admin(self) -> FleetAdmin:
+        """The fleet's operations; ValueError (NOT_DATA_PARALLEL) for one engine."""
+        admin = self.client.admin
+        if admin is None:
+            raise ValueError(NOT_DATA_PARALLEL)
+        return admin
 
     @property
     def num_unfinished(self) -> int:
@@ -250,6 +253,8 @@ class AsyncLLM:
         prep = prepared or self.prepare(prompt, sampling_params, request_id, priority)
         self.dead.check()  # prepared earlier: the engine may have died since
         rid, ids, reqs = prep.request_id, prep.prompt_token_ids, prep.children
+        for r in reqs:
+            r.session = prep.session
         self._take_id(rid)
         children = [RequestState.make(r.request_id, k, r.sampling_params, ids, self.tokenizer, r)
                     for k, r in enumerate(reqs)]
@@ -258,11 +263,9 @@ class AsyncLLM:
         for r, c in zip(reqs, children):
             self._child_to_stream[r.request_id] = (stream, c)
         self.counters.prompt_tokens += len(ids) * len(reqs)
-        session = {"session": prep.session} if prep.session is not None and getattr(
-            self.client, "takes_session", False) else {}
         for i, r in enumerate(reqs):
             try:
-                self.client.add_request(r, **session)
+                self.client.add_request(r)
             except BaseException:
                 for c in children[i:]:
                     c.fail("error")  # never reached the engine: nothing to abort there

@@ -14,7 +14,8 @@ from typing import Any
 from conveyor.engine.config import EngineConfig, build_config, check_model_dir, load_config
 from conveyor.engine.contracts import EngineCoreRequest
 from conveyor.engine.core.engine_core import EngineCore
-from conveyor.engine.core_client import CoreClientFactory, core_in_actor, make_core_client
+from conveyor.engine.core_client import NOT_DATA_PARALLEL, CoreClientFactory, FleetAdmin, metric_dict
+from conveyor.engine.frontend.clients import make_core_client
 from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from conveyor.engine.frontend.prepare import Frontend, PreparedRequest, Prompt
 from conveyor.engine.frontend.sync_engine import SyncCoreEngine
@@ -47,7 +48,7 @@ class LLM:
 
     @staticmethod
     def _make_engine(config: EngineConfig, actor_factory: CoreClientFactory | None) -> Any:
-        if config.parallel.data_parallel_size > 1 or core_in_actor(config):
+        if config.parallel.data_parallel_size > 1 or config.core_in_actor():
             return SyncCoreEngine(make_core_client(config, actor_factory))
         from conveyor.executors import make_executor
 
@@ -140,10 +141,13 @@ class LLM:
         conveyor:spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens,
         ..._num_accepted_tokens_per_pos{position="i"})."""
         out = self._spec_counters.as_dict()
-        metrics = getattr(getattr(self.engine, "client", None), "metrics", None)
-        if metrics is not None:  # data parallel: per-engine and router series
-            out.update(metrics())
+        admin = self._admin()
+        if admin is not None:  # data parallel: per-engine and router series
+            out.update(metric_dict(admin.metric_rows()))
         return out
+
+    def _admin(self) -> FleetAdmin | None:
+        return self.engine.client.admin if isinstance(self.engine, SyncCoreEngine) else None
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.tokenizer
@@ -152,10 +156,10 @@ class LLM:
         """Data parallel, from another thread while generate() runs: move every
         request off `engine` to the others (DataParallelClient.drain); returns
         how many moved, once the engine holds none."""
-        client = getattr(self.engine, "client", None)
-        if client is None or not hasattr(client, "drain"):
-            raise ValueError("drain needs data_parallel_size > 1")
-        return client.drain(engine, timeout_s)
+        admin = self._admin()
+        if admin is None:
+            raise ValueError(NOT_DATA_PARALLEL)
+        return admin.drain(engine, timeout_s)
 
     def shutdown(self) -> None:
         engine, self.engine = getattr(self, "engine", None), None

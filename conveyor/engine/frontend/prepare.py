@@ -16,8 +16,9 @@ from conveyor.engine.frontend.json_limits import utf8_problem
 from conveyor.engine.frontend.tokenizer import Tokenizer, eos_of_model_dir, load_tokenizer
 from conveyor.engine.lora import LoRARequest, ModelDims, check_adapter
 from conveyor.engine.sampling_params import SamplingFields, child_seed, resolved_max_tokens
-from conveyor.engine.structured_output.backend import StructuredOutputBackend, make_backend
+from conveyor.engine.structured_output.backend import StructuredOutputBackend
 from conveyor.engine.structured_output.params import StructuredOutputsParams
+from conveyor.engine.structured_output.registry import make_backend
 
 Prompt = str | list[int]
 _VALID_SPECS_CACHED = 256

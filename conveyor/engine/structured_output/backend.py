@@ -1,4 +1,4 @@
-"""Grammar backends behind a small registry.
+"""What a grammar backend is (the registry that builds one: registry.py).
 
 A backend turns StructuredOutputsParams into a Grammar: a matcher that is fed
 the request's accepted tokens; the backend fills the rows of a packed int32
@@ -48,32 +48,3 @@ class StructuredOutputBackend(Protocol[G]):
 
 # (tokenizer_dir, vocab_size, eos_token_id, allow_additional_properties)
 BackendFactory = Callable[[str, int, "int | None", bool], "StructuredOutputBackend[Any]"]
-_BACKENDS: dict[str, BackendFactory] = {}
-
-
-def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
-    def deco(factory: BackendFactory) -> BackendFactory:
-        _BACKENDS[name] = factory
-        return factory
-    return deco
-
-
-def backend_names() -> list[str]:
-    _load_builtin()
-    return sorted(_BACKENDS)
-
-
-def make_backend(name: str, tokenizer_dir: str, vocab_size: int, eos_token_id: int | None,
-                 allow_additional_properties: bool = False) -> StructuredOutputBackend:
-    """tokenizer_dir holds tokenizer.json; vocab_size is the model's (logits) width;
-    allow_additional_properties: JSON Schema's open default for objects that
-    declare properties (False: closed, conveyor/engine/structured_output/schema.py)."""
-    _load_builtin()
-    factory = _BACKENDS.get(name)
-    if factory is None:
-        raise ValueError(f"unknown structured-output backend {name!r}; known: {sorted(_BACKENDS)}")
-    return factory(tokenizer_dir, vocab_size, eos_token_id, allow_additional_properties)
-
-
-def _load_builtin() -> None:
-    from conveyor.engine.structured_output import llguidance_backend  # noqa: F401  (registers itself)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import llguidance as llg
 import numpy as np
 
-from conveyor.engine.structured_output.backend import register_backend
 from conveyor.engine.structured_output.params import StructuredOutputsParams
 from conveyor.engine.structured_output.schema import close_objects
 
@@ -172,7 +171,6 @@ class LLGuidanceBackend:
             m.rollback(1)
 
 
-@register_backend("llguidance")
-def _make(tokenizer_dir: str, vocab_size: int, eos_token_id: int | None,
+def make_llguidance_backend(tokenizer_dir: str, vocab_size: int, eos_token_id: int | None,
           allow_additional_properties: bool = False) -> LLGuidanceBackend:
     return LLGuidanceBackend(tokenizer_dir, vocab_size, eos_token_id, allow_additional_properties)

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from conveyor.engine.structured_output.backend import Grammar, StructuredOutputBackend, make_backend
+from conveyor.engine.structured_output.backend import Grammar, StructuredOutputBackend
 from conveyor.engine.structured_output.params import StructuredOutputsParams
+from conveyor.engine.structured_output.registry import make_backend
 
 
 @dataclass

@@ -42,14 +42,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conveyor.engine.config.sections import ROUTER_POLICIES
 from conveyor.engine.dp.router.events import KVEvents
 from conveyor.engine.dp.router.index import PrefixIndex
 from conveyor.engine.kv_cache.hashing import first_block_extra, hash_block
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("kv_aware", "session", "least_loaded", "power_of_two", "round_robin")
-REASONS = ("cache_hit", "load_spill", "session", "fallback", "migration")
+POLICIES = ROUTER_POLICIES  # the config owns the list
+REASONS = ("cache_hit", "load_spill", "session", "fallback")
 LAM_DEFAULT = 0.4
 
 
@@ -173,10 +174,9 @@ class Router:
     # ---- decisions -----------------------------------------------------------------
 
     def route(self, request_id: str, hashes: list[bytes], num_tokens: int, max_tokens: int = 0,
-              session: str | None = None, adapter: str | None = None, count: bool = True) -> Decision:
+              session: str | None = None, adapter: str | None = None) -> Decision:
         """Pick an engine and count the request on it now (before any other decision).
-        `adapter`: the request's LoRA adapter name (None: the base model).
-        count=False: only say where it would go (a migration's warm-up)."""
+        `adapter`: the request's LoRA adapter name (None: the base model)."""
         p = self.s.policy
         if p == "kv_aware":
             d = self._kv_aware(hashes, num_tokens, max_tokens, session, adapter)
@@ -185,20 +185,11 @@ class Router:
         else:
             e = self._by_load(p)
             d = Decision(e, "fallback", self._cached_on(e, hashes, num_tokens))
-        if not count:
-            return d
         if session is not None:
             self._remember_session(session, d.engine)
         if adapter is not None:
             self.adapter_loaded(d.engine, adapter)
         self._count(request_id, d, num_tokens - d.predicted_cached_tokens + max_tokens, p)
-        return d
-
-    def assign(self, request_id: str, engine: int, tokens: int) -> Decision:
-        """Count the request on `engine`, chosen by the caller (a migration to
-        an engine that already computed its context)."""
-        d = Decision(engine, "migration", 0)
-        self._count(request_id, d, tokens, self.s.policy)
         return d
 
     def finish(self, request_id: str) -> None:
@@ -296,8 +287,8 @@ class Router:
         """What each engine would hold with this request's work on it, in
         tokens: this router's load, or the engine's own report of its queue
         (requests, other routers' included) x the mean work per request."""
-        held = np.maximum(self.load_tokens, self.reported * self._per_request(work))
-        return held + work
+        held: np.ndarray = np.maximum(self.load_tokens, self.reported * self._per_request(work)) + work
+        return held
 
     def _spill_bound(self, work: np.ndarray) -> float:
         """spill_ratio x the mean held over live engines + spill_slack mean requests."""

@@ -87,35 +87,6 @@ def test_reload_plan_refuses_a_changed_model_and_frontend_keys() -> None:
 
 # ---- the mechanism, without engines ----------------------------------------------------
 
-class _Fake:
-    def __init__(self, config=None) -> None:
-        from conveyor.engine.contracts import KVCacheInfo
-
-        self.kv_info = KVCacheInfo(num_blocks=64, block_size=16)
-        self.config, self.added, self.closed = config, [], False
-
-    def start(self, on_outputs) -> None:
-        self.emit = on_outputs
-
-    def add_request(self, request) -> None:
-        self.added.append(request)
-
-    def abort_requests(self, ids) -> None:
-        pass
-
-    def request_kv_snapshot(self) -> None:
-        pass
-
-    def check_health(self) -> str:
-        return "ok"
-
-    def worker_pids(self) -> list[int]:
-        return []
-
-    def shutdown(self) -> None:
-        self.closed = True
-
-
 def _req(rid: str):
     from conveyor.engine.contracts import EngineCoreRequest
 
@@ -125,19 +96,20 @@ def _req(rid: str):
 
 
 def test_engines_added_removed_and_rolled_over_without_engines() -> None:
+    from fake_engines import FakeEngineClient, fake_fleet
+
     from conveyor.engine.config import build_config
     from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
-    from conveyor.engine.dp.client import DataParallelClient
     from conveyor.engine.dp.scale_policy import ScaleSettings
     from conveyor.engine.dp.scaling import Autoscaler
 
     cfg = build_config(data_parallel_size=2, router="round_robin", min_engines=1, max_engines=3,
-                       **{"serve.autoscale_interval_s": 3600.0, "parallel.warm_drain": False})
-    dp = DataParallelClient(cfg, [_Fake(), _Fake()], spawn=_Fake)
+                       **{"serve.autoscale_interval_s": 3600.0})
+    dp = fake_fleet(cfg, [FakeEngineClient(), FakeEngineClient()])
     front = FakeFrontend()
     dp.start(front)
     try:
-        assert dp.autoscaler is not None and dp.add_engine() == 2 and dp.router.n == 3
+        assert dp.scaler.autoscaler is not None and dp.add_engine() == 2 and dp.router.n == 3
         for i in range(3):
             front.add(dp, _req(f"r{i}"))
         assert [len(c.added) for c in dp.clients] == [1, 1, 1]  # the router routes to the new engine
@@ -148,7 +120,7 @@ def test_engines_added_removed_and_rolled_over_without_engines() -> None:
         assert sorted(r.request_id for c in dp.clients[:2] for r in c.added) == ["r0", "r1", "r2"]
         assert dp.add_engine() == 2 and dp.engine_count() == 3  # the emptied slot is reused
         # The autoscaler on its own clock: idle engines go down after the delay, to min_engines.
-        scaler = Autoscaler(dp, ScaleSettings(min_engines=1, max_engines=3, downscale_delay_s=5.0), 1.0,
+        scaler = Autoscaler(dp.scaler, ScaleSettings(min_engines=1, max_engines=3, downscale_delay_s=5.0), 1.0,
                             clock=lambda: now, start=False)
         for i in range(3):  # every engine reports idle (r0..r2 were never finished: drop them)
             dp.abort_requests([f"r{i}"])
@@ -167,8 +139,8 @@ def test_engines_added_removed_and_rolled_over_without_engines() -> None:
         # Autoscaling knobs apply at once: a raised floor adds an engine, no rollout.
         got = dp.reload(msgspec.structs.replace(new_cfg, serve=msgspec.structs.replace(cfg.serve, min_engines=2)))
         assert got == {"changed": ["serve.min_engines"], "rolled_out": False, "moved_requests": 0}
-        assert dp.engine_count() == 2 and dp.autoscaler.policy.settings.min_engines == 2
-        dp.can_scale = False  # an engine pool's client (several ingress replicas)
+        assert dp.engine_count() == 2 and dp.scaler.autoscaler.policy.settings.min_engines == 2
+        dp.scaler.can_scale = False  # an engine pool's client (several ingress replicas)
         with pytest.raises(ValueError, match="engine pool"):
             dp.add_engine()
     finally:
@@ -216,7 +188,7 @@ def test_scale_down_and_reload_under_load_lose_no_request(tmp_path) -> None:
     async def scenario() -> None:
         llm = AsyncLLM(cfg)
         dp = llm.client
-        dp.config_source = lambda: changed  # what the replica's config file says now
+        dp.scaler.config_source = lambda: changed  # what the replica's config file says now
         srv = OpenAIServer(llm, cfg)
         app = build_api(srv, api_key="k")
         await srv.start()

@@ -96,22 +96,14 @@ def test_adapter_holdings_are_bounded_and_forgotten_with_the_engine() -> None:
 
 
 def test_data_parallel_client_routes_on_the_adapter_and_its_hashes() -> None:
+    from fake_engines import FakeEngineClient, fake_fleet
+
     from conveyor.engine.config import build_config
-    from conveyor.engine.contracts import EngineCoreRequest, KVCacheInfo
-    from conveyor.engine.dp.client import DataParallelClient
+    from conveyor.engine.contracts import EngineCoreRequest
     from conveyor.engine.sampling_params import SamplingParams
 
-    class Fake:
-        kv_info = KVCacheInfo(num_blocks=64, block_size=BS)
-
-        def __init__(self) -> None:
-            self.added: list[str] = []
-
-        def add_request(self, request) -> None:
-            self.added.append(request.request_id)
-
-    engines = [Fake(), Fake()]
-    dp = DataParallelClient(build_config(data_parallel_size=2), engines)
+    engines = [FakeEngineClient(block_size=BS), FakeEngineClient(block_size=BS)]
+    dp = fake_fleet(build_config(data_parallel_size=2), engines)
     lr = LoRARequest("ad", 5, "/x")
     toks = _toks(3, 64)
     dp.router.adapter_loaded(1, "ad")
@@ -120,6 +112,6 @@ def test_data_parallel_client_routes_on_the_adapter_and_its_hashes() -> None:
     dp.router.route = lambda *a: seen.append(a) or route(*a)  # type: ignore[method-assign]
     dp.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=toks, sampling_params=SamplingParams(
         max_tokens=4), arrival_time=0.0, priority=0, eos_token_id=None, lora_request=lr))
-    assert engines[1].added == ["r"]
+    assert engines[1].added_ids == ["r"]
     # The router scored the blocks engine 1 will hash for this request (adapter 5's).
     assert seen[0][1] == block_hashes_of(toks, BS, None, 5) and seen[0][5] == "ad"

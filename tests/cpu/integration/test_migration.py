@@ -14,10 +14,12 @@ import signal
 import jsonschema
 import msgspec
 import pytest
+from fake_engines import FakeEngineClient, fake_fleet
 from llm_utils import make_checkpoint
 from recovery_utils import FakeFrontend
 
 from conveyor.engine import SamplingParams, StructuredOutputsParams
+from conveyor.engine.core_client import metric_dict
 
 TAGS = {"type": "object", "properties": {"tags": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
     "type": "string", "minLength": 6, "maxLength": 10}}}, "required": ["tags"], "additionalProperties": False}
@@ -161,8 +163,8 @@ async def _scenario(llm, caplog) -> tuple[list[SamplingParams], list[dict]]:
     assert _diff(await _run(llm, _params([stop]), kill), ref) is None
     assert dp.states == ["dead", "up"] and llm.check_health() == "ok"
     assert await _kv_idle(llm, [1]) == [0.0]
-    assert not len(dp.book) and not dp._live and not dp._moving and dp.router.inflight.sum() == 0
-    m = dp.metrics()
+    assert not len(dp.mover.book) and not dp._live and not dp.mover.moving and dp.router.inflight.sum() == 0
+    m = metric_dict(dp.metric_rows())
     assert m['conveyor:migrations_total{engine="0",cause="drain"}'] == moved[0]
     assert m['conveyor:migrations_total{engine="0",cause="lost"}'] > 0
     assert m['conveyor:migration_reprefill_tokens_total{engine="1"}'] > 0
@@ -173,49 +175,12 @@ async def _scenario(llm, caplog) -> tuple[list[SamplingParams], list[dict]]:
 
 # ---- the client's bookkeeping, without engines ---------------------------------------
 
-class _Fake:
-    """A CoreClient without an engine: records adds and aborts; `emit` delivers."""
-
-    def __init__(self) -> None:
-        from conveyor.engine.contracts import KVCacheInfo
-
-        self.kv_info = KVCacheInfo(num_blocks=64, block_size=16)
-        self.added: list = []
-        self.aborted: list[str] = []
-        self.emit = None
-        self.hooks = None
-
-    def start(self, on_outputs) -> None:
-        self.emit = on_outputs
-
-    def add_request(self, request) -> None:
-        self.added.append(request)
-
-    def abort_requests(self, ids) -> None:
-        self.aborted += ids
-
-    def request_kv_snapshot(self) -> None:
-        pass
-
-    def check_health(self) -> str:
-        return "ok"
-
-    def shutdown(self) -> None:
-        pass
-
-
-def _fake_dp(n: int = 2, ray_like: bool = False, warm: bool = False, paced: bool = False):
+def _fake_dp(n: int = 2, paced: bool = False):
     from conveyor.engine.config import build_config
-    from conveyor.engine.dp.client import DataParallelClient
 
-    engines = [_Fake() for _ in range(n)]
-    if ray_like:
-        for e in engines:
-            e.hand_over_losses = lambda lost, back, e=e: setattr(e, "hooks", (lost, back))
-    # warm: parallel.warm_drain, so a drain hands over through warm-ups (conveyor/engine/dp/paced_drain.py).
-    dp = DataParallelClient(build_config(data_parallel_size=n, router="round_robin",
-                                         **{"parallel.warm_drain": warm, "parallel.paced_drain": paced}),
-                             engines)
+    engines = [FakeEngineClient() for _ in range(n)]
+    dp = fake_fleet(build_config(data_parallel_size=n, router="round_robin",
+                                 **{"parallel.paced_drain": paced}), engines)
     front = FakeFrontend()
     dp.start(front)
     return dp, engines, front
@@ -257,7 +222,7 @@ def test_loss_moves_delivered_tokens_as_output_tokens_and_drops_late_outputs() -
     assert toks == [7, 8, 9]
     src = 0 if owner is a else 1
     assert dp.check_health() == "ok"
-    assert dp.metrics()[f'conveyor:migrations_total{{engine="{src}",cause="lost"}}'] == 1
+    assert metric_dict(dp.metric_rows())[f'conveyor:migrations_total{{engine="{src}",cause="lost"}}'] == 1
     # Drain the survivor: nothing is up to take its requests.
     with pytest.raises(ValueError, match="only one up"):
         dp.drain(1 if owner is a else 0)
@@ -289,49 +254,6 @@ def test_loss_moves_delivered_tokens_as_output_tokens_and_drops_late_outputs() -
     dp2.add_request(_req("q5"))
     dp2.add_request(_req("q6"))
     assert len(c.added) == 3  # it takes requests again
-
-
-def test_warm_drain_moves_each_request_when_its_context_is_computed() -> None:
-    """A drain with prefix caching: each request's context goes to its new
-    engine as a one-token warm-up first; the request moves (aborted on the
-    drained engine, resubmitted with its delivered tokens) when its warm-up
-    ends, and not before; a warm-up's output never reaches the frontend; a
-    request that finished meanwhile does not move; losing the warm engine
-    moves the rest at once."""
-    import threading
-
-    from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
-
-    dp, engines, front = _fake_dp(warm=True)
-    for i in range(6):
-        front.add(dp, _req(f"w{i}"))  # round robin: w0, w2, w4 on one engine (a)
-    ia = 0 if engines[0].added[0].request_id == "w0" else 1
-    a, b = engines[ia], engines[1 - ia]
-    a.emit(_out("w0", [7, 8]))
-    done: list[int] = []
-    t = threading.Thread(target=lambda: done.append(dp.drain(ia, timeout_s=10)))
-    t.start()
-    for _ in range(500):  # the drain asks the frontend for the contexts to warm
-        if front.asks:
-            break
-        threading.Event().wait(0.01)
-    assert front.answer(dp) == 3 and len(b.added) == 6
-    warms = [r for r in b.added if r.request_id.endswith("~warm")]
-    assert [r.request_id for r in warms] == ["w0~warm", "w2~warm", "w4~warm"] and not a.aborted
-    assert warms[0].prompt_token_ids == list(range(5, 25)) + [7, 8] and warms[0].sampling_params.max_tokens == 1
-    a.emit(_out("w0", [9]))  # still a's: delivered
-    b.emit(_out("w0~warm", [1], finished=True))  # warmed: w0 moves now, with 7, 8, 9
-    assert a.aborted == ["w0"] and front.answer(dp) == 1
-    assert a.aborted == ["w0"] and (b.added[-1].request_id, b.added[-1].output_token_ids) == ("w0", [7, 8, 9])
-    a.emit(_out("w2", [3], finished=True))  # finished before its warm-up: stays done
-    b.emit(_out("w2~warm", [1], finished=True))
-    assert a.aborted == ["w0"]
-    assert not any(x.request_id.endswith("~warm") for o in front.got for x in o.outputs)
-    b.emit(EngineCoreOutputs(engine_error="gone"))  # lost: no engine is up, w4 stays on a
-    a.emit(_out("w4", [5], finished=True))
-    a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
-    t.join(10)
-    assert done == [1] and sorted(dp.states) == ["dead", "drained"]  # w0 moved; w2, w4 finished on a
 
 
 def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplog) -> None:
@@ -373,7 +295,7 @@ def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplo
     assert a.aborted == ["w0", "w2"] and len(b.added) == 5
     a.emit(EngineCoreOutputs(scheduler_stats=SchedulerStats()))
     t.join(10)
-    m = dp.metrics()
+    m = metric_dict(dp.metric_rows())
     assert done == [2] and m[f'conveyor:migrations_total{{engine="{ia}",cause="drain"}}'] == 2
     assert m[f'conveyor:migration_reprefill_tokens_total{{engine="{1 - ia}"}}'] == 22 + 21  # nothing cached
     b.emit(_out("w0", [10], finished=True))
@@ -389,7 +311,7 @@ def test_paced_drain_moves_a_wave_once_the_last_produced_on_its_new_engine(caplo
 
 
 def test_actor_loss_moves_at_once_and_the_rebuilt_engine_comes_back() -> None:
-    dp, (a, b), front = _fake_dp(ray_like=True)
+    dp, (a, b), front = _fake_dp()
     front.add(dp, _req("r0"))
     front.add(dp, _req("r1"))
     lost, back = a.hooks
@@ -411,7 +333,7 @@ def test_a_move_answered_while_no_engine_is_up_waits_for_one() -> None:
     """The frontend answers a move once every engine is lost: the request
     waits (on no engine) and goes to the first engine back, with the tokens
     the frontend had when it answered; an abort meanwhile ends the move."""
-    dp, (a, b), front = _fake_dp(ray_like=True)
+    dp, (a, b), front = _fake_dp()
     front.add(dp, _req("r0"))
     front.add(dp, _req("r1"))
     if a.added[0].request_id != "r0":
@@ -420,10 +342,10 @@ def test_a_move_answered_while_no_engine_is_up_waits_for_one() -> None:
     (lost_a, back_a), (lost_b, _) = a.hooks, b.hooks
     lost_a("gone")  # r0 moves: asked, not answered yet
     lost_b("gone too")  # r1 waits for b's rebuild
-    assert front.answer(dp) == 1 and dp._parked.keys() == {"r0"}
+    assert front.answer(dp) == 1 and dp.mover.parked.keys() == {"r0"}
     dp.abort_requests(["r1"])
     back_a()
-    assert front.answer(dp) == 0 and not dp._parked and not dp._moving
+    assert front.answer(dp) == 0 and not dp.mover.parked and not dp.mover.moving
     assert [(r.request_id, r.output_token_ids) for r in a.added[1:]] == [("r0", [7])]
 
 
@@ -464,8 +386,8 @@ def test_data_parallel_batch_journals_merge_and_resume_on_any_engine(tmp_path) -
     ka, kb = f"cmpl-{la}-0", f"cmpl-{lb}-0"
     assert LineJournal.line_of(ka) == la
 
-    def engine(i: int) -> tuple[LineJournal, _Fake, list]:
-        fake, got = _Fake(), []
+    def engine(i: int) -> tuple[LineJournal, FakeEngineClient, list]:
+        fake, got = FakeEngineClient(), []
         j = LineJournal(fake, TokenJournal(f"{base}.{i}", min_flush_tokens=1, restore_from=base))
         j.start(got.append)
         return j, fake, got

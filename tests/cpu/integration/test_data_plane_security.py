@@ -260,9 +260,9 @@ def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
     try:
         client = llm.engine.client
         captured: list[list[bytes]] = []
-        client._in.tap = captured.append  # real "add" inputs, to replay
+        client.link.inp.tap = captured.append  # real "add" inputs, to replay
         clean = _generate(llm, prompts)
-        client._in.tap = None
+        client.link.inp.tap = None
         # An attached frontend (an ingress replica of conveyor/cluster/engine_pool.py):
         # its channel pair, on a plane of its own, is probed like the rest.
         front_keys = PlaneKeys.generate()

@@ -5,7 +5,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from fake_engines import FakeEngineClient, fake_fleet
 
+from conveyor.engine.core_client import metric_dict
 from conveyor.engine.dp.router.events import KVEventPublisher, KVEvents
 from conveyor.engine.dp.router.index import PrefixIndex
 from conveyor.engine.dp.router.policy import Router, RouterSettings, block_hashes_of
@@ -226,48 +228,26 @@ def test_config_knobs_cli_flag_and_metrics_rows() -> None:
     assert collect_overrides(args) == {"parallel.data_parallel_size": 4, "serve.router": "power_of_two"}
 
 
-class _FakeEngine:
-    """A CoreClient without an engine: records what the router sent it."""
-
-    def __init__(self) -> None:
-        from conveyor.engine.contracts import KVCacheInfo
-
-        self.kv_info = KVCacheInfo(num_blocks=64, block_size=BS)
-        self.added: list[str] = []
-        self.snapshots = 0
-        self.emit = None
-
-    def start(self, on_outputs) -> None:
-        self.emit = on_outputs
-
-    def add_request(self, request) -> None:
-        self.added.append(request.request_id)
-
-    def request_kv_snapshot(self) -> None:
-        self.snapshots += 1
-
-
 def test_data_parallel_client_routes_sessions_feeds_events_and_resyncs() -> None:
     from conveyor.engine.config import build_config
     from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-    from conveyor.engine.dp.client import DataParallelClient
     from conveyor.engine.sampling_params import SamplingParams
 
-    engines = [_FakeEngine(), _FakeEngine()]
-    dp = DataParallelClient(build_config(data_parallel_size=2, router="session"), engines)
+    engines = [FakeEngineClient(block_size=BS), FakeEngineClient(block_size=BS)]
+    dp = fake_fleet(build_config(data_parallel_size=2, router="session"), engines)
     got: list[EngineCoreOutputs] = []
     dp.start(got.append)
 
-    def req(rid: str, n: int = 40) -> EngineCoreRequest:
+    def req(rid: str, n: int = 40, session: str | None = None) -> EngineCoreRequest:
         return EngineCoreRequest(request_id=rid, prompt_token_ids=_toks(len(rid), n),
                                  sampling_params=SamplingParams(max_tokens=4), arrival_time=0.0,
-                                 priority=0, eos_token_id=None)
+                                 priority=0, eos_token_id=None, session=session)
 
-    dp.add_request(req("a1"), session="alice")
-    dp.add_request(req("b1"), session="bob")
-    first = 0 if "a1" in engines[0].added else 1
-    dp.add_request(req("a2"), session="alice")
-    assert "a2" in engines[first].added and "b1" in engines[1 - first].added
+    dp.add_request(req("a1", session="alice"))
+    dp.add_request(req("b1", session="bob"))
+    first = 0 if "a1" in engines[0].added_ids else 1
+    dp.add_request(req("a2", session="alice"))
+    assert "a2" in engines[first].added_ids and "b1" in engines[1 - first].added_ids
     # Events: in order they index, a gap asks that engine for a snapshot.
     hs = block_hashes_of(_toks(2, 64), BS)
     engines[0].emit(EngineCoreOutputs(kv_events=KVEvents(5, 1, hs[:2])))
@@ -278,5 +258,5 @@ def test_data_parallel_client_routes_sessions_feeds_events_and_resyncs() -> None
     owner = engines[first]
     owner.emit(EngineCoreOutputs(outputs=[EngineCoreOutput("a1", [7], FinishReason.LENGTH)]))
     assert dp.router.inflight.sum() == 2 and len(got) == 3
-    m = dp.metrics()
+    m = metric_dict(dp.metric_rows())
     assert m[f'conveyor:router_decisions_total{{engine="{first}",policy="session",reason="session"}}'] == 1

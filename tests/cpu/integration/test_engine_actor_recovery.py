@@ -13,6 +13,7 @@ import signal
 
 import httpx
 import pytest
+from fake_engines import FakeEngineClient, fake_fleet
 from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
 from ray_nodes import engine_actor_pids
 from recovery_utils import before_step, expect_fail_fast
@@ -120,42 +121,23 @@ def test_a_resumed_request_reports_its_first_prefix_cache_hit():
     assert st.num_cached_tokens == 2 and st.token_ids == [7, 6, 5]
 
 
-class _LosingClient:
+class _LosingClient(FakeEngineClient):
     """A CoreClient (or one engine of a data-parallel one) whose engine is
     lost while its outputs still wait for the event loop: `emit` runs on a
     thread of its own, as a reader thread does."""
 
     def __init__(self) -> None:
-        from conveyor.engine.contracts import KVCacheInfo
-        from conveyor.engine.errors import DeadFlag
-
-        self.kv_info, self.dead = KVCacheInfo(num_blocks=64, block_size=16, vocab_size=256), DeadFlag()
-        self.added, self.resumed, self.aborted = [], [], []
-        self.emit = None
+        super().__init__()
+        self.resumed: list = []
         self.answered, self.got_one = asyncio.Event(), asyncio.Event()
 
-    def start(self, on_outputs) -> None:
-        self.emit = on_outputs
-
     def add_request(self, request) -> None:
-        self.added.append(request)
+        super().add_request(request)
         self.got_one.set()
-
-    def request_kv_snapshot(self) -> None:
-        pass
-
-    def check_health(self) -> str:
-        return "ok"
 
     def resume(self, tag, requests) -> None:
         self.resumed.append((tag, requests))
         self.answered.set()
-
-    def abort_requests(self, ids) -> None:
-        self.aborted += ids
-
-    def shutdown(self) -> None:
-        pass
 
     def from_reader(self, *messages) -> None:
         """Hand every message over before the loop runs again (join blocks it)."""
@@ -214,12 +196,10 @@ def test_a_data_parallel_move_waits_for_the_outputs_queued_before_it(ckpt):
     with every token delivered before the loss, and the stream carries each
     token once."""
     from conveyor.engine.contracts import EngineCoreOutputs
-    from conveyor.engine.dp.client import DataParallelClient
-
     async def scenario():
         engines = [_LosingClient(), _LosingClient()]
         cfg = build_config(model=ckpt, data_parallel_size=2, router="round_robin")
-        llm = AsyncLLM(cfg, client=DataParallelClient(cfg, engines))
+        llm = AsyncLLM(cfg, client=fake_fleet(cfg, engines))
         stream = llm.generate([5, 6, 7, 8], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.wait([asyncio.ensure_future(e.got_one.wait()) for e in engines],

@@ -7,6 +7,7 @@ import sys
 
 import msgspec
 import pytest
+from repo_paths import ROOT
 
 from conveyor.engine.contracts import (
     CachedRequestData,
@@ -124,15 +125,15 @@ def test_engine_loads_without_cluster_and_the_knob_alone_places_the_core():
     the core runs is parallel.engine_actor alone (executor "ray" keeps its old
     meaning only while the knob is unset; serve.engine_actor maps onto it),
     and only a core asked into an actor reaches cluster's RayCoreClient."""
-    code = ("import sys; import conveyor.engine.frontend.llm, conveyor.engine.frontend.async_client, conveyor.engine.core_client as cc; "
+    code = ("import sys; import conveyor.engine.frontend.llm, conveyor.engine.frontend.async_client, conveyor.engine.frontend.clients as cc; "
             "from conveyor.engine.config import build_config as b; "
             "assert not [m for m in sys.modules if m.startswith('conveyor.cluster')]; "
-            "assert [cc.core_in_actor(b(executor=e)) for e in ('uniproc', 'mp', 'ray')] == [False, False, True]; "
-            "assert cc.core_in_actor(b(executor='uniproc'), serving=True); "
-            "assert not cc.core_in_actor(b(executor='ray', engine_actor=False)); "
-            "assert cc.core_in_actor(b(executor='mp', engine_actor=True)); "
-            "assert not cc.core_in_actor(b({'serve': {'engine_actor': False}}), serving=True); "
-            "assert cc.core_in_actor(b({'serve': {'engine_actor': False}}, executor='ray'), serving=True); "
+            "assert [b(executor=e).core_in_actor() for e in ('uniproc', 'mp', 'ray')] == [False, False, True]; "
+            "assert b(executor='uniproc').core_in_actor(serving=True); "
+            "assert not b(executor='ray', engine_actor=False).core_in_actor(); "
+            "assert b(executor='mp', engine_actor=True).core_in_actor(); "
+            "assert not b({'serve': {'engine_actor': False}}).core_in_actor(serving=True); "
+            "assert b({'serve': {'engine_actor': False}}, executor='ray').core_in_actor(serving=True); "
             "assert b({'serve': {'engine_actor': True}}).serve.engine_actor is None; "
             "assert not [m for m in sys.modules if m.startswith('conveyor.cluster')]; "
             "from conveyor.cluster.engine_actor.client import RayCoreClient; "
@@ -148,16 +149,15 @@ def test_legacy_serve_engine_actor_must_agree_with_the_knob():
 
 
 # The one place conveyor/engine/ names conveyor/cluster/: the default client of a core in an
-# actor, imported on demand (conveyor/engine/core_client.py: actor_client_factory).
-_ENGINE_TO_CLUSTER = {("conveyor/engine/core_client.py", "conveyor.cluster.engine_actor.client")}
+# actor, imported on demand (conveyor/engine/frontend/clients.py: actor_client_factory).
+_ENGINE_TO_CLUSTER = {("conveyor/engine/frontend/clients.py", "conveyor.cluster.engine_actor.client")}
 
 
 def test_import_rules_static():
     """conveyor/engine/ never imports torch.distributed, ray, model code or conveyor/cluster/
     (not even lazily); conveyor/kernels/ imports nothing from the project; conveyor/workers/
     never imports ray."""
-    import pathlib
-    root = pathlib.Path(__file__).resolve().parents[2]
+    root = ROOT
     project = ("engine", "executors", "workers", "parallel", "kernels", "cluster")
     ours = tuple(f"conveyor.{p}" for p in project)
     rules = [("engine", ("ray", "torch.distributed") + ours[2:]),
@@ -199,9 +199,8 @@ def test_every_logger_is_under_the_conveyor_root():
     """Loggers are named `__name__` (conveyor.<package>...) or a literal under `conveyor.`,
     so configuring the `conveyor` logger configures them all."""
     import ast
-    import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[2] / "conveyor"
+    root = ROOT / "conveyor"
     names = []
     for f in root.rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
