@@ -63,11 +63,6 @@ WATCH_TIMEOUT_S = 5.0  # a watcher's long poll; it also notices a closed replica
 UP, DRAINED = EngineState.UP, EngineState.DRAINED
 
 
-def uses_pool(config: EngineConfig) -> bool:
-    """Several ingress replicas share the engines only under data parallel."""
-    return config.parallel.data_parallel_size > 1 and config.serve.replicas > 1
-
-
 # max_concurrency: each replica keeps one call waiting in watch().
 @ray.remote(num_cpus=0, max_concurrency=64)
 class EnginePool:

@@ -43,7 +43,7 @@ from conveyor.cluster.engine_actor.client import RayCoreClient
 from conveyor.cluster.openai.responses_api.store import RayResponseStore
 from conveyor.engine.config import EngineConfig, check_model_dir, load_config
 from conveyor.engine.core_client import NOT_DATA_PARALLEL
-from conveyor.executors.ray_placement import worker_bundle
+from conveyor.executors.ray_placement import host_and_worker_bundles
 
 log = logging.getLogger("conveyor.serve")
 
@@ -89,9 +89,8 @@ def replica_resources(config: EngineConfig, use_gpu: bool) -> dict[str, Any]:
         # outside the replica's reservation: each may land on any node.
         return {"ray_actor_options": {"num_cpus": 1}}
     if config.parallel.executor == "ray":
-        worker = worker_bundle(use_gpu, config.parallel.num_cpus_per_worker)
         return {"ray_actor_options": {"num_cpus": 1},
-                "placement_group_bundles": [{"CPU": 1.0}] + [dict(worker) for _ in range(world)],
+                "placement_group_bundles": host_and_worker_bundles(config, use_gpu),
                 "placement_group_strategy": strategy}
     place = core_actor_placement(config, use_gpu)
     if place is not None:  # the actor's own bundle holds exactly what it asks for

@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -82,8 +81,6 @@ class Channel:
         # seq order on every socket (and a ZMQ socket is not thread-safe).
         self._lock = sealer.lock if sealer is not None else threading.RLock()
         self._enc = msgspec.msgpack.Encoder()
-        # Test hook: called with every frame list this channel sends.
-        self.tap: Callable[[list[bytes]], None] | None = None
         self.closed = False
 
     # ---- sending ---------------------------------------------------------------------
@@ -118,8 +115,6 @@ class Channel:
 
     def _send_frames(self, frames: list[bytes], flags: int) -> None:
         self.sock.send_multipart(frames, flags=flags, copy=False)
-        if self.tap is not None:
-            self.tap(list(frames))
 
     # ---- receiving -------------------------------------------------------------------
 

@@ -24,6 +24,14 @@ def worker_bundle(use_gpu: bool, num_cpus_per_worker: float) -> dict[str, float]
     return {"GPU": 1.0} if use_gpu else {"CPU": float(num_cpus_per_worker)}
 
 
+def host_and_worker_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
+    """Executor "ray" under a host actor (a Serve replica, a batch actor):
+    bundle 0 is the host (and its EngineCoreActor), bundles 1..world the
+    workers, which RayExecutor finds in the current placement group."""
+    worker = worker_bundle(use_gpu, config.parallel.num_cpus_per_worker)
+    return [{"CPU": 1.0}] + [dict(worker) for _ in range(config.world_size)]
+
+
 def missing_resources(bundles: list[dict[str, float]], available: dict[str, float]
                       ) -> dict[str, float]:
     """Per resource, how much the bundles need beyond what is available now

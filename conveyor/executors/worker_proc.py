@@ -37,7 +37,7 @@ class WorkerSpec:
     keys: PlaneKeys  # the client half (PlaneKeys.for_clients)
     parent_pid: int | None = None  # exit when this process disappears
     # "module:Class" of the worker: the one seam through which benchmarks and
-    # tests swap in a no-op, wedging or failing worker (conveyor/executors/noop_worker.py).
+    # tests swap in a no-op, wedging or failing worker (tests/cpu/noop_worker.py, hang_worker.py).
     worker_class: str = "conveyor.workers.worker:Worker"
 
 

@@ -119,10 +119,6 @@ def is_initialized() -> bool:
     return _STATE is not None
 
 
-def get_state() -> ParallelState | None:
-    return _STATE
-
-
 def _require() -> ParallelState:
     if _STATE is None:
         raise RuntimeError("parallel state is not initialised (init_distributed)")
@@ -131,10 +127,6 @@ def _require() -> ParallelState:
 
 def world_size() -> int:
     return 1 if _STATE is None else _STATE.world_size
-
-
-def global_rank() -> int:
-    return 0 if _STATE is None else _STATE.rank
 
 
 def tp_rank() -> int:
@@ -161,16 +153,8 @@ def is_last_pp_rank() -> bool:
     return pp_rank() == pp_size() - 1
 
 
-def get_tp_group() -> ProcessGroup:
-    return _require().tp_group
-
-
 def get_pp_group() -> ProcessGroup:
     return _require().pp_group
-
-
-def get_tp_cpu_group() -> ProcessGroup:
-    return _require().tp_cpu_group
 
 
 def get_pp_cpu_group() -> ProcessGroup:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import threading
 
+from noop_worker import NoopWorker
+
 from conveyor.engine.contracts import ModelRunnerOutput, SchedulerOutput
-from conveyor.executors.noop_worker import NoopWorker
 
 HANG_AT_STEP = 2
 

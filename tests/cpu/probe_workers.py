@@ -4,9 +4,9 @@ test's sys.path on); production workers carry no test hook."""
 from __future__ import annotations
 
 import pytest
+from noop_worker import StepTimeline
 
 from conveyor.engine.contracts import ModelRunnerOutput, SchedulerOutput
-from conveyor.executors.noop_worker import StepTimeline
 from conveyor.workers.worker import Worker
 
 FAULT_RANK, FAULT_STEP = 1, 3

@@ -24,7 +24,7 @@ from conveyor.cluster.openai.protocol import ChatRequest, CompletionRequest
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.errors import EngineDeadError, UnsendableRequestError
 from conveyor.engine.frontend.json_limits import utf8_problem
-from conveyor.executors.ray_placement import worker_bundle
+from conveyor.executors.ray_placement import host_and_worker_bundles
 
 if TYPE_CHECKING:  # the engine loads on first use (see LineRunner.start)
     from conveyor.cluster.batch.token_journal import LineJournal
@@ -198,8 +198,7 @@ def engine_bundles(config: EngineConfig, use_gpu: bool) -> tuple[list[dict[str, 
     process tree, so bundle 0 holds their GPUs."""
     world = config.world_size
     if config.parallel.executor == "ray":
-        worker = worker_bundle(use_gpu, config.parallel.num_cpus_per_worker)
-        return [{"CPU": 1.0}] + [dict(worker) for _ in range(world)], 0
+        return host_and_worker_bundles(config, use_gpu), 0
     gpus = world if use_gpu else 0
     return [{"CPU": 1.0, **({"GPU": float(gpus)} if gpus else {})}], gpus
 

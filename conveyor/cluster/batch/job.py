@@ -24,6 +24,16 @@ Invariants:
   it never turns into per-line error records that a rerun would skip.
 - At most `max_in_flight` lines per engine are in the engine at once
   (default 2 × scheduler.max_num_seqs): memory stays bounded on big files.
+
+Two ways to run N engines, never both at once (refused):
+- `--data-parallel N`: N independent jobs in one, each engine an actor with its
+  own placement group and its own share of the lines. No router, no
+  migration: the right tool for throughput over a big file on a cluster,
+  where each engine can land on any node.
+- `parallel.data_parallel_size: N` in the config: N engines behind one
+  frontend and the router (prefix-aware routing, requests migrate off a lost
+  engine). The right tool when lines share long prefixes (few-shot
+  templates) or when one host runs every engine.
 """
 from __future__ import annotations
 
@@ -364,6 +374,11 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise BatchInputError(f"--data-parallel: expected an int >= 1, got {args.data_parallel}")
         overrides = collect_overrides(args, ENGINE_AND_NAME)
         config = absolute_paths(load_config(args.config, **overrides))
+        if args.data_parallel > 1 and config.parallel.data_parallel_size > 1:
+            raise BatchInputError(
+                f"--data-parallel {args.data_parallel} with parallel.data_parallel_size "
+                f"{config.parallel.data_parallel_size}: choose one (--data-parallel: independent engines, "
+                "each with its share of the lines; data_parallel_size: engines behind one router)")
         # Fail on a bad file before starting Ray; start nothing if all is done.
         if os.path.abspath(args.input) == os.path.abspath(args.output):
             raise BatchInputError(f"{args.output}: the output must not be the input file")

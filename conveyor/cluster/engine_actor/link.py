@@ -179,8 +179,8 @@ class CoreLink:
         engine rebuilds its worker group)."""
         try:
             self.owned_pg = ray.get(self.actor.owned_placement_group_id.remote(), timeout=HEALTH_S)
-        except Exception:  # noqa: BLE001 - a dead or busy actor keeps the last known one
-            pass
+        except Exception as e:  # noqa: BLE001 - a dead or busy actor keeps the last known one
+            log.info("placement group of the engine actor not refreshed (%r); keeping the last known", e)
 
     def _remove_owned_pg(self) -> None:
         if self.owned_pg is None:

@@ -80,8 +80,8 @@ def rebuild_executor(config: EngineConfig, old: Executor,
         except Exception as e:  # noqa: BLE001 - retried, then reported
             try:
                 executor.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as stop_error:  # noqa: BLE001 - the retry goes on regardless
+                log.warning("shutting down the failed worker group: %r", stop_error)
             if time.monotonic() > deadline:
                 raise EngineDeadError(
                     f"no new worker group within parallel.recovery_timeout_s="

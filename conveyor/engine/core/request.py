@@ -75,10 +75,6 @@ class Request(RequestFields, kw_only=True, gc=False):
         acc.token_ids.extend(chunk.token_ids[skip:])
         acc.logprobs.extend(chunk.logprobs[skip:])
 
-    @property
-    def use_structured_output(self) -> bool:
-        return self.structured_output is not None
-
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
 

@@ -21,10 +21,9 @@ import tempfile
 import time
 
 import pytest
-from llm_utils import make_checkpoint
 from ray_nodes import free_port, start_node, stop_node, token_env
+from repo_paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 COMPLETION_PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend builds", "日本語の本",
                       "The scheduler", "every token", "Our model reads", "The GPU eats",
@@ -87,8 +86,8 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("batch") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +183,19 @@ def test_bad_config_names_the_key(tmp_path, ckpt, capsys):
     rc = main(["--config", cfg, "--input", str(tmp_path / "in.jsonl"), "--output",
                str(tmp_path / "o.jsonl"), "--set", "scheduler.max_num_seqs=0"])
     assert rc == 2 and "scheduler.max_num_seqs: expected int >= 1, got 0" in capsys.readouterr().err
+
+
+def test_both_data_parallel_knobs_at_once_are_refused(tmp_path, ckpt, capsys):
+    from conveyor.cluster.batch.job import main
+
+    _write_jsonl(str(tmp_path / "in.jsonl"), _twenty_lines()[:1])
+    cfg = _write_config(str(tmp_path / "c.yaml"), ckpt, "uniproc")
+    out = tmp_path / "o.jsonl"
+    rc = main(["--config", cfg, "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+               "--data-parallel", "2", "--set", "parallel.data_parallel_size=2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--data-parallel 2 with parallel.data_parallel_size 2: choose one" in err, err
+    assert not out.exists()
 
 
 # ---- through Ray: executor ray, then two data-parallel engines ----------------------------------

@@ -135,12 +135,23 @@ def plane_pair():
     server.close()
 
 
+def _tap(ch, captured: list[list[bytes]]):
+    """Copy every frame list the channel sends into `captured`; returns the undo."""
+    send = ch._send_frames
+
+    def tapped(frames, flags):
+        send(frames, flags)
+        captured.append(list(frames))
+    ch._send_frames = tapped
+    return lambda: delattr(ch, "_send_frames")
+
+
 def test_bad_frames_are_dropped_and_counted(plane_pair):
     keys, server, client = plane_pair
     rx = server.pull(TO_EXECUTOR, WorkerReply, bind_host="127.0.0.1")
     tx = client.push(client.sealer(TO_EXECUTOR, rank_sender(0)), connect=rx.address)
     captured: list[list[bytes]] = []
-    tx.tap = captured.append
+    _tap(tx, captured)
     tx.send(WorkerReply(0, 1))
     assert rx.recv(timeout_ms=10000) == WorkerReply(0, 1)
     frames, expected = bad_frames(keys.mac, TO_EXECUTOR, TO_WORKERS, rank_sender(0))
@@ -226,9 +237,9 @@ def test_mp_engine_survives_foreign_peers(ckpt, prompts):
     try:
         ex = llm.engine.executor
         captured: list[list[bytes]] = []
-        ex._cmds[0].tap = captured.append  # real step commands, to replay
+        untap = _tap(ex._cmds[0], captured)  # real step commands, to replay
         clean = _generate(llm, prompts)
-        ex._cmds[0].tap = None
+        untap()
         addresses = ex.listen_addresses()
         assert len(addresses) == 3  # replies + one command socket per rank
         foreign = _attack(addresses, ex.keys.server_public, captured[:4])
@@ -260,9 +271,9 @@ def test_ray_engine_survives_foreign_peers(ray_local, ckpt, prompts):
     try:
         client = llm.engine.client
         captured: list[list[bytes]] = []
-        client.link.inp.tap = captured.append  # real "add" inputs, to replay
+        untap = _tap(client.link.inp, captured)  # real "add" inputs, to replay
         clean = _generate(llm, prompts)
-        client.link.inp.tap = None
+        untap()
         # An attached frontend (an ingress replica of conveyor/cluster/engine_pool.py):
         # its channel pair, on a plane of its own, is probed like the rest.
         front_keys = PlaneKeys.generate()

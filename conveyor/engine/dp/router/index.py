@@ -142,9 +142,6 @@ class PrefixIndex:
         st = self.engines.get(e)
         return len(st.held) if st is not None else 0
 
-    def approx_bytes(self) -> int:
-        return self.num_entries() * BYTES_PER_BLOCK
-
 
 def _set_bits(out: dict[int, int], mask: int, value: int) -> None:
     while mask:
