@@ -10,7 +10,7 @@ EXTRAS ?= test
 PIN := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 export CONVEYOR_CONSTRAINTS := $(abspath $(CONSTRAINTS))
 
-.PHONY: venv lint test test-latest lock run bench-scheduler clean
+.PHONY: venv lint test test-fast test-latest lock run bench-scheduler clean
 
 # A current pip first: the one a Python 3.11 venv ships (23.x) parses every
 # requirement with pyparsing and spent ~25 CPU-s more resolving the test extra
@@ -43,6 +43,12 @@ test: venv
 	$(VPY) -c "from conveyor.kernels import cpu_attention as k; k.load_extension()" & build=$$!; \
 	  $(LINT); lint=$$?; wait $$build; exit $$lint
 	$(VPY) -m pytest tests/cpu tests/compat -q -n $(TEST_WORKERS) --dist loadfile --durations=10
+
+# The contributor's loop, not CI's: tests/cpu less integration/ (unit/ and the checks beside
+# it), without the tests marked ray or slow (markers: pyproject.toml). Under a minute on
+# 2 cores. Needs a built venv (`make venv` once); `make test` still runs everything.
+test-fast: $(VPY)
+	$(VPY) -m pytest tests/cpu --ignore=tests/cpu/integration -m "not ray and not slow" -q -n $(TEST_WORKERS) --dist loadfile
 
 # Not in CI: the whole suite on the newest release of every dependency, in a venv of
 # its own, so the next upstream break reaches us before it reaches a user.

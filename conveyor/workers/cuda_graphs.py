@@ -18,7 +18,7 @@ host values it saw at capture, so:
 
 The capture itself is behind `Capturer`: `CudaGraphCapturer` on a GPU, and on
 CPU the tests' recorder, which records the forward's aten calls and replays the
-same calls on the same buffers (tests/cpu/test_cuda_graphs.py).
+same calls on the same buffers (tests/cpu/unit/test_cuda_graphs.py).
 """
 from __future__ import annotations
 

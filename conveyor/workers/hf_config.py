@@ -7,7 +7,7 @@ modules, about 2 CPU-seconds in every rank process that only needs a dozen
 numbers (a 2x2 engine starts four). The engine side already reads config.json
 directly (conveyor/engine/lora.py, conveyor/engine/frontend/tokenizer.py). The defaults below are those
 of transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config for
-the fields the models read; tests/cpu/test_models.py compares every field
+the fields the models read; tests/cpu/integration/test_models.py compares every field
 with AutoConfig for each family, so a drift in transformers shows there.
 """
 from __future__ import annotations

@@ -1,5 +1,11 @@
 """Shared test setup. TRITON_INTERPRET must be set before any kernel module is
-imported, so it is set here, at collection time."""
+imported, so it is set here, at collection time.
+
+Layout: unit/ (no Ray, no model: `make test-fast`), integration/ (the rest).
+This folder holds what they share, imported as top-level modules
+(`from llm_utils import make_checkpoint`): it goes on sys.path here, and
+processes the tests spawn inherit it (worker classes named "hang_worker:..."),
+while scripts they run as files are found through repo_paths.SUPPORT."""
 from __future__ import annotations
 
 import os
@@ -8,9 +14,13 @@ import sys
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(SUPPORT))
+for _p in (SUPPORT, ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from tiny_models import FAMILIES  # noqa: E402  (needs SUPPORT on the path)
 
 
 def pytest_sessionstart(session: object) -> None:
@@ -34,3 +44,25 @@ def _no_leaked_distributed_world(request):
         state.destroy_distributed()
         pytest.fail(f"{request.node.nodeid} left this process's distributed world initialized "
                     "(an in-process engine was not shut down)")
+
+
+# ---- one tiny checkpoint per family and test process ----------------------------------------
+# tiny_llama, tiny_llama3, tiny_mistral, tiny_qwen2, tiny_qwen2_tied, tiny_qwen3: the
+# default checkpoint of the family (llm_utils.make_checkpoint: weights, config and the
+# tiny tokenizer), built on first use and shared by every module of the process (under
+# xdist, of the worker). Read only: a test that writes into a checkpoint, or needs
+# other config values or weights, builds its own.
+
+def _checkpoint_fixture(family: str):
+    name = "tiny_" + family.replace("-", "_")
+
+    def checkpoint(tmp_path_factory) -> str:
+        from llm_utils import make_checkpoint
+
+        return make_checkpoint(family, str(tmp_path_factory.mktemp(name) / family))
+
+    checkpoint.__doc__ = f"The default tiny {family} checkpoint (read only), shared by the session."
+    return name, pytest.fixture(scope="session", name=name)(checkpoint)
+
+
+globals().update(_checkpoint_fixture(family) for family in FAMILIES)

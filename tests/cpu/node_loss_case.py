@@ -1,4 +1,4 @@
-"""What tests/cpu/test_node_loss.py and its driver process share: the requests
+"""What tests/cpu/integration/test_node_loss.py and its driver process share: the requests
 and the engine's config."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The driver of tests/cpu/test_node_loss.py, run as its own process so that
+"""The driver of tests/cpu/integration/test_node_loss.py, run as its own process so that
 Ray's token authentication (read once per process) never meets the test
 process's other Ray instances. Connects to the two-node cluster, starts the
 engine with its workers on the second node, SIGKILLs that node (its raylet and

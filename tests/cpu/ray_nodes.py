@@ -104,3 +104,29 @@ def engine_actor_pids() -> set[int]:
         except (OSError, ValueError):
             continue
     return pids
+
+
+def worker_actor_pids() -> list[int]:
+    """Pids of the RayWorkerActor processes (an executor "ray" engine's
+    ranks) of the Ray instance this test process started: descendants of
+    this process, so another worker's or another test run's are not counted."""
+    me, parent, workers = os.getpid(), {}, []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                parent[int(p)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::RayWorkerActor"):
+                    workers.append(int(p))
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            if pid == me:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+    return sorted(p for p in workers if ours(p))

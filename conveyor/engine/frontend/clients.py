@@ -6,7 +6,7 @@ an actor needs a CoreClientFactory: the composition roots that know about Ray
 hand theirs in (conveyor/cluster/: Serve, batch; a caller of LLM/AsyncLLM may
 too). Without one, actor_client_factory() imports cluster's RayCoreClient:
 the only place conveyor/engine/ names conveyor/cluster/, reached only when the
-knob asks for an actor (tests/cpu/test_contracts.py allows this one import).
+knob asks for an actor (tests/cpu/unit/test_contracts.py allows this one import).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ share one config that chunks (budget 64) and preempts (17 KV blocks)."""
 from __future__ import annotations
 
 import pytest
-from llm_utils import make_checkpoint, random_prompts
+from llm_utils import random_prompts
 from recovery_utils import greedy_and_seeded
 from structured_schemas import CHOICES, REGEXES
 
@@ -18,8 +18,8 @@ CFG = dict(max_num_batched_tokens=64, num_gpu_blocks=17, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("async") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 def _tokens(llm: LLM, prompts, params) -> list[tuple[list[int], str | None, str]]:

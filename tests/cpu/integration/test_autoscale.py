@@ -20,7 +20,6 @@ import threading
 
 import msgspec
 import pytest
-from llm_utils import make_checkpoint
 from recovery_utils import FakeFrontend
 
 from conveyor.engine import SamplingParams
@@ -171,7 +170,7 @@ async def _run(llm, disrupt=None) -> list[tuple]:
     return out
 
 
-def test_scale_down_and_reload_under_load_lose_no_request(tmp_path) -> None:
+def test_scale_down_and_reload_under_load_lose_no_request(tiny_llama) -> None:
     import httpx
 
     from conveyor.cluster.openai.app import build_api
@@ -179,8 +178,7 @@ def test_scale_down_and_reload_under_load_lose_no_request(tmp_path) -> None:
     from conveyor.engine.config import build_config
     from conveyor.engine.frontend.async_client import AsyncLLM
 
-    ckpt = make_checkpoint("llama", str(tmp_path / "llama"))
-    cfg = build_config(model=ckpt, max_model_len=256, data_parallel_size=2, router="round_robin",
+    cfg = build_config(model=tiny_llama, max_model_len=256, data_parallel_size=2, router="round_robin",
                        min_engines=1, max_engines=2, **{"serve.autoscale_interval_s": 3600.0,
                                                         "serve.served_model_name": "tiny"})
     changed = msgspec.structs.replace(cfg, scheduler=msgspec.structs.replace(cfg.scheduler, max_num_seqs=8))

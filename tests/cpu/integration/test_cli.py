@@ -16,12 +16,11 @@ import time
 import urllib.request
 
 import pytest
-from llm_utils import make_checkpoint
+from repo_paths import ROOT
 
 from conveyor.cluster.cli.options import ENGINE_OVERRIDES, SERVE_OVERRIDES
 from conveyor.parallel.ports import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPTS = ["The cat runs", "日本語の本"]
 
 
@@ -35,10 +34,10 @@ def _flat(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_llama):
     """(checkpoint, engine config YAML pointing at it)."""
     base = tmp_path_factory.mktemp("cli")
-    ckpt = make_checkpoint("llama", str(base / "llama"))
+    ckpt = tiny_llama
     cfg = str(base / "tiny.yaml")
     with open(cfg, "w") as f:
         json.dump({"model": {"path": ckpt, "max_model_len": 512},
@@ -143,6 +142,7 @@ def _post_chat(url: str, max_tokens: int = 4) -> dict:
         return json.loads(resp.read())
 
 
+@pytest.mark.ray  # in the `conveyor` process it starts
 def test_serve_prints_the_url_and_stops_on_sigint(tiny):
     """`conveyor serve` starts Ray itself, so direct ingress is on by default
     (serve.direct_ingress null): the proxy URL and the replica's own URL (no proxy
@@ -174,6 +174,7 @@ def test_serve_prints_the_url_and_stops_on_sigint(tiny):
         proc.stdout.close()
 
 
+@pytest.mark.ray  # in the `conveyor` process it starts
 def test_demo_builds_the_model_serves_and_answers(tmp_path):
     cfg = tmp_path / "demo.yaml"
     with open(os.path.join(ROOT, "configs", "tiny-cpu.yaml")) as f:

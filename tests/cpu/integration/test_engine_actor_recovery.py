@@ -14,7 +14,7 @@ import signal
 import httpx
 import pytest
 from fake_engines import FakeEngineClient, fake_fleet
-from llm_utils import make_checkpoint, pid_alive, random_prompts, wait_pids_gone
+from llm_utils import pid_alive, random_prompts, wait_pids_gone
 from ray_nodes import engine_actor_pids
 from recovery_utils import before_step, expect_fail_fast
 
@@ -33,8 +33,8 @@ BASE = ([SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("actor") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from repo_paths import ROOT
 
 pytest.importorskip("triton")
 
@@ -473,7 +474,7 @@ def test_kernels_compile_for_sm90() -> None:
     import sys
 
     pytest.importorskip("triton.backends.nvidia")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(ROOT)
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root}
     res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], cwd=root, env=env,
                          capture_output=True, text=True, timeout=120)

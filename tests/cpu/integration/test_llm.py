@@ -14,9 +14,8 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    base = tmp_path_factory.mktemp("ckpt")
-    return {f: make_checkpoint(f, str(base / f)) for f in FAMILIES}
+def ckpts(tiny_llama, tiny_qwen2, tiny_qwen3):
+    return {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
 
 
 @pytest.fixture(scope="module")

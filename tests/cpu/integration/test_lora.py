@@ -8,7 +8,7 @@ addressing."""
 from __future__ import annotations
 
 import pytest
-from llm_utils import make_checkpoint, random_prompts
+from llm_utils import random_prompts
 from lora_utils import RECIPES, hf_lora_greedy, make_adapter
 
 from conveyor.engine import LLM, LoRARequest, SamplingParams
@@ -17,12 +17,11 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, tiny_llama, tiny_qwen3):
     """family -> (base dir, [adapter dirs])."""
     root = tmp_path_factory.mktemp("lora")
     out = {}
-    for fam in ("llama", "qwen3"):
-        base = make_checkpoint(fam, str(root / fam))
+    for fam, base in (("llama", tiny_llama), ("qwen3", tiny_qwen3)):
         out[fam] = (base, [make_adapter(base, str(root / f"{fam}-a{i}"), r) for i, r in enumerate(RECIPES)])
     return out
 

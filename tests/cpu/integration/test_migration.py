@@ -15,7 +15,6 @@ import jsonschema
 import msgspec
 import pytest
 from fake_engines import FakeEngineClient, fake_fleet
-from llm_utils import make_checkpoint
 from recovery_utils import FakeFrontend
 
 from conveyor.engine import SamplingParams, StructuredOutputsParams
@@ -40,11 +39,10 @@ def _params(stop: list[str]) -> list[SamplingParams]:
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
+def config(tiny_llama):
     from conveyor.engine.config import build_config
 
-    ckpt = make_checkpoint("llama", str(tmp_path_factory.mktemp("mig") / "llama"))
-    return build_config(model=ckpt, max_model_len=512, data_parallel_size=2, router="round_robin",
+    return build_config(model=tiny_llama, max_model_len=512, data_parallel_size=2, router="round_robin",
                         **{"parallel.max_restarts": 0, "serve.served_model_name": "tiny"})
 
 

@@ -15,7 +15,6 @@ head: this test is about the workers' node, not the engine actor's."""
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import subprocess
@@ -23,20 +22,19 @@ import sys
 import tempfile
 
 import pytest
-from llm_utils import make_checkpoint
 from node_loss_case import PARAMS, PROMPTS
 from ray_nodes import free_port, raylet_pid, start_node, stop_node, token_env, wait_nodes
 from recovery_utils import undisturbed_tokens
+from repo_paths import SUPPORT
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 # The head's GCS declares a silent node dead after about 3 s, not Ray's default 15 s.
 FAST_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
                "RAY_health_check_timeout_ms": "1000"}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("node") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +68,7 @@ def two_nodes():
 
 def test_lost_node_group_is_rebuilt_on_the_head(ckpt, reference, two_nodes):
     address, env, second = two_nodes
-    r = subprocess.run([sys.executable, os.path.join(HERE, "node_loss_driver.py"), address, ckpt,
+    r = subprocess.run([sys.executable, str(SUPPORT / "node_loss_driver.py"), address, ckpt,
                         str(raylet_pid(second))], env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])

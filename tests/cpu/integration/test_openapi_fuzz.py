@@ -14,7 +14,6 @@ import time
 
 import httpx
 import pytest
-from llm_utils import make_checkpoint
 
 from conveyor.parallel.ports import free_port
 
@@ -30,7 +29,7 @@ DERANDOMIZE = "CONVEYOR_FUZZ_EXAMPLES" not in os.environ
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tiny_llama):
     """(base url, AsyncLLM) of a uvicorn server in a thread; the AsyncLLM lives
     on uvicorn's loop (the app's lifespan starts it)."""
     import uvicorn
@@ -40,7 +39,7 @@ def served(tmp_path_factory):
     from conveyor.engine.config import build_config
     from conveyor.engine.frontend.async_client import AsyncLLM
 
-    ckpt = make_checkpoint("llama", str(tmp_path_factory.mktemp("fuzz") / "llama"))
+    ckpt = tiny_llama
     # A short context keeps every generated request (max_tokens None fills it) quick.
     cfg = build_config({"model": {"path": ckpt, "max_model_len": 96},
                         "scheduler": {"max_num_seqs": 8, "max_num_batched_tokens": 256},

@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from llm_utils import make_checkpoint, pid_alive, random_prompts
+from llm_utils import pid_alive, random_prompts
 from recovery_utils import before_step, greedy_and_seeded, undisturbed_tokens
 
 from conveyor.engine import LLM
@@ -19,8 +19,8 @@ PARAMS = greedy_and_seeded(6, max_tokens=24, temperature=1.0, seed=40)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("rec") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import time
 
 import httpx
 import pytest
-from llm_utils import make_checkpoint, pid_alive, random_prompts
+from llm_utils import pid_alive, random_prompts
 from recovery_utils import before_step, drain_all, greedy_and_seeded, undisturbed_tokens
 
 import conveyor.engine.core.engine_core
@@ -31,8 +31,8 @@ PARAMS = greedy_and_seeded(4, max_tokens=48, temperature=0.8, seed=70)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("vis") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -16,90 +16,19 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from fake_core import PROMPT, FakeCore, app_client, engine_config, error_body, fake_llm, run_bounded
 from sched_utils import FakeExecutor, append_token, make_request
 
 from conveyor.engine.config import ConfigError, build_config
 from conveyor.engine.contracts import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    KVCacheInfo,
     NewRequestData,
     RequestStatus,
 )
 from conveyor.engine.core.stopping import check_stop
-from conveyor.engine.errors import DeadFlag, EngineDeadError
+from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.sampling_params import SamplingParams
-
-PROMPT = [5, 6, 7, 8]
-
-
-class FakeCore:
-    """A CoreClient: records adds and aborts; `finish` emits one token plus a
-    length finish per request added; `fail_after` adds succeed, then the
-    engine is dead."""
-
-    def __init__(self, finish: bool = True, fail_after: int | None = None) -> None:
-        self.kv_info = KVCacheInfo(num_blocks=1000, block_size=16, vocab_size=512)
-        self.dead = DeadFlag()
-        self.finish, self.fail_after = finish, fail_after
-        self.added: list[EngineCoreRequest] = []
-        self.aborted: list[str] = []
-        self.on_outputs: Any = None
-        self.added_event = asyncio.Event()
-
-    def start(self, on_outputs: Any) -> None:
-        self.on_outputs = on_outputs
-
-    def add_request(self, request: EngineCoreRequest) -> None:
-        if self.fail_after is not None and len(self.added) >= self.fail_after:
-            raise EngineDeadError("engine actor failed: ActorDiedError")
-        self.added.append(request)
-        self.added_event.set()
-        if self.finish:
-            self.emit(request.request_id, [11], FinishReason.LENGTH)
-
-    def emit(self, rid: str, tokens: list[int], finish: FinishReason | None = None) -> None:
-        self.on_outputs(EngineCoreOutputs([EngineCoreOutput(rid, tokens, finish)]))
-
-    def abort_requests(self, request_ids: list[str]) -> None:
-        self.aborted.extend(request_ids)
-
-    def check_health(self) -> None:
-        return None
-
-    def shutdown(self) -> None:
-        return None
-
-
-def _run(coro: Any) -> None:
-    """A bug here shows as a hang (a request that never ends): fail instead."""
-    asyncio.run(asyncio.wait_for(coro, 60))
-
-
-def _cfg(**kw: Any):
-    return build_config(max_model_len=256, **kw)
-
-
-def _llm(core: FakeCore, model: str = "", **kw: Any):
-    """An AsyncLLM over `core`; `model` only lends its tokenizer."""
-    from conveyor.engine.frontend.async_client import AsyncLLM
-
-    return AsyncLLM(_cfg(model=model, **kw), core)
-
-
-def _client(llm, **server_kw: Any) -> httpx.AsyncClient:
-    from conveyor.cluster.openai.app import build_api
-    from conveyor.cluster.openai.server import OpenAIServer
-
-    srv = OpenAIServer(llm, llm.config, **server_kw)
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_api(srv, api_key=None)),
-                             base_url="http://t")
-
-
-def _error(r: httpx.Response) -> dict[str, Any]:
-    return r.json()["error"]
 
 
 def _events(text: str) -> list[str]:
@@ -107,10 +36,8 @@ def _events(text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from llm_utils import make_checkpoint
-
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("hardening") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 # ---- max_tokens=None and min_tokens ------------------------------------------------------
@@ -144,8 +71,8 @@ def test_length_cap_holds_under_min_tokens():
 def test_http_min_tokens_without_max_tokens(ckpt):
     async def run() -> None:
         core = FakeCore()
-        llm = _llm(core, model=ckpt)
-        async with _client(llm) as c:
+        llm = fake_llm(core, model=ckpt)
+        async with app_client(llm) as c:
             r = await c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "min_tokens": 3})
             assert r.status_code == 200, r.text
@@ -160,9 +87,9 @@ def test_http_min_tokens_without_max_tokens(ckpt):
             assert sp.max_tokens == 16 and sp.min_tokens == 3
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "min_tokens": 300,
                                                       "max_tokens": None})
-            assert r.status_code == 400 and _error(r)["param"] == "min_tokens", r.text
+            assert r.status_code == 400 and error_body(r)["param"] == "min_tokens", r.text
 
-    _run(run())
+    run_bounded(run())
 
 
 # ---- a KV pool too small for one request ----------------------------------------------------
@@ -190,7 +117,7 @@ def test_core_refuses_measured_pool_and_names_the_memory_knob():
     ex = FakeExecutor(num_blocks=8, block_size=16)
     with pytest.raises(ConfigError, match=r"7 usable blocks of 16 tokens.*needs 16 blocks.*"
                                           r"cache\.cpu_kv_cache_bytes"):
-        EngineCore(_cfg(), ex)
+        EngineCore(engine_config(), ex)
     assert ex.pool._shutdown  # the executor it started is shut down, not leaked
 
 
@@ -206,19 +133,19 @@ def test_stop_lists_are_bounded():
     SamplingParams(stop=["x" * 256] * 16, stop_token_ids=list(range(256)))
 
     async def run() -> None:
-        async with _client(_llm(FakeCore())) as c:
+        async with app_client(fake_llm(FakeCore())) as c:
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "stop": ["a"] * 5000})
-            assert r.status_code == 400 and _error(r)["param"] == "stop", r.text
+            assert r.status_code == 400 and error_body(r)["param"] == "stop", r.text
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "stop_token_ids": [1] * 300})
-            assert r.status_code == 400 and _error(r)["param"] == "stop_token_ids", r.text
+            assert r.status_code == 400 and error_body(r)["param"] == "stop_token_ids", r.text
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_admission_counts_engine_requests():
     async def run() -> None:
         core = FakeCore(finish=False)
-        llm = _llm(core)
+        llm = fake_llm(core)
         from conveyor.cluster.openai.app import build_api
         from conveyor.cluster.openai.server import OpenAIServer
 
@@ -226,9 +153,9 @@ def test_admission_counts_engine_requests():
         transport = httpx.ASGITransport(app=build_api(srv, api_key=None))
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             r = await c.post("/v1/completions", json={"prompt": [PROMPT] * 50, "max_tokens": 1})
-            assert r.status_code == 400 and _error(r)["code"] == "too_many_sequences", r.text
+            assert r.status_code == 400 and error_body(r)["code"] == "too_many_sequences", r.text
             r = await c.post("/v1/completions", json={"prompt": [PROMPT] * 3, "n": 3, "max_tokens": 1})
-            assert r.status_code == 400 and _error(r)["code"] == "too_many_sequences", r.text
+            assert r.status_code == 400 and error_body(r)["code"] == "too_many_sequences", r.text
             assert core.added == []  # nothing reached the engine
             # 2 prompts x n=2 = 4 slots in flight; another 4 do not fit in 6.
             first = asyncio.create_task(c.post("/v1/completions", json={
@@ -238,29 +165,29 @@ def test_admission_counts_engine_requests():
                 await core.added_event.wait()
             assert srv.admitted == 4
             r = await c.post("/v1/completions", json={"prompt": [PROMPT] * 2, "n": 2, "max_tokens": 1})
-            assert r.status_code == 429 and _error(r)["code"] == "server_at_capacity", r.text
+            assert r.status_code == 429 and error_body(r)["code"] == "server_at_capacity", r.text
             for req in core.added:
                 core.emit(req.request_id, [11], FinishReason.LENGTH)
             r = await first
             assert r.status_code == 200 and len(r.json()["choices"]) == 4
             assert srv.admitted == 0
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_client_priority_needs_the_config_switch():
     async def run() -> None:
         core = FakeCore()
-        async with _client(_llm(core)) as c:
+        async with app_client(fake_llm(core)) as c:
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "priority": -5})
-            assert r.status_code == 400 and _error(r)["param"] == "priority", r.text
+            assert r.status_code == 400 and error_body(r)["param"] == "priority", r.text
             assert (await c.post("/v1/completions", json={"prompt": PROMPT, "priority": 0})).status_code == 200
-        async with _client(_llm(core, **{"serve.allow_client_priority": True})) as c:
+        async with app_client(fake_llm(core, **{"serve.allow_client_priority": True})) as c:
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "priority": -5})
             assert r.status_code == 200, r.text
             assert core.added[-1].priority == -5
 
-    _run(run())
+    run_bounded(run())
 
 
 async def _ws_connect(app: Any, headers: list[tuple[bytes, bytes]] | None = None) -> list[dict]:
@@ -293,7 +220,7 @@ def test_websocket_scopes_are_refused_unless_a_route_declares_them():
         reached.append(scope["type"])
 
     async def run() -> None:
-        llm = _llm(FakeCore())
+        llm = fake_llm(FakeCore())
         app = build_api(OpenAIServer(llm, llm.config), api_key="k")
         assert await _ws_connect(app) == [{"type": "websocket.close", "code": policy_violation}]
         mw = AuthMiddleware(inner, api_key="k", public_paths=frozenset())
@@ -305,7 +232,7 @@ def test_websocket_scopes_are_refused_unless_a_route_declares_them():
         await _ws_connect(mw, [(b"authorization", b"Bearer k")])
         assert reached == ["websocket"]  # declared and authenticated
 
-    _run(run())
+    run_bounded(run())
 
 
 # ---- a reused request id never gets the earlier request's tokens -----------------------------
@@ -313,7 +240,7 @@ def test_websocket_scopes_are_refused_unless_a_route_declares_them():
 def test_reused_request_id_never_receives_earlier_tokens():
     async def run() -> None:
         core = FakeCore(finish=False)
-        llm = _llm(core)
+        llm = fake_llm(core)
         sp = SamplingParams(max_tokens=8, ignore_eos=True)
         first = llm.generate(PROMPT, sp, request_id="X")
         step = asyncio.create_task(first.__anext__())
@@ -334,13 +261,13 @@ def test_reused_request_id_never_receives_earlier_tokens():
         assert (await step).outputs[0].token_ids == [5]
         await retry.aclose()
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_a_request_id_in_use_is_refused_by_the_one_check_and_free_after_its_stream():
     async def run() -> None:
         core = FakeCore(finish=False)
-        llm = _llm(core)
+        llm = fake_llm(core)
         sp = SamplingParams(max_tokens=8)
         first = llm.generate(PROMPT, sp, request_id="a")
         step = asyncio.create_task(first.__anext__())
@@ -358,7 +285,7 @@ def test_a_request_id_in_use_is_refused_by_the_one_check_and_free_after_its_stre
         llm.release_ids(["a", "b"])
         assert len(core.added) == 1  # nothing refused reached the engine
 
-    _run(run())
+    run_bounded(run())
 
 
 # ---- one EngineDeadError: 503, and batch lines stay undone -----------------------------------
@@ -377,7 +304,7 @@ def test_one_dead_flag_shared_by_the_frontend_its_client_and_an_in_process_loop(
     from conveyor.engine.frontend.async_client import AsyncLLM
 
     core = FakeCore()
-    llm = AsyncLLM(_cfg(), core)
+    llm = AsyncLLM(engine_config(), core)
     assert llm.dead is core.dead and llm.dead_error is None
     loop = EngineBusyLoop(SimpleNamespace(has_work=lambda: True, step_fn=lambda: 1 / 0),
                           lambda outs: None, core.dead)
@@ -391,15 +318,15 @@ def test_one_dead_flag_shared_by_the_frontend_its_client_and_an_in_process_loop(
 
 def test_dead_engine_actor_is_503_not_500():
     async def run() -> None:
-        async with _client(_llm(FakeCore(fail_after=0))) as c:
+        async with app_client(fake_llm(FakeCore(fail_after=0))) as c:
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
-            assert r.status_code == 503 and _error(r)["code"] == "engine_unavailable", r.text
+            assert r.status_code == 503 and error_body(r)["code"] == "engine_unavailable", r.text
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True})
             events = _events(r.text)
             assert events[-1] == "[DONE]"
             assert json.loads(events[-2])["error"]["code"] == "engine_unavailable"
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
@@ -409,7 +336,7 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
     from conveyor.engine.errors import EngineDeadError
 
     async def run() -> None:
-        llm = _llm(FakeCore(fail_after=0))
+        llm = fake_llm(FakeCore(fail_after=0))
         runner = LineRunner(llm, OpenAIServer(llm, llm.config))
         line = BatchLine(1, "a", {"custom_id": "a", "url": "/v1/completions",
                                   "body": {"prompt": PROMPT, "max_tokens": 2}})
@@ -422,7 +349,7 @@ def test_batch_line_failed_by_a_dead_engine_is_not_done(tmp_path):
             out.close()
         assert OutputLog.done_ids(str(tmp_path / "out.jsonl")) == set()  # a rerun runs it
 
-    _run(run())
+    run_bounded(run())
 
 
 # ---- the event loop never blocks; a failed add cleans up -----------------------------------
@@ -480,7 +407,7 @@ def test_ray_core_client_send_never_blocks_the_caller():
 def test_failed_add_aborts_its_siblings_and_drops_the_stream():
     async def run() -> None:
         core = FakeCore(finish=False, fail_after=1)
-        llm = _llm(core)
+        llm = fake_llm(core)
         gen = llm.generate(PROMPT, SamplingParams(n=3, max_tokens=4), request_id="Y")
         with pytest.raises(EngineDeadError):
             await gen.__anext__()
@@ -494,7 +421,7 @@ def test_failed_add_aborts_its_siblings_and_drops_the_stream():
         core.emit(core.added[-1].request_id, [3], FinishReason.LENGTH)
         assert (await step).finished
 
-    _run(run())
+    run_bounded(run())
 
 
 # ---- validate once at the edge -----------------------------------------------------------------
@@ -529,10 +456,10 @@ def test_one_validation_per_http_request(monkeypatch):
     calls = _count_validations(monkeypatch)
 
     async def run() -> None:
-        async with _client(_llm(FakeCore())) as c:
+        async with app_client(fake_llm(FakeCore())) as c:
             r = await c.post("/v1/completions", json={"prompt": [PROMPT, PROMPT], "n": 2,
                                                       "max_tokens": 2, "seed": 3})
             assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
 
-    _run(run())
+    run_bounded(run())
     assert calls[0] == 1

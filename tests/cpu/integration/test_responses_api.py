@@ -47,23 +47,33 @@ _openai = openai_client
 
 
 def test_create_retrieve_delete_through_the_client(api):
+    """A response is the chat completion of the same messages (instructions
+    are the system message): greedy on fixed weights, this one is cut at
+    max_output_tokens. Retrieve returns it as created; delete answers the
+    deletion object, then both calls are 404."""
     async def go(c):
         client = _openai(c)
         r = await client.responses.create(model="tiny", instructions="Be brief.", input="Hello there",
                                           max_output_tokens=8, temperature=0.0)
+        chat = await c.post("/v1/chat/completions", json={
+            "model": "tiny", "max_tokens": 8, "temperature": 0.0,
+            "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]})
         got = await client.responses.retrieve(r.id)
-        gone = await client.responses.delete(r.id)
+        gone = await client.responses.with_raw_response.delete(r.id)
         missing = await c.get(f"/v1/responses/{r.id}")
         again = await c.delete(f"/v1/responses/{r.id}")
-        return r, got, gone, missing, again
-    r, got, gone, missing, again = _run(api, go)
+        return r, chat.json(), got, gone, missing, again
+    r, chat, got, gone, missing, again = _run(api, go)
     assert r.object == "response" and r.id.startswith("resp_")
-    cut = r.usage.output_tokens == 8  # else the model stopped (EOS) first
-    assert r.status == ("incomplete" if cut else "completed") and 0 < r.usage.output_tokens <= 8
-    assert (r.incomplete_details.reason if cut else r.incomplete_details) == ("max_output_tokens" if cut else None)
-    assert r.output[0].type == "message" and r.output_text and r.instructions == "Be brief."
-    assert got.id == r.id and got.output_text == r.output_text
-    assert gone is None or getattr(gone, "deleted", True)
+    assert (chat["choices"][0]["finish_reason"], chat["usage"]["completion_tokens"]) == ("length", 8)
+    assert (r.status, r.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat["usage"]["prompt_tokens"], 8)
+    assert r.output_text == chat["choices"][0]["message"]["content"] != ""
+    assert [(o.type, o.role, o.status) for o in r.output] == [("message", "assistant", "incomplete")]
+    assert r.instructions == "Be brief." and r.max_output_tokens == 8
+    assert got.model_dump() == r.model_dump()
+    assert (gone.status_code, gone.http_response.json()) == (200, {"id": r.id, "object": "response",
+                                                                   "deleted": True})
     for resp in (missing, again):
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "response_not_found"
 

@@ -15,8 +15,8 @@ import httpx
 import msgspec
 import pytest
 import torch
-from llm_utils import make_checkpoint
 from ray_nodes import engine_actor_pids
+from repo_paths import ROOT
 from sse_utils import DONE, sse_events
 
 from conveyor.parallel.ports import free_port
@@ -39,8 +39,8 @@ def _write_config(path: str, ckpt: str, port: int, **serve: object) -> str:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("serve") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +248,8 @@ class TestServerSSEInProcess:
 
 def _fake_app(core=None, cfg=None, headers=AUTH, **server_kw):
     """(AsyncLLM over a FakeCore, its OpenAIServer, an httpx client of its app with KEY)."""
-    from test_requests_never_break_the_engine import FakeCore, _cfg
+    from fake_core import FakeCore
+    from fake_core import engine_config as _cfg
 
     from conveyor.cluster.openai.app import build_api
     from conveyor.cluster.openai.server import OpenAIServer
@@ -292,7 +293,7 @@ def test_request_id_header_names_the_response():
 
 
 def test_past_the_admission_slots_a_request_gets_429_with_retry_after():
-    from test_requests_never_break_the_engine import FakeCore
+    from fake_core import FakeCore
 
     async def run() -> None:
         core, srv, c = _fake_app(FakeCore(finish=False), max_admitted=1)
@@ -321,7 +322,7 @@ def test_a_finished_response_gives_its_admission_slot_back(stream):
 
 
 def test_a_request_id_in_flight_twice_is_refused_and_the_first_goes_on():
-    from test_requests_never_break_the_engine import FakeCore
+    from fake_core import FakeCore
 
     async def run() -> None:
         core, _, c = _fake_app(FakeCore(finish=False))
@@ -365,7 +366,7 @@ def test_our_own_bug_is_a_generic_500_without_details():
 
 
 def test_engine_death_mid_stream_goes_in_band_then_health_fails():
-    from test_requests_never_break_the_engine import FakeCore
+    from fake_core import FakeCore
 
     from conveyor.engine.contracts import EngineCoreOutputs
 
@@ -386,7 +387,7 @@ def test_engine_death_mid_stream_goes_in_band_then_health_fails():
 
 @pytest.mark.parametrize("origins,allowed", [(None, None), (["http://ui.example"], "http://ui.example")])
 def test_cors_preflight_only_when_configured_and_never_with_credentials(origins, allowed):
-    from test_requests_never_break_the_engine import _cfg
+    from fake_core import engine_config as _cfg
 
     preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
@@ -627,7 +628,7 @@ def test_lm_eval_local_completions(server, ckpt, monkeypatch):
 
     monkeypatch.setattr(LocalCompletionsAPI, "parse_logprobs", staticmethod(spy))
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(LM_EVAL_TASKS))))
+    monkeypatch.chdir(ROOT)  # the tasks name their data relative to the repository
     out = evaluator.simple_evaluate(
         model="local-completions",
         model_args={"model": "tiny", "base_url": f"{server}/v1/completions", "tokenizer": ckpt,

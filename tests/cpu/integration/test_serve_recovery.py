@@ -14,10 +14,9 @@ import signal
 
 import httpx
 import pytest
-from llm_utils import make_checkpoint
+from ray_nodes import worker_actor_pids
 from sse_utils import DONE, sse_events
 
-from bench.chaos import worker_pids as chaos_worker_pids
 from conveyor.parallel.ports import free_port
 
 NUM_STREAMS, MAX_TOKENS = 24, 48
@@ -25,14 +24,14 @@ PROMPTS = ["The cat runs", "A dog sees the ball today.", "My friend builds", "æ—
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_llama):
     import ray
     from ray import serve
 
     from conveyor.cluster.serve_app import run_serve
 
     tmp = tmp_path_factory.mktemp("serve_rec")
-    ckpt = make_checkpoint("llama", str(tmp / "llama"))
+    ckpt = tiny_llama
     cfg = {"model": {"path": ckpt, "max_model_len": 512},
            "parallel": {"executor": "ray", "tensor_parallel_size": 2},
            "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512},
@@ -52,7 +51,7 @@ def server(tmp_path_factory):
 
 def _worker_pids() -> set[int]:
     """RayWorkerActor processes of this test's Ray (descendants of this process)."""
-    return set(chaos_worker_pids())
+    return set(worker_actor_pids())
 
 
 def _metric(text: str, name: str) -> float:

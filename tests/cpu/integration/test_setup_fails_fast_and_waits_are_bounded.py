@@ -12,7 +12,6 @@ import types
 import msgspec
 import pytest
 import torch
-from llm_utils import make_checkpoint
 
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.config import TRITON_BLOCK_SIZES, ConfigError, ParallelConfig, build_config
@@ -24,8 +23,8 @@ SLOW_STEP = {"parallel.step_timeout_s": 2.0, "parallel.first_step_extra_s": 0.0}
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("hard") / "m"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 # ---- every wait on a worker is bounded; a timeout is a dead rank ------------------

@@ -172,9 +172,8 @@ def test_scheduler_backs_off_after_rejected_drafts():
 # ---- end to end ---------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    base = tmp_path_factory.mktemp("spec")
-    return {f: make_checkpoint(f, str(base / f)) for f in FAMILIES}
+def ckpts(tiny_llama, tiny_qwen2, tiny_qwen3):
+    return {"llama": tiny_llama, "qwen2": tiny_qwen2, "qwen3": tiny_qwen3}
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from llm_utils import make_checkpoint, random_prompts
+from llm_utils import random_prompts
 from sched_utils import make_request
 from structured_schemas import REGEXES, SCHEMAS
 
@@ -29,8 +29,8 @@ PROMPTS = ["Tell me about the cat", "Give me data", "The dog runs to the ball"]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("sospec") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ import httpx
 import jsonschema
 import pytest
 from asgi_utils import in_process_api, openai_client, run_on
-from llm_utils import make_checkpoint
 from pydantic import BaseModel, Field
 from structured_schemas import SCHEMAS
 
@@ -23,8 +22,8 @@ class Pet(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("soh") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

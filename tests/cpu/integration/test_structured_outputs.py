@@ -8,7 +8,7 @@ import re
 
 import jsonschema
 import pytest
-from llm_utils import make_checkpoint, random_prompts
+from llm_utils import random_prompts
 from structured_schemas import CHOICES, LARK, REGEXES, SCHEMAS
 
 from conveyor.engine import LLM, SamplingParams, StructuredOutputsParams
@@ -30,8 +30,8 @@ def _assert_valid(schema: dict, out) -> None:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint("llama", str(tmp_path_factory.mktemp("so") / "llama"))
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from repo_paths import ROOT, SUPPORT
 
-ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "conveyor" / "kernels" / "csrc"
 
 
@@ -62,7 +62,7 @@ def test_the_installed_wheel_generates_beside_transformers(wheel, tmp_path):
     _run([*pip, str(wheel), "transformers", "kernels"])
     outside = tmp_path / "elsewhere"
     outside.mkdir()
-    probe = shutil.copy(Path(__file__).with_name("wheel_probe.py"), outside)
+    probe = shutil.copy(SUPPORT / "wheel_probe.py", outside)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")  # compile, do not reuse the checkout's
     r = _run([py, "-I", probe, str(outside)], cwd=outside, env=env)

@@ -3,9 +3,8 @@ functions and import cycles, and the product tree passes it."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from repo_paths import ROOT
 
 
 def _tool():

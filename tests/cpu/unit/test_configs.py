@@ -13,10 +13,10 @@ from typing import Any
 import msgspec
 import pytest
 import yaml
+from repo_paths import ROOT
 
 from conveyor.engine.config import ConfigError, build_config, check_cluster_fits, load_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(ROOT, "configs")
 
 

@@ -163,22 +163,27 @@ def test_import_rules_static():
     rules = [("engine", ("ray", "torch.distributed") + ours[2:]),
              ("kernels", ("conveyor",)), ("workers", ("ray",)), ("parallel", ("ray",)),
              ("executors", ("ray",))]
-    scanned = 0
+    ray_files, allowed = [], set()
     for pkg, banned in rules:
         files = sorted((root / "conveyor" / pkg).rglob("*.py"))
         assert len(files) >= 3, f"conveyor/{pkg}: no sources found"
         for f in files:
+            rel = str(f.relative_to(root))
             if pkg == "executors" and f.name.startswith("ray"):
+                ray_files.append(rel)
                 continue  # only conveyor/executors/ray* may import Ray
             for mod in _imports(f):
-                scanned += 1
-                if (str(f.relative_to(root)), mod) in _ENGINE_TO_CLUSTER:
+                if (rel, mod) in _ENGINE_TO_CLUSTER:
+                    allowed.add((rel, mod))
                     continue
                 # the old top-level names are gone: no file may import them
-                assert mod.split(".")[0] not in project, f"{f.relative_to(root)} imports {mod}"
-                assert not any(mod == b or mod.startswith(b + ".") for b in banned), \
-                    f"{f.relative_to(root)} imports {mod}"
-    assert scanned > 500
+                assert mod.split(".")[0] not in project, f"{rel} imports {mod}"
+                assert not any(mod == b or mod.startswith(b + ".") for b in banned), f"{rel} imports {mod}"
+    # The scanner met the one allowed import (a function-local one) where it is: the
+    # exception is neither stale nor blind. And exactly these files are exempt from the Ray rule.
+    assert allowed == _ENGINE_TO_CLUSTER
+    assert ray_files == ["conveyor/executors/ray_executor.py", "conveyor/executors/ray_placement.py",
+                         "conveyor/executors/ray_worker.py"]
 
 
 def test_one_delta_merge_for_every_consumer():

@@ -1,5 +1,5 @@
 """One request must never wedge a replica, slow everyone, or reach
-the user as a 500. In process over test_requests_never_break_the_engine's FakeCore (no Ray, no server):
+the user as a 500. In process over the tests' FakeCore (fake_core.py: no Ray, no server):
 values the engine link cannot encode, deep JSON, lone surrogates, a grammar
 bomb, a huge prompt, the send thread and health."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from test_requests_never_break_the_engine import PROMPT, FakeCore, _client, _error, _llm, _run
+from fake_core import PROMPT, FakeCore, app_client, error_body, fake_llm, run_bounded
 
 from conveyor.engine.contracts import (
     EngineCoreOutput,
@@ -87,16 +87,16 @@ PROBES = [
 def test_values_the_engine_cannot_take_are_400s_naming_the_field(ckpt):
     async def run() -> None:
         core = FakeCore()
-        async with _client(_llm(core, model=ckpt)) as c:
+        async with app_client(fake_llm(core, model=ckpt)) as c:
             for path, body, param in PROBES:
                 r = await _post(c, path, body)
                 assert r.status_code == 400, (param, r.text)
-                assert _error(r)["param"] == param, (param, r.text)
+                assert error_body(r)["param"] == param, (param, r.text)
             assert core.added == []  # nothing reached the engine
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
             assert r.status_code == 200, r.text
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_sampling_params_bound_every_integer_and_string():
@@ -184,15 +184,15 @@ def test_an_unsendable_request_is_a_400_and_the_server_goes_on():
             super().add_request(request)
 
     async def run() -> None:
-        async with _client(_llm(Refusing())) as c:
+        async with app_client(fake_llm(Refusing())) as c:
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "top_k": 7})
-            assert r.status_code == 400 and "could not be sent" in _error(r)["message"], r.text
+            assert r.status_code == 400 and "could not be sent" in error_body(r)["message"], r.text
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "top_k": 7, "stream": True})
             assert '"code":"invalid_value"' in r.text and r.text.endswith("data: [DONE]\n\n"), r.text
             r = await c.post("/v1/completions", json={"prompt": PROMPT})
             assert r.status_code == 200, r.text
 
-    _run(run())
+    run_bounded(run())
 
 
 # ---- grammar: a bomb is refused at the edge; a limit hit mid-generation is a 400 -------------
@@ -200,10 +200,10 @@ def test_an_unsendable_request_is_a_400_and_the_server_goes_on():
 def test_a_grammar_bomb_is_refused_naming_the_limit(ckpt):
     async def run() -> None:
         core = FakeCore()
-        async with _client(_llm(core, model=ckpt)) as c:
+        async with app_client(fake_llm(core, model=ckpt)) as c:
             r = await c.post("/v1/completions", json={"prompt": PROMPT,
                                                       "structured_outputs": {"regex": "a{100000}"}})
-            err = _error(r)
+            err = error_body(r)
             assert r.status_code == 400 and err["param"] == "structured_outputs", r.text
             assert "initial_lexer_fuel" in err["message"], r.text
             r = await c.post("/v1/completions", json={"prompt": PROMPT,
@@ -211,7 +211,7 @@ def test_a_grammar_bomb_is_refused_naming_the_limit(ckpt):
             assert r.status_code == 200, r.text
             assert core.added[-1].sampling_params.structured_outputs.regex == "a{300}"
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_a_grammar_that_fails_mid_generation_is_a_400_naming_the_field(ckpt):
@@ -223,13 +223,13 @@ def test_a_grammar_that_fails_mid_generation_is_a_400_naming_the_field(ckpt):
                 request.request_id, [], FinishReason.ERROR, error=why)]))
 
     async def run() -> None:
-        async with _client(_llm(Failing(), model=ckpt)) as c:
+        async with app_client(fake_llm(Failing(), model=ckpt)) as c:
             r = await c.post("/v1/completions", json={"prompt": PROMPT, "structured_outputs": {
                 "choice": ["a", "b"]}})
-            assert r.status_code == 400 and _error(r)["code"] == "grammar_error", r.text
-            assert _error(r)["param"] == "structured_outputs" and "Too many items" in r.text
+            assert r.status_code == 400 and error_body(r)["code"] == "grammar_error", r.text
+            assert error_body(r)["param"] == "structured_outputs" and "Too many items" in r.text
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_a_matcher_error_ends_the_request_with_its_reason():
@@ -255,13 +255,13 @@ def test_a_prompt_past_any_context_is_refused_without_tokenizing(ckpt, monkeypat
     monkeypatch.setattr(Tokenizer, "encode_nogil", never)
 
     async def run() -> None:
-        async with _client(_llm(FakeCore(), model=ckpt)) as c:
+        async with app_client(fake_llm(FakeCore(), model=ckpt)) as c:
             r = await c.post("/v1/completions", json={"prompt": "ab " * 200_000})
-            assert r.status_code == 400 and _error(r)["code"] == "context_length_exceeded", r.text
+            assert r.status_code == 400 and error_body(r)["code"] == "context_length_exceeded", r.text
             r = await c.post(CHAT, json={"messages": [{"role": "user", "content": "ab " * 200_000}]})
-            assert r.status_code == 400 and _error(r)["code"] == "context_length_exceeded", r.text
+            assert r.status_code == 400 and error_body(r)["code"] == "context_length_exceeded", r.text
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_a_large_prompt_is_tokenized_off_the_event_loop(ckpt, monkeypatch):
@@ -282,7 +282,7 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(ckpt, monkeypatch):
     monkeypatch.setattr(Tokenizer, "encode_nogil", gated)
 
     async def run() -> None:
-        async with _client(_llm(FakeCore(), model=ckpt)) as c:
+        async with app_client(fake_llm(FakeCore(), model=ckpt)) as c:
             big = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "the cat " * 20,
                                                                          "max_tokens": 1}))
             assert await asyncio.get_running_loop().run_in_executor(None, entered.wait, 30)
@@ -292,10 +292,10 @@ def test_a_large_prompt_is_tokenized_off_the_event_loop(ckpt, monkeypatch):
             r = await big
             assert r.status_code == 200, r.text
 
-    _run(run())
+    run_bounded(run())
 
 
 def test_offline_prompts_with_lone_surrogates_are_value_errors(ckpt):
-    llm = _llm(FakeCore(), model=ckpt)
+    llm = fake_llm(FakeCore(), model=ckpt)
     with pytest.raises(ValueError, match="^prompt string holds a lone surrogate|^prompt holds a lone"):
         llm.frontend.prepare("a" + LONE, SamplingParams(), "r")
