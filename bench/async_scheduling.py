@@ -8,7 +8,7 @@ already queued when one ends, so the gap is only the hand-over.
 
     python bench/async_scheduling.py [--batch 32] [--tokens 64] [--device cpu]
 
-Runs a tiny random Llama (tests/cpu/tiny_models.py) with executor uniproc,
+Runs a tiny random Llama (bench/lib/models.py, "tiny") with executor uniproc,
 async off and on, interleaved --rounds times; prints the per-step gap (median,
 mean), the step time and the decode throughput, and whether tokens agree.
 """
@@ -18,30 +18,31 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (REPO, os.path.join(REPO, "tests", "cpu")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
+from bench.lib.models import model_dir  # noqa: E402
+from bench.lib.prompts import random_prompts  # noqa: E402
 from conveyor.engine import LLM, SamplingParams  # noqa: E402
 
 
 class StepClock:
     """Wraps the in-process worker's execute_model / sample_tokens."""
 
-    def __init__(self, worker) -> None:
+    def __init__(self, worker: Any) -> None:
         self.starts: list[float] = []
         self.ends: list[float] = []
         ex, sa = worker.execute_model, worker.sample_tokens
 
-        def execute_model(*a, **k):
+        def execute_model(*a: Any, **k: Any) -> Any:
             self.starts.append(time.perf_counter())
             return ex(*a, **k)
 
-        def sample_tokens(*a, **k):
+        def sample_tokens(*a: Any, **k: Any) -> Any:
             out = sa(*a, **k)
             self.ends.append(time.perf_counter())
             return out
@@ -52,7 +53,8 @@ class StepClock:
         return [(s - e) * 1e3 for e, s in zip(self.ends, self.starts[1:]) if s >= e]
 
 
-def run_once(model: str, prompts, sp, async_: str, device_kw: dict) -> dict:
+def run_once(model: str, prompts: list[list[int]], sp: SamplingParams, async_: str, device_kw: dict) -> dict:
+    """One engine with async scheduling ``async_``: per-step gaps, step times, tok/s, tokens."""
     llm = LLM(model=model, async_scheduling=async_, **device_kw)
     try:
         llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up
@@ -71,6 +73,7 @@ def run_once(model: str, prompts, sp, async_: str, device_kw: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Async scheduling off and on, interleaved --rounds times; the gap table."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=64)
@@ -78,10 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model", help="checkpoint dir (default: a tiny random Llama)")
     args = ap.parse_args(argv)
-    from llm_utils import make_checkpoint, random_prompts
-
-    tmp = tempfile.mkdtemp(prefix="conveyor-async-")
-    model = args.model or make_checkpoint("llama", os.path.join(tmp, "llama"))
+    model = args.model or model_dir("tiny")
     prompts = random_prompts(args.batch, args.prompt_len, args.prompt_len, seed=3)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     kw = dict(max_num_seqs=max(args.batch, 2))

@@ -36,6 +36,7 @@ CONTEXTS = (1024, 4096, 16384)
 
 @dataclass
 class Row:
+    """One measured case: KV bytes read, each kernel's median ms, a note."""
     name: str
     kv_bytes: int
     triton_ms: float
@@ -138,6 +139,7 @@ def _kv_bytes(seq_lens: list[int]) -> int:
 
 
 def bench_decode(batch: int, ctx: int, flush: torch.Tensor) -> Row:
+    """Decode at batch x ctx: the Triton kernel against SDPA (flash) on the same KV."""
     from conveyor.kernels.paged_attention import choose_num_segments
 
     b = _paged_batch([ctx] * batch, [1] * batch)
@@ -192,6 +194,7 @@ def _md(cells: list[str]) -> str:
 
 
 def main() -> int:
+    """Every decode case and the mixed batch; the table in markdown."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 1/64 x ctx 1k/16k only")
     args = parser.parse_args()

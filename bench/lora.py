@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Multi-LoRA throughput: output tok/s with 16 distinct adapters in one batch
 against the same engine's base-model throughput, on CPU, with the offline
-bench's random 30M Llama (bench/offline_throughput.py).
+bench's random 30M Llama (bench/lib/models.py, "30m").
 
 Workload: --num-prompts (64) prompts of 16..128 random ids, greedy,
 ignore_eos, --output-len tokens each, max_num_seqs = the batch. LoRA side:
@@ -15,7 +15,7 @@ Goal: LoRA tok/s >= 0.8x base tok/s.
 
 vLLM: with --vllm-python (default /tmp/vllmpeer/bin/python when it exists:
 bash /work/shared/peers/vllm_cpu/make_venv.sh) the same run also runs vLLM's
-CPU build (bench/lora_vllm.py) on the same model, prompts and adapter
+CPU build (bench/peers/lora_vllm.py) on the same model, prompts and adapter
 directories, base and LoRA sides interleaved with ours, on as many OMP
 threads (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1), no reserved core), and
 prints its LoRA/base ratio beside ours and how many rows' tokens are
@@ -40,14 +40,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.offline_throughput import DEFAULT_MODEL_DIR, build_model, make_prompts  # noqa: E402
+from bench.lib.launch import PEERS, peer_env, peer_python  # noqa: E402
+from bench.lib.models import SPECS, model_dir  # noqa: E402
+from bench.lib.prompts import make_prompts  # noqa: E402
 
+DEFAULT_MODEL_DIR = SPECS["30m"].default_dir
 ADAPTER_DIR = os.path.join(REPO, "bench", "out", "lora_adapters")
-VLLM_PY = "/tmp/vllmpeer/bin/python"
+VLLM_PY = peer_python()
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build_adapters(model_dir: str, n: int, rank: int) -> list[str]:
+    """n PEFT adapter directories of rank ``rank`` over all seven projections
+    (random non-zero A and B, seeded), built once under bench/out."""
     paths = [os.path.join(ADAPTER_DIR, f"r{rank}-{i}") for i in range(n)]
     if all(os.path.isfile(os.path.join(p, "adapter_model.safetensors")) for p in paths):
         return paths
@@ -68,6 +73,7 @@ def build_adapters(model_dir: str, n: int, rank: int) -> list[str]:
 
 
 def run_side(args: argparse.Namespace) -> dict:
+    """One side ("base" or "lora") in this process: tok/s of the timed generate()."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -105,10 +111,9 @@ def _subprocess(side: str, args: argparse.Namespace) -> dict:
 
 
 def _vllm(side: str, args: argparse.Namespace, job: str) -> dict:
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}" if args.threads > 1 else "0",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONPATH": ""}
-    out = subprocess.run([args.vllm_python, os.path.join(REPO, "bench", "lora_vllm.py"), side, job],
+    env = {**os.environ, **peer_env(bind=f"0-{args.threads - 1}" if args.threads > 1 else "0"),
+           "PYTHONPATH": ""}
+    out = subprocess.run([args.vllm_python, os.path.join(PEERS, "lora_vllm.py"), side, job],
                          capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     if out.returncode != 0:
         raise RuntimeError(f"vLLM {side} side failed (rc {out.returncode}):\n{out.stderr[-3000:]}")
@@ -148,6 +153,7 @@ def _report(runs: dict[str, list[dict]], args: argparse.Namespace) -> None:
 
 
 def main() -> int:
+    """Base and LoRA sides (and vLLM's with --vllm-python), interleaved --repeats times; the ratios."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--side", choices=["base", "lora"], default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR)
@@ -164,7 +170,7 @@ def main() -> int:
         r = run_side(args)
         print(json.dumps(r))
         return 0
-    build_model(args.model_dir)
+    model_dir("30m", args.model_dir)
     paths = build_adapters(args.model_dir, args.num_adapters, args.rank)
     job = _write_job(args, paths) if args.vllm_python else ""
     sides = ["base", "lora"] + (["vllm_base", "vllm_lora"] if job else [])

@@ -22,7 +22,6 @@ stream --max-tokens long (ignore_eos).
    streams that stayed (engine 1's own, which share its steps with the moved
    contexts' prefill).
 
---warm-drain: parallel.warm_drain (warm handover, conveyor/engine/dp/paced_drain.py);
 --no-paced: parallel.paced_drain off (every request moves at once); by
 default the paced move (waves of at most the longest moved context).
 
@@ -41,26 +40,20 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.lib.models import model_dir  # noqa: E402
+from bench.lib.prompts import mixed_params, random_prompts  # noqa: E402
+from bench.lib.stats import percentile  # noqa: E402
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(4, 512) for _ in range(rng.randint(64, 192))] for _ in range(n)]
-
-
-def _params(n: int, max_tokens: int) -> list:
-    from conveyor.engine import SamplingParams
-
-    return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0) if i % 2 == 0 else
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, seed=100 + i)
-            for i in range(n)]
-
-
-async def _stream(llm, i: int, prompt, sp, times: list[float], toks: list[int],
+async def _stream(llm: Any, i: int, prompt: list[int], sp: Any, times: list[float], toks: list[int],
                   warm: asyncio.Event | None, warm_n: int) -> None:
+    """One stream: its tokens and their arrival times; ``warm`` set once it has warm_n tokens."""
     async for ro in llm.generate(prompt, sp, request_id=f"s{i}"):
         now = time.monotonic()
         for d in ro.outputs:
@@ -72,7 +65,8 @@ async def _stream(llm, i: int, prompt, sp, times: list[float], toks: list[int],
             warm = None
 
 
-async def _run(llm, prompts, params, warm_n: int, drain: bool) -> dict:
+async def _run(llm: Any, prompts: list[list[int]], params: list[Any], warm_n: int, drain: bool) -> dict:
+    """Every stream at once; with drain, engine 0 drained once each has warm_n tokens."""
     n = len(prompts)
     times: list[list[float]] = [[] for _ in range(n)]
     toks: list[list[int]] = [[] for _ in range(n)]
@@ -95,7 +89,7 @@ async def _run(llm, prompts, params, warm_n: int, drain: bool) -> dict:
     return out
 
 
-async def _prefill_time(llm, n: int, seed: int) -> float:
+async def _prefill_time(llm: Any, n: int, seed: int) -> float:
     """Time to the first token of a fresh n-token prompt on the idle engines (median of 3)."""
     from conveyor.engine import SamplingParams
 
@@ -114,22 +108,24 @@ def _gaps(ts: list[float]) -> list[float]:
 
 
 async def main_async(a: argparse.Namespace) -> dict:
-    from bench.structured_output import build_model
+    """The undisturbed run, the drain run, the bound's prefill; the result."""
     from conveyor.engine.config import build_config
     from conveyor.engine.frontend.async_client import AsyncLLM
 
-    path = build_model(os.path.join(a.model_dir, "llama30m_v512"))
+    path = model_dir("30m_v512", os.path.join(a.model_dir, "llama30m_v512"))
     cfg = build_config(model=path, max_model_len=1024, data_parallel_size=2, max_num_seqs=a.streams,
-                       num_gpu_blocks=a.streams * 24, **{"parallel.warm_drain": a.warm_drain,
-                                                         "parallel.paced_drain": a.paced})
+                       num_gpu_blocks=a.streams * 24, **{"parallel.paced_drain": a.paced})
     t0 = time.monotonic()
     llm = AsyncLLM(cfg)
     start_s = (time.monotonic() - t0) / 2
-    prompts, params = _prompts(a.streams, a.seed), _params(a.streams, a.max_tokens)
+    prompts = random_prompts(a.streams, 64, 192, a.seed, vocab=512)
+    params = mixed_params(a.streams, a.max_tokens)
     try:
         ref = await _run(llm, prompts, params, a.warm, drain=False)
         got = await _run(llm, prompts, params, a.warm, drain=True)
-        m = llm.client.metrics()
+        from conveyor.engine.core_client import metric_dict
+
+        m = metric_dict(llm.client.metric_rows())
         # Contexts grow while a paced drain's later waves wait: the longest as sent.
         longest = llm.client.migrations.longest_context
         prefill_s = await _prefill_time(llm, longest, a.seed)
@@ -153,28 +149,27 @@ async def main_async(a: argparse.Namespace) -> dict:
         "reprefill_tokens": m['conveyor:migration_reprefill_tokens_total{engine="1"}'],
         "tpot_ms_median": round(statistics.median(tpot) * 1e3, 1),
         "largest_gap_ms": round(max_gap * 1e3, 1),
-        "moved_streams_largest_gap_ms": {"p50": round(gaps[len(gaps) // 2] * 1e3, 1),
-                                         "p90": round(gaps[int(len(gaps) * 0.9)] * 1e3, 1)},
+        "moved_streams_largest_gap_ms": {"p50": round(percentile(gaps, 50) * 1e3, 1),
+                                         "p90": round(percentile(gaps, 90) * 1e3, 1)},
         "moved_streams_within_bound": sum(g <= bound for g in gaps),
-        "largest_gap_over_tpot": {"p50": round(ratios[len(ratios) // 2], 1), "max": round(ratios[-1], 1)}
+        "largest_gap_over_tpot": {"p50": round(percentile(ratios, 50), 1), "max": round(ratios[-1], 1)}
         if ratios else None,
         "longest_moved_context": longest, "its_prefill_ms": round(prefill_s * 1e3, 1),
         "goal_bound_ms": round(bound * 1e3, 1),
         "goal_met": max_gap <= bound,
         "stayed_streams_largest_gap_during_drain_ms": round(stayed_gap * 1e3, 1),
-        "warm_drain": a.warm_drain, "paced_drain": a.paced,
+        "paced_drain": a.paced,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }
 
 
 def main() -> None:
+    """Run it; exit 1 unless every stream's tokens equal the undisturbed run's."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--warm", type=int, default=8, help="tokens every stream has before the drain")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warm-drain", action=argparse.BooleanOptionalAction, default=False,
-                   help="parallel.warm_drain: warm handover (conveyor/engine/dp/paced_drain.py); off: the plain move")
     p.add_argument("--paced", action=argparse.BooleanOptionalAction, default=True,
                    help="parallel.paced_drain: move in waves (default); off: all at once")
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "conveyor-bench-models"))

@@ -39,23 +39,22 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-DEFAULT_MODEL_DIR = os.path.join(REPO, "bench", "out", "llama30m")
 
-MODEL_SPEC = dict(
-    hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-    num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=8192,
-    max_position_embeddings=2048, rms_norm_eps=1e-6, initializer_range=0.05,
-    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
-MODEL_SEED = 0
+from bench.lib.models import LLAMA_30M as MODEL_SPEC  # noqa: E402
+from bench.lib.models import SPECS, model_dir, param_count  # noqa: E402
+from bench.lib.prompts import make_prompts  # noqa: E402
+
+DEFAULT_MODEL_DIR = SPECS["30m"].default_dir
 PAD_ID = 0
 
 
@@ -81,45 +80,10 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def build_model(path: str, model_spec: dict | None = None) -> str:
-    """Random-weight fp32 Llama checkpoint at `path` (reused if its spec matches)."""
-    model_spec = model_spec or MODEL_SPEC
-    marker = os.path.join(path, "bench_spec.json")
-    spec = {**model_spec, "seed": MODEL_SEED}
-    if os.path.isfile(marker) and os.path.isfile(os.path.join(path, "config.json")):
-        with open(marker) as f:
-            if json.load(f) == spec:
-                return path
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(MODEL_SEED)
-    config = LlamaConfig(**model_spec)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    # HF initialises norms to 1: randomise a little so the norms matter.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
-    with open(marker, "w") as f:
-        json.dump(spec, f)
-    return path
-
-
-def make_prompts(n: int, seed: int, vocab: int, lo: int = 16, hi: int = 256) -> list[list[int]]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(lo, hi + 1, size=n)
-    # ids 0..2 are pad/bos/eos: keep prompts to ordinary tokens.
-    return [rng.integers(3, vocab, size=int(L)).tolist() for L in lens]
-
-
 # ------------------------------------------------------------------ sides ----
 
 def run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """Our side in this process: generate() wall time, RSS, CPU, tokens."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -164,7 +128,7 @@ def run_ours(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
                 cpu_s=cpu_s, loadavg1=load1)
 
 
-def _hf_model(model_dir: str):
+def _hf_model(model_dir: str) -> Any:
     import torch
     from transformers import LlamaForCausalLM
 
@@ -174,6 +138,7 @@ def _hf_model(model_dir: str):
 
 
 def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    """Hugging Face's side: batched generate() with left padding, EOS off."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -185,7 +150,7 @@ def run_hf(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
                    temperature=None, top_p=None, top_k=None)
     model.generation_config.eos_token_id = None
 
-    def batch_tensors(batch: list[list[int]]):
+    def batch_tensors(batch: list[list[int]]) -> tuple[Any, Any]:
         width = max(len(p) for p in batch)
         ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -264,6 +229,7 @@ def compare(model_dir: str, prompts: list[list[int]], ours: list[list[int]], hf:
 # ------------------------------------------------------------------- main ----
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (paths made absolute; the private ones pass the side's job on)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -311,79 +277,29 @@ def _side_main(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the sides (interleaved, --repeats times), report, compare tokens."""
     args = parse_args(argv)
     if args._side:
         _side_main(args)
         return 0
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    build_model(args.model_dir)
+    model_dir("30m", args.model_dir)
     prompts = make_prompts(args.num_prompts, args.seed, MODEL_SPEC["vocab_size"],
                            args.min_prompt_len, args.max_prompt_len)
     n_prompt_tok = sum(len(p) for p in prompts)
-    print(f"model: {args.model_dir} (random Llama, {_param_count()/1e6:.1f}M params, fp32)")
+    print(f"model: {args.model_dir} (random Llama, {param_count(MODEL_SPEC)/1e6:.1f}M params, fp32)")
     print(f"prompts: {len(prompts)} x {args.min_prompt_len}..{args.max_prompt_len} tokens "
           f"({n_prompt_tok} prompt tokens), {args.output_len} output tokens each, greedy, "
           f"torch threads {args.threads}")
-    runs: dict[str, list[dict]] = {}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-        prompts_file = f.name
-    try:
-        sides = [s for s, skip in (("ours", args.skip_ours), ("hf", args.skip_hf)) if not skip]
-        for rep in range(args.repeats):  # sides interleaved, so slow drifts in load hit both
-            for side in sides:
-                if args.in_process:
-                    r = (run_ours if side == "ours" else run_hf)(args, prompts)
-                else:
-                    r = _run_side_subprocess(side, args, prompts_file)
-                runs.setdefault(side, []).append(r)
-                _print_run(side, r, rep, args, n_prompt_tok)
-    finally:
-        os.unlink(prompts_file)
-
-    n_out = len(prompts) * args.output_len
-    summary: dict = dict(num_prompts=len(prompts), prompt_tokens=n_prompt_tok, output_tokens=n_out,
+    runs = _run_sides(args, prompts, n_prompt_tok)
+    summary: dict = dict(num_prompts=len(prompts), prompt_tokens=n_prompt_tok,
+                         output_tokens=len(prompts) * args.output_len,
                          output_len=args.output_len, hf_batch_size=args.hf_batch_size,
                          threads=args.threads, repeats=args.repeats, python=platform.python_version(),
                          torch=_version("torch"), transformers=_version("transformers"))
-    results: dict[str, dict] = {}
-    for side, rs in runs.items():
-        for r in rs[1:]:
-            if r["tokens"] != rs[0]["tokens"]:
-                print(f"WARNING: {side} generated different tokens in different repeats")
-        best = min(rs, key=lambda r: r["gen_s"])
-        results[side] = best
-        times = sorted(r["gen_s"] for r in rs)
-        med = times[len(times) // 2] if len(times) % 2 else sum(times[len(times) // 2 - 1:][:2]) / 2
-        summary[side] = dict(gen_s_best=best["gen_s"], gen_s_median=med, gen_s_all=[r["gen_s"] for r in rs],
-                             output_tok_s=n_out / best["gen_s"], output_tok_s_median=n_out / med,
-                             total_tok_s=(n_out + n_prompt_tok) / best["gen_s"], load_s=best["load_s"],
-                             rss_before_gen_mib=best["rss_before_gen_mib"],
-                             peak_rss_mib=max(r["peak_rss_mib"] for r in rs),
-                             cpu_s_all=[r["cpu_s"] for r in rs],
-                             cpu_util=[r["cpu_s"] / r["gen_s"] for r in rs],
-                             loadavg1_max=[r["loadavg1"] for r in rs],
-                             **({"engine": best["engine"]} if "engine" in best else {}))
-        label = "ours" if side == "ours" else f"HF (batch {args.hf_batch_size})"
-        print(f"{label:>14}: best {n_out / best['gen_s']:7.1f} output tok/s ({best['gen_s']:.2f} s), "
-              f"median {n_out / med:7.1f} over {len(rs)} run(s); peak RSS "
-              f"{summary[side]['peak_rss_mib']:.0f} MiB (before generate {best['rss_before_gen_mib']:.0f} MiB)")
+    results = {side: _summarize_side(side, rs, summary, args) for side, rs in runs.items()}
     if "ours" in results and "hf" in results:
-        ratio = summary["ours"]["output_tok_s"] / summary["hf"]["output_tok_s"]
-        ratio_med = summary["ours"]["output_tok_s_median"] / summary["hf"]["output_tok_s_median"]
-        summary["ratio_ours_over_hf"] = ratio
-        summary["ratio_ours_over_hf_median"] = ratio_med
-        print(f"{'ratio ours/HF':>14}: {ratio:.2f}x (best runs), {ratio_med:.2f}x (medians)")
-        cmp = compare(args.model_dir, prompts, results["ours"]["tokens"], results["hf"]["tokens"],
-                      args.threads)
-        summary["compare"] = cmp
-        print(f"{'identical':>14}: {cmp['identical']}/{cmp['total']} sequences")
-        for d in cmp["divergences"]:
-            print(f"{'':>16}prompt {d['prompt']} first differs at output {d['position']}: ours {d['ours']} "
-                  f"hf {d['hf']}; HF top-5 {d['top5']}; in top-5: ours {d['ours_in_top5']} "
-                  f"hf {d['hf_in_top5']}; logit(hf)-logit(ours) {d['logit_gap']:.2e}")
-        if cmp["divergences"]:
-            print(f"{'top-5 rule':>14}: {'PASS' if cmp['top5_ok'] else 'FAIL'}")
+        _compare_sides(args, prompts, results, summary)
     summary["parent_peak_rss_mib"] = _peak_rss_mib()
     if not args.in_process:
         summary["children_max_peak_rss_mib"] = _peak_rss_mib(resource.RUSAGE_CHILDREN)
@@ -401,6 +317,71 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def _run_sides(args: argparse.Namespace, prompts: list[list[int]], n_prompt_tok: int) -> dict[str, list[dict]]:
+    """Each side --repeats times, interleaved, so slow drifts in load hit both."""
+    runs: dict[str, list[dict]] = {}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+        prompts_file = f.name
+    try:
+        sides = [s for s, skip in (("ours", args.skip_ours), ("hf", args.skip_hf)) if not skip]
+        for rep in range(args.repeats):
+            for side in sides:
+                if args.in_process:
+                    r = (run_ours if side == "ours" else run_hf)(args, prompts)
+                else:
+                    r = _run_side_subprocess(side, args, prompts_file)
+                runs.setdefault(side, []).append(r)
+                _print_run(side, r, rep, args, n_prompt_tok)
+    finally:
+        os.unlink(prompts_file)
+    return runs
+
+
+def _summarize_side(side: str, rs: list[dict], summary: dict, args: argparse.Namespace) -> dict:
+    """Best and median of one side's runs into summary[side]; returns the best run."""
+    n_out, n_prompt_tok = summary["output_tokens"], summary["prompt_tokens"]
+    for r in rs[1:]:
+        if r["tokens"] != rs[0]["tokens"]:
+            print(f"WARNING: {side} generated different tokens in different repeats")
+    best = min(rs, key=lambda r: r["gen_s"])
+    med = statistics.median(r["gen_s"] for r in rs)
+    summary[side] = dict(gen_s_best=best["gen_s"], gen_s_median=med, gen_s_all=[r["gen_s"] for r in rs],
+                         output_tok_s=n_out / best["gen_s"], output_tok_s_median=n_out / med,
+                         total_tok_s=(n_out + n_prompt_tok) / best["gen_s"], load_s=best["load_s"],
+                         rss_before_gen_mib=best["rss_before_gen_mib"],
+                         peak_rss_mib=max(r["peak_rss_mib"] for r in rs),
+                         cpu_s_all=[r["cpu_s"] for r in rs],
+                         cpu_util=[r["cpu_s"] / r["gen_s"] for r in rs],
+                         loadavg1_max=[r["loadavg1"] for r in rs],
+                         **({"engine": best["engine"]} if "engine" in best else {}))
+    label = "ours" if side == "ours" else f"HF (batch {args.hf_batch_size})"
+    print(f"{label:>14}: best {n_out / best['gen_s']:7.1f} output tok/s ({best['gen_s']:.2f} s), "
+          f"median {n_out / med:7.1f} over {len(rs)} run(s); peak RSS "
+          f"{summary[side]['peak_rss_mib']:.0f} MiB (before generate {best['rss_before_gen_mib']:.0f} MiB)")
+    return best
+
+
+def _compare_sides(args: argparse.Namespace, prompts: list[list[int]], results: dict[str, dict],
+                   summary: dict) -> None:
+    """The ours/HF ratios and the token comparison (vLLM's top-5 rule)."""
+    ratio = summary["ours"]["output_tok_s"] / summary["hf"]["output_tok_s"]
+    ratio_med = summary["ours"]["output_tok_s_median"] / summary["hf"]["output_tok_s_median"]
+    summary["ratio_ours_over_hf"] = ratio
+    summary["ratio_ours_over_hf_median"] = ratio_med
+    print(f"{'ratio ours/HF':>14}: {ratio:.2f}x (best runs), {ratio_med:.2f}x (medians)")
+    cmp = compare(args.model_dir, prompts, results["ours"]["tokens"], results["hf"]["tokens"],
+                  args.threads)
+    summary["compare"] = cmp
+    print(f"{'identical':>14}: {cmp['identical']}/{cmp['total']} sequences")
+    for d in cmp["divergences"]:
+        print(f"{'':>16}prompt {d['prompt']} first differs at output {d['position']}: ours {d['ours']} "
+              f"hf {d['hf']}; HF top-5 {d['top5']}; in top-5: ours {d['ours_in_top5']} "
+              f"hf {d['hf_in_top5']}; logit(hf)-logit(ours) {d['logit_gap']:.2e}")
+    if cmp["divergences"]:
+        print(f"{'top-5 rule':>14}: {'PASS' if cmp['top5_ok'] else 'FAIL'}")
+
+
 def _print_run(side: str, r: dict, rep: int, args: argparse.Namespace, n_prompt_tok: int) -> None:
     n_out = len(r["tokens"]) * args.output_len
     label = "ours" if side == "ours" else f"HF (batch {args.hf_batch_size})"
@@ -414,15 +395,6 @@ def _version(mod: str) -> str:
         return __import__(mod).__version__
     except Exception:
         return "?"
-
-
-def _param_count() -> int:
-    s = MODEL_SPEC
-    h, i, L, v = s["hidden_size"], s["intermediate_size"], s["num_hidden_layers"], s["vocab_size"]
-    d = s["head_dim"]
-    attn = h * (s["num_attention_heads"] + 2 * s["num_key_value_heads"]) * d + s["num_attention_heads"] * d * h
-    per_layer = attn + 3 * h * i + 2 * h
-    return 2 * v * h + L * per_layer + h
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ worker sets ``cpu_count // world_size`` threads itself).
 
 What it does:
   1. builds (once, cached under ``bench/out/parallel-<family>-L<layers>-H<hidden>``)
-     a random-weight checkpoint with ``tests/cpu/llm_utils.make_checkpoint``
+     a random-weight checkpoint: bench/lib/models.py's tiny Llama shape (a
+     transformers model type: llama, qwen2, ...) with --layers and --hidden
      (default: llama, 4 layers, hidden 64, 4 query / 2 KV heads, vocab 512);
   2. starts one ``EngineCore`` per configuration, all alive at once;
   3. runs one untimed warm-up repeat, then ``--repeats`` timed repeats, round-robin
@@ -58,13 +59,15 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (REPO, os.path.join(REPO, "tests", "cpu")):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
-from conveyor.workers.worker import Worker
+from bench.lib.models import TINY, ModelSpec, build  # noqa: E402
+from bench.lib.stats import percentile  # noqa: E402
+from conveyor.workers.worker import Worker  # noqa: E402
 
 DEFAULT_OUT = os.path.join(REPO, "bench", "out", "parallel_overhead.json")
 COMM_ENV = "CONVEYOR_BENCH_COMM_OUT"  # CONVEYOR_* also reaches Ray actors
@@ -87,6 +90,7 @@ class CommProfilingWorker(Worker):
     OPS = ("all_reduce", "all_gather", "send", "recv")
 
     def init_device(self) -> None:
+        """The real device set-up, then the wrappers."""
         super().init_device()
         self._steps: list[dict] = []
         self._cur: dict | None = None
@@ -106,7 +110,7 @@ class CommProfilingWorker(Worker):
         for op in self.OPS:
             orig = getattr(dist, op)
 
-            def wrapped(*args, _op=op, _orig=orig, **kw):
+            def wrapped(*args: Any, _op: str = op, _orig: Any = orig, **kw: Any) -> Any:
                 rec = self._cur
                 if rec is None:
                     return _orig(*args, **kw)
@@ -122,7 +126,8 @@ class CommProfilingWorker(Worker):
 
             setattr(dist, op, wrapped)
 
-    def execute_model(self, so):
+    def execute_model(self, so: Any) -> Any:
+        """Open this step's record around the real step."""
         self._cur = {"t0": time.time(), "tokens": so.total_num_scheduled_tokens, "ops": {}}
         self._steps.append(self._cur)
         try:
@@ -130,7 +135,8 @@ class CommProfilingWorker(Worker):
         finally:
             self._cur["t1"] = time.time()
 
-    def sample_tokens(self, grammar_output=None):
+    def sample_tokens(self, grammar_output: Any = None) -> Any:
+        """Close this step's record after sampling."""
         try:
             return super().sample_tokens(grammar_output)
         finally:
@@ -139,6 +145,7 @@ class CommProfilingWorker(Worker):
                 self._cur = None
 
     def shutdown(self) -> None:
+        """Write the step records to $CONVEYOR_BENCH_COMM_OUT, then shut down."""
         out = os.environ.get(COMM_ENV)
         if out and getattr(self, "_steps", None) is not None:
             os.makedirs(out, exist_ok=True)
@@ -150,16 +157,17 @@ class CommProfilingWorker(Worker):
 # ---------------------------------------------------------------------------
 # Driver side
 # ---------------------------------------------------------------------------
-def checkpoint(args) -> str:
+def checkpoint(args: argparse.Namespace) -> str:
+    """The tiny shape at --layers / --hidden (built once under bench/out)."""
     path = os.path.join(REPO, "bench", "out", f"parallel-{args.family}-L{args.layers}-H{args.hidden}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        from llm_utils import make_checkpoint
-        make_checkpoint(args.family, path, num_hidden_layers=args.layers, hidden_size=args.hidden,
-                        intermediate_size=2 * args.hidden, head_dim=args.hidden // 4)
-    return path
+    spec = ModelSpec(args.family, {**TINY, "num_hidden_layers": args.layers, "hidden_size": args.hidden,
+                                   "intermediate_size": 2 * args.hidden, "head_dim": args.hidden // 4},
+                     tokenizer_vocab=512)
+    return build(path, spec)
 
 
-def start_engine(name: str, path: str, args, comm_dir: str | None):
+def start_engine(name: str, path: str, args: argparse.Namespace, comm_dir: str | None) -> tuple[Any, Any]:
+    """(config, EngineCore) of one configuration (--profile-comm: the profiling worker)."""
     from conveyor.engine.config import build_config
     from conveyor.engine.core.engine_core import EngineCore
 
@@ -185,7 +193,7 @@ def start_engine(name: str, path: str, args, comm_dir: str | None):
     return cfg, core
 
 
-def make_requests(args, vocab: int, max_tokens: int, tag: str):
+def make_requests(args: argparse.Namespace, vocab: int, max_tokens: int, tag: str) -> list[Any]:
     """The same --batch prompts for every engine in repeat `tag` (ids differ per repeat)."""
     from conveyor.engine.contracts import EngineCoreRequest
     from conveyor.engine.sampling_params import SamplingParams
@@ -200,7 +208,7 @@ def make_requests(args, vocab: int, max_tokens: int, tag: str):
 class Run:
     """One engine and its bookkeeping."""
 
-    def __init__(self, name: str, cfg, core, batch: int, threads: int | None = None) -> None:
+    def __init__(self, name: str, cfg: Any, core: Any, batch: int, threads: int | None = None) -> None:
         self.name, self.cfg, self.core, self.batch = name, cfg, core, batch
         self.threads = threads  # torch threads of this process while this engine steps
         self.tokens: dict[str, list[int]] = {}
@@ -212,6 +220,7 @@ class Run:
         self.windows: list[tuple[float, float]] = []  # time.time() bounds of timed chunks
 
     def step(self) -> tuple[int, float]:
+        """One step_fn() call: the tokens it produced and its seconds."""
         t0 = perf()
         outs, _ = self.core.step_fn()
         dt = perf() - t0
@@ -224,11 +233,13 @@ class Run:
         return n, dt
 
     def drain(self) -> None:
+        """Step until the engine has nothing left."""
         while self.core.has_work():
             self.step()
         assert not self.core.scheduler.has_unfinished_requests()
 
     def run_rounds(self, rounds: int, timed: bool) -> None:
+        """Decode rounds under this run's torch thread count (timed or not)."""
         import torch
 
         prev = torch.get_num_threads()
@@ -289,10 +300,10 @@ def pp_bytes_per_step(hidden: int, tokens: float, dtype_size: int) -> dict:
     return {"tokens": t, "data_bytes": data, "header_bytes": 8 + header, "total_bytes": data + 8 + header}
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="tp1,tp1t1,tp2,pp2", help=f"comma list of {sorted(CONFIGS)}")
-    ap.add_argument("--family", default="llama")
+    ap.add_argument("--family", default="llama", help="a transformers model type (llama, qwen2, ...)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
@@ -309,13 +320,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.repeats, args.warmup = 20, 1, 3
-    names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    for n in names:
+    args.names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for n in args.names:
         if n not in CONFIGS:
             sys.exit(f"unknown config {n!r}; choose from {sorted(CONFIGS)}")
+    return args
 
+
+def main() -> None:
+    """Start every configuration's engine, run the repeats round-robin, report."""
     import torch
 
+    args = _args()
     path = checkpoint(args)
     with open(os.path.join(path, "config.json")) as fh:
         hf = json.load(fh)
@@ -323,113 +339,21 @@ def main() -> None:
     max_tokens = args.warmup + args.rounds
     if args.prompt_len + max_tokens > hf["max_position_embeddings"]:
         sys.exit(f"prompt_len + warmup + rounds exceed max_position_embeddings ({hf['max_position_embeddings']})")
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"model {path}: {hf['model_type']}, {hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, "
           f"{hf['num_attention_heads']}/{hf['num_key_value_heads']} heads, vocab {hf['vocab_size']}; device {device}; "
           f"batch {args.batch}, prompt {args.prompt_len}, {args.warmup} warm-up + {args.repeats} x {args.rounds} "
           f"timed decode rounds per config")
     runs: list[Run] = []
-    t_start = time.monotonic()
     try:
-        for name in names:
-            t0 = time.monotonic()
-            threads = 1 if name == "tp1t1" else None
-            shared = next((r for r in runs if CONFIGS[r.name] == (1, 1)), None)
-            if CONFIGS[name] == (1, 1) and shared is not None:
-                # One uniproc engine per process (torch.distributed is initialized once):
-                # time the same engine with another thread count.
-                runs.append(Run(name, shared.cfg, shared.core, args.batch, threads=threads))
-                print(f"  {name}: the {shared.name} engine, stepped with torch threads {threads}")
-                continue
-            cfg, core = start_engine(name, path, args, comm_dir)
-            run = Run(name, cfg, core, args.batch, threads=threads)
-            runs.append(run)
-            threads = (f"torch threads {run.threads or torch.get_num_threads()} in the driver"
-                       if cfg.world_size == 1 else
-                       f"torch threads {max(1, (os.cpu_count() or 1) // cfg.world_size)} per worker")
-            print(f"  {name}: engine up in {time.monotonic() - t0:.1f}s (executor {cfg.parallel.executor}, {threads})")
-        # Each repeat: every engine gets a fresh batch (same prompts for all engines),
-        # decodes --warmup rounds untimed, then --rounds timed, then drains. So every
-        # config is timed at the same context lengths (decode cost grows with context).
-        for rep in range(-1, args.repeats):  # -1: one untimed warm-up repeat
-            if rep > 0 and time.monotonic() - t_start > args.max_seconds:
-                print(f"  time bound reached after {rep} repeats")
-                break
-            for run in runs:
-                for r in make_requests(args, hf["vocab_size"], max_tokens, tag=str(rep)):
-                    run.core.add_request(r)
-                run.run_rounds(args.warmup, timed=False)
-                run.run_rounds(args.rounds, timed=rep >= 0)
-                run.drain()
+        _start_runs(runs, path, args, comm_dir)
+        _repeats(runs, args, hf["vocab_size"], max_tokens)
     finally:
         for core in {id(r.core): r.core for r in runs}.values():
             core.shutdown()
-
-    # ---- report ----------------------------------------------------------------
-    base = next((r for r in runs if CONFIGS[r.name] == (1, 1)), runs[0])
-    dsize = torch.empty(0, dtype=getattr(torch, runs[0].cfg.model.dtype)).element_size()
-    results = {"args": vars(args), "model": {k: hf[k] for k in ("model_type", "num_hidden_layers", "hidden_size",
-                                                                 "num_attention_heads", "num_key_value_heads",
-                                                                 "vocab_size")},
-               "device": device, "configs": {}}
-    base_ms = statistics.median(base.round_s) * 1e3
-    alt = next((r for r in runs if r.name == "tp1t1" and r is not base), None)
-    alt_ms = statistics.median(alt.round_s) * 1e3 if alt else None
-    print()
-    print(f"| config | executor | ms / decode round (median of repeats) | best repeat | spread | tokens/s | vs {base.name} | "
-          + ("vs tp1t1 | " if alt else "") +
-          f"step_fn calls / round | p50 step ms | p90 step ms | same tokens as {base.name} | PP bytes / step (computed) |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | " + ("---: | " if alt else "") + "---: | ---: | ---: | :---: | ---: |")
-    for run in runs:
-        ms = statistics.median(run.round_s) * 1e3
-        spread = (max(run.round_s) - min(run.round_s)) / statistics.median(run.round_s)
-        rounds = args.rounds * len(run.round_s)
-        same = sum(run.tokens.get(k) == v for k, v in base.tokens.items())
-        same_s = f"{same}/{len(base.tokens)}"
-        tp, pp = CONFIGS[run.name]
-        label = f"TP={tp}, PP={pp}" + (", 1 thread" if run.threads == 1 else "")
-        pp_bytes = pp_bytes_per_step(hf["hidden_size"], args.batch, dsize) if pp > 1 else None
-        row = {"tp": tp, "pp": pp, "executor": run.cfg.parallel.executor, "ms_per_round": ms,
-               "ms_per_round_each_repeat": [x * 1e3 for x in run.round_s], "spread": spread,
-               "tokens_per_s": args.batch / (ms / 1e3), "ratio_vs_tp1": ms / base_ms,
-               "ratio_vs_tp1t1": ms / alt_ms if alt_ms else None,
-               "calls_per_round": run.calls / rounds,
-               "p50_step_ms": statistics.median(run.step_s) * 1e3 if run.step_s else None,
-               "p90_step_ms": sorted(run.step_s)[int(0.9 * (len(run.step_s) - 1))] * 1e3 if run.step_s else None,
-               "threads": run.threads,
-               "same_tokens_as_tp1": same_s, "pp_bytes_per_step": pp_bytes}
-        results["configs"][run.name] = row
-        print(f"| {run.name} ({label}) | {row['executor']} | {ms:.2f} | {min(run.round_s) * 1e3:.2f} | {spread:.0%} | "
-              f"{row['tokens_per_s']:.0f} | {row['ratio_vs_tp1']:.2f} | "
-              + (f"{row['ratio_vs_tp1t1']:.2f} | " if alt else "") + f"{row['calls_per_round']:.2f} | "
-              f"{row['p50_step_ms']:.2f} | {row['p90_step_ms']:.2f} | {row['same_tokens_as_tp1']} | "
-              f"{pp_bytes['total_bytes'] if pp_bytes else '–'} |")
-    for run in runs:
-        b = results["configs"][run.name]["pp_bytes_per_step"]
-        if b:
-            print(f"{run.name}: each stage boundary moves {b['data_bytes']} B of activations per full-batch step "
-                  f"(2 x {b['tokens']} tokens x {hf['hidden_size']} hidden x {dsize} B) + {b['header_bytes']} B "
-                  f"length/header over the CPU group; computed from the shapes")
+    results = _report(runs, args, hf, device)
     if comm_dir is not None:
-        print("\ncommunication per step, measured in the workers (mean over timed steps):")
-        print("| config | rank | steps | tokens/step | worker step µs | all_reduce calls / µs | "
-              "all_gather calls / µs | send calls / µs / bytes | recv calls / µs / bytes |")
-        print("| --- | --- | ---: | ---: | ---: | --- | --- | --- | --- |")
-        for run in runs:
-            if CONFIGS[run.name] == (1, 1):
-                continue
-            cs = comm_summary(comm_dir, run.name, run.windows)
-            results["configs"][run.name]["comm"] = cs
-            for rank, row in cs.items():
-                def cell(op: str, with_bytes: bool = False, row: dict = row) -> str:
-                    o = row.get(op)
-                    if not o:
-                        return "–"
-                    s = f"{o['calls']:.1f} / {o['us']:.0f}"
-                    return s + f" / {o['bytes']:.0f}" if with_bytes else s
-                print(f"| {run.name} | {rank} | {row['steps']} | {row['tokens_per_step']:.1f} | {row['step_us']:.0f} | "
-                      f"{cell('all_reduce')} | {cell('all_gather')} | {cell('send', True)} | {cell('recv', True)} |")
+        _comm_report(runs, comm_dir, results)
     results["env"] = {"python": platform.python_version(), "torch": torch.__version__, "nproc": os.cpu_count(),
                       "loadavg_end": os.getloadavg(),
                       "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -437,6 +361,123 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nwrote {args.out}")
+
+
+def _start_runs(runs: list[Run], path: str, args: argparse.Namespace, comm_dir: str | None) -> None:
+    """One engine per configuration, all alive at once (tp1t1 shares tp1's)."""
+    import torch
+
+    for name in args.names:
+        t0 = time.monotonic()
+        threads = 1 if name == "tp1t1" else None
+        shared = next((r for r in runs if CONFIGS[r.name] == (1, 1)), None)
+        if CONFIGS[name] == (1, 1) and shared is not None:
+            # One uniproc engine per process (torch.distributed is initialized once):
+            # time the same engine with another thread count.
+            runs.append(Run(name, shared.cfg, shared.core, args.batch, threads=threads))
+            print(f"  {name}: the {shared.name} engine, stepped with torch threads {threads}")
+            continue
+        cfg, core = start_engine(name, path, args, comm_dir)
+        run = Run(name, cfg, core, args.batch, threads=threads)
+        runs.append(run)
+        what = (f"torch threads {run.threads or torch.get_num_threads()} in the driver"
+                if cfg.world_size == 1 else
+                f"torch threads {max(1, (os.cpu_count() or 1) // cfg.world_size)} per worker")
+        print(f"  {name}: engine up in {time.monotonic() - t0:.1f}s (executor {cfg.parallel.executor}, {what})")
+
+
+def _repeats(runs: list[Run], args: argparse.Namespace, vocab: int, max_tokens: int) -> None:
+    """Each repeat: every engine gets a fresh batch (same prompts for all engines),
+    decodes --warmup rounds untimed, then --rounds timed, then drains. So every
+    config is timed at the same context lengths (decode cost grows with context)."""
+    t_start = time.monotonic()
+    for rep in range(-1, args.repeats):  # -1: one untimed warm-up repeat
+        if rep > 0 and time.monotonic() - t_start > args.max_seconds:
+            print(f"  time bound reached after {rep} repeats")
+            break
+        for run in runs:
+            for r in make_requests(args, vocab, max_tokens, tag=str(rep)):
+                run.core.add_request(r)
+            run.run_rounds(args.warmup, timed=False)
+            run.run_rounds(args.rounds, timed=rep >= 0)
+            run.drain()
+
+
+def _row(run: Run, base: Run, alt_ms: float | None, base_ms: float, args: argparse.Namespace,
+         hf: dict, dsize: int) -> dict:
+    ms = statistics.median(run.round_s) * 1e3
+    same = sum(run.tokens.get(k) == v for k, v in base.tokens.items())
+    tp, pp = CONFIGS[run.name]
+    return {"tp": tp, "pp": pp, "executor": run.cfg.parallel.executor, "ms_per_round": ms,
+            "ms_per_round_each_repeat": [x * 1e3 for x in run.round_s],
+            "spread": (max(run.round_s) - min(run.round_s)) / statistics.median(run.round_s),
+            "tokens_per_s": args.batch / (ms / 1e3), "ratio_vs_tp1": ms / base_ms,
+            "ratio_vs_tp1t1": ms / alt_ms if alt_ms else None,
+            "calls_per_round": run.calls / (args.rounds * len(run.round_s)),
+            "p50_step_ms": statistics.median(run.step_s) * 1e3 if run.step_s else None,
+            "p90_step_ms": percentile(run.step_s, 90) * 1e3 if run.step_s else None,
+            "threads": run.threads, "same_tokens_as_tp1": f"{same}/{len(base.tokens)}",
+            "pp_bytes_per_step": pp_bytes_per_step(hf["hidden_size"], args.batch, dsize) if pp > 1 else None}
+
+
+def _report(runs: list[Run], args: argparse.Namespace, hf: dict, device: str) -> dict:
+    """The table of every configuration against TP=1 (and tp1t1), with the PP bytes."""
+    import torch
+
+    base = next((r for r in runs if CONFIGS[r.name] == (1, 1)), runs[0])
+    dsize = torch.empty(0, dtype=getattr(torch, runs[0].cfg.model.dtype)).element_size()
+    results: dict = {"args": vars(args), "model": {k: hf[k] for k in (
+        "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+        "vocab_size")}, "device": device, "configs": {}}
+    base_ms = statistics.median(base.round_s) * 1e3
+    alt = next((r for r in runs if r.name == "tp1t1" and r is not base), None)
+    alt_ms = statistics.median(alt.round_s) * 1e3 if alt else None
+    print()
+    print(f"| config | executor | ms / decode round (median of repeats) | best repeat | spread | tokens/s | "
+          f"vs {base.name} | " + ("vs tp1t1 | " if alt else "") +
+          f"step_fn calls / round | p50 step ms | p90 step ms | same tokens as {base.name} | "
+          "PP bytes / step (computed) |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | " + ("---: | " if alt else "")
+          + "---: | ---: | ---: | :---: | ---: |")
+    notes = []
+    for run in runs:
+        row = results["configs"][run.name] = _row(run, base, alt_ms, base_ms, args, hf, dsize)
+        label = f"TP={row['tp']}, PP={row['pp']}" + (", 1 thread" if run.threads == 1 else "")
+        pp_bytes = row["pp_bytes_per_step"]
+        print(f"| {run.name} ({label}) | {row['executor']} | {row['ms_per_round']:.2f} | "
+              f"{min(run.round_s) * 1e3:.2f} | {row['spread']:.0%} | {row['tokens_per_s']:.0f} | "
+              f"{row['ratio_vs_tp1']:.2f} | " + (f"{row['ratio_vs_tp1t1']:.2f} | " if alt else "")
+              + f"{row['calls_per_round']:.2f} | {row['p50_step_ms']:.2f} | {row['p90_step_ms']:.2f} | "
+              f"{row['same_tokens_as_tp1']} | {pp_bytes['total_bytes'] if pp_bytes else '–'} |")
+        if pp_bytes:
+            notes.append(f"{run.name}: each stage boundary moves {pp_bytes['data_bytes']} B of activations per "
+                         f"full-batch step (2 x {pp_bytes['tokens']} tokens x {hf['hidden_size']} hidden x "
+                         f"{dsize} B) + {pp_bytes['header_bytes']} B length/header over the CPU group; "
+                         f"computed from the shapes")
+    print("\n".join(notes))
+    return results
+
+
+def _comm_report(runs: list[Run], comm_dir: str, results: dict) -> None:
+    """--profile-comm: per rank, the collectives' and p2p's calls, µs and bytes per step."""
+    print("\ncommunication per step, measured in the workers (mean over timed steps):")
+    print("| config | rank | steps | tokens/step | worker step µs | all_reduce calls / µs | "
+          "all_gather calls / µs | send calls / µs / bytes | recv calls / µs / bytes |")
+    print("| --- | --- | ---: | ---: | ---: | --- | --- | --- | --- |")
+    for run in runs:
+        if CONFIGS[run.name] == (1, 1):
+            continue
+        cs = comm_summary(comm_dir, run.name, run.windows)
+        results["configs"][run.name]["comm"] = cs
+        for rank, row in cs.items():
+            def cell(op: str, with_bytes: bool = False, row: dict = row) -> str:
+                o = row.get(op)
+                if not o:
+                    return "–"
+                s = f"{o['calls']:.1f} / {o['us']:.0f}"
+                return s + f" / {o['bytes']:.0f}" if with_bytes else s
+            print(f"| {run.name} | {rank} | {row['steps']} | {row['tokens_per_step']:.1f} | {row['step_us']:.0f} | "
+                  f"{cell('all_reduce')} | {cell('all_gather')} | {cell('send', True)} | {cell('recv', True)} |")
 
 
 if __name__ == "__main__":

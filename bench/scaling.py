@@ -6,7 +6,7 @@ Axes (offline ``generate``, greedy, ``ignore_eos``, every prompt the same
 length, all requests in flight at once, prefix caching off):
   context  prompt length 256 -> 8k at batch 1 (the 30M Llama with 8448 positions)
   batch    1 -> 256 requests of 256 prompt tokens (the 30M Llama)
-  model    30M -> Qwen2-0.5B -> Llama-1B shapes (bench/bench_models.py), batch 16
+  model    30M -> Qwen2-0.5B -> Llama-1B shapes (bench/lib/models.py), batch 16
 Each point runs each engine once in a fresh process (compare_vllm's runners:
 same threads, same KV-cache size, tokens compared by digest), one timed
 generate after a warm-up. tok/s = output tokens / wall; TPOT here is
@@ -15,12 +15,12 @@ time per decode step, prefill included).
 
 ``--grid reduced`` (default) keeps each axis to a few points a shared 2-core
 box runs in minutes; ``--grid full`` is the whole range.
-Writes bench/out/scaling.json and bench/out/scaling.png (matplotlib, or
-Pillow: ``--plot-only FILE.json`` redraws with any Python that has either).
+Writes bench/out/scaling.json and bench/out/scaling.png (bench/lib/png_plot.py,
+standard library only; ``--plot-only FILE.json`` redraws it).
 
 Usage:
   .venv/bin/python bench/scaling.py --axes batch,context
-  /tmp/vllmpeer/bin/python bench/scaling.py --plot-only bench/out/scaling.json
+  .venv/bin/python bench/scaling.py --plot-only bench/out/scaling.json
 """
 from __future__ import annotations
 
@@ -57,8 +57,9 @@ def point_workload(axis: str, value: int | str) -> tuple[str, dict]:
 
 
 def run_point(axis: str, value: int | str, threads: int, dtype: str) -> dict:
+    """Both engines at one point of an axis (fresh processes); tok/s, TPOT, ratio."""
     from bench import compare_vllm
-    from bench.bench_models import model_dir
+    from bench.lib.models import model_dir
 
     model, wl = point_workload(axis, value)
     wl.update(output_len=OUTPUT_LEN[axis], dtype=dtype, gen_repeats=1)
@@ -74,67 +75,26 @@ def run_point(axis: str, value: int | str, threads: int, dtype: str) -> dict:
 
 
 def plot(rows: list[dict], path: str) -> None:
+    """Two rows of panels per axis: output tok/s and TPOT of both engines
+    (the tok/s panel's title lists the ratio at every point)."""
+    from bench.lib.png_plot import Chart, Series, save_charts
+
     axes = [a for a in ("context", "batch", "model") if any(r["axis"] == a for r in rows)]
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _plot_pillow(rows, axes, path)
-        return
-    fig, grid = plt.subplots(2, len(axes), figsize=(5 * len(axes), 7), squeeze=False)
-    for j, axis in enumerate(axes):
-        pts = [r for r in rows if r["axis"] == axis]
-        xs = [str(r["value"]) for r in pts]
-        for i, (key, label) in enumerate((("tok_per_s", "output tok/s"), ("tpot_ms", "TPOT ms"))):
-            ax = grid[i][j]
-            for who in ("conveyor", "vllm"):
-                ax.plot(xs, [r[who][key] for r in pts], marker="o", label=who)
-            ax.set_title(f"{axis}: {label}")
-            if i == 0:
-                for x, r in zip(xs, pts):
-                    ax.annotate(f"{r['ratio']:.2f}x", (x, r["conveyor"][key]), fontsize=8)
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-
-
-def _plot_pillow(rows: list[dict], axes: list[str], path: str) -> None:
-    """The same two rows of panels with Pillow (lines, values and ratios as text)."""
-    from PIL import Image, ImageDraw
-
-    w, h, pad = 420, 300, 40
-    img = Image.new("RGB", (w * len(axes), 2 * h), "white")
-    d = ImageDraw.Draw(img)
-    colors = {"conveyor": (31, 119, 180), "vllm": (255, 127, 14)}
-    for j, axis in enumerate(axes):
-        pts = [r for r in rows if r["axis"] == axis]
-        for i, (key, label) in enumerate((("tok_per_s", "output tok/s"), ("tpot_ms", "TPOT ms"))):
-            x0, y0 = j * w, i * h
-            top = max(max(r[who][key] for who in colors) for r in pts) or 1.0
-            d.rectangle([x0 + pad, y0 + pad, x0 + w - 10, y0 + h - pad], outline="black")
-            d.text((x0 + pad, y0 + 10), f"{axis}: {label} (top {top:.1f})", fill="black")
-
-            def xy(k: int, v: float) -> tuple[float, float]:
-                span = max(len(pts) - 1, 1)
-                return (x0 + pad + 10 + k * (w - 2 * pad - 20) / span,
-                        y0 + h - pad - v / top * (h - 2 * pad - 10))
-            for who, c in colors.items():
-                line = [xy(k, r[who][key]) for k, r in enumerate(pts)]
-                d.line(line, fill=c, width=2) if len(line) > 1 else None
-                for px, py in line:
-                    d.ellipse([px - 3, py - 3, px + 3, py + 3], fill=c)
-            for k, r in enumerate(pts):
-                px, _ = xy(k, 0)
-                d.text((px - 10, y0 + h - pad + 5), str(r["value"]), fill="black")
-                if i == 0:
-                    d.text((px - 10, y0 + pad + 5), f"{r['ratio']:.2f}x", fill="black")
-            d.text((x0 + pad, y0 + 24), "blue: conveyor, orange: vllm", fill="black")
-    img.save(path)
+    charts = []
+    for key, label in (("tok_per_s", "output tok/s"), ("tpot_ms", "tpot ms")):
+        for axis in axes:
+            pts = [r for r in rows if r["axis"] == axis]
+            xs = list(range(len(pts)))
+            ratios = " ".join(f"{r['ratio']:.2f}x" for r in pts)
+            charts.append(Chart(f"{axis}: {label}" + (f" (ratio {ratios})" if key == "tok_per_s" else ""),
+                                axis, label, [Series(who, xs, [r[who][key] for r in pts])
+                                              for who in ("conveyor", "vllm")],
+                                categories=[str(r["value"]) for r in pts]))
+    save_charts(path, charts, cols=len(axes), w=520, h=360)
 
 
 def main() -> int:
+    """Each axis' points (appended to --json), then the PNG; or --plot-only."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--axes", default="context,batch,model")
     ap.add_argument("--grid", default="reduced", choices=tuple(GRIDS))
@@ -167,11 +127,8 @@ def main() -> int:
             with open(a.json, "w") as f:
                 json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "threads": a.threads, "dtype": a.dtype, "rows": rows}, f, indent=1)
-    try:
-        plot(rows, a.png)
-        print(f"wrote {a.json} and {a.png}")
-    except ImportError:
-        print(f"wrote {a.json}; no matplotlib/Pillow here: rerun with --plot-only under a Python that has one")
+    plot(rows, a.png)
+    print(f"wrote {a.json} and {a.png}")
     return 0
 
 

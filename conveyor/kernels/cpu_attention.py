@@ -1,13 +1,12 @@
-"""CPU paged attention: a C++ kernel for short queries, SDPA for prefill.
+"""CPU paged attention: C++ kernels for decode and for fp32/bf16 prefill.
 
 Decode rows and speculative drafts (query_len <= _SHORT_QUERY) go to
 ``csrc/paged_attention_cpu.cpp``, which reads K/V in place through the block
 table (the torch backend gathers a padded copy and masks it every step: about
-half the decode step on CPU). Longer prefill chunks in fp32 take the vector
-tables' own flash-style kernel (``csrc/simd_prefill.inc``: queries along the
-lanes, K/V read in place, 1.5-2.3x ATen's flash SDPA on AVX-512, about even on
-AVX2); other dtypes and the portable table stay on the torch backend's SDPA
-path. ``torch_attention.paged_attention_ref`` is the reference all are tested against.
+half the decode step on CPU). Longer prefill chunks in fp32 or bf16 take the
+vector tables' own flash-style kernel (``csrc/simd_prefill.inc``: queries along
+the lanes, K/V read in place, 1.5-2.3x ATen's flash SDPA on AVX-512, about even
+on AVX2); fp16 and the portable table stay on the torch backend's SDPA path. ``torch_attention.paged_attention_ref`` is the reference all are tested against.
 
 The kernels come in three tables, all in one build and chosen by cpuid at
 load: ``avx512`` (fp32 decode attention at head size 32/64/128 in AVX-512

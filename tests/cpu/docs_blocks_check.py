@@ -212,6 +212,10 @@ def _with_local_imports(f: Path) -> list[Path]:
 def check_python_m(module: str, argv: list[str]) -> list[str]:
     if importlib.util.find_spec(module) is None:
         return [f"python -m {module}: no such module"]
+    if module.split(".")[0] in ("bench", "tools"):  # the checkout's scripts, run as modules
+        base = ROOT.joinpath(*module.split("."))
+        main = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__main__.py"
+        return check_script(str(main.relative_to(ROOT)), argv)
     if module in ("conveyor.cluster.cli", "conveyor.cluster.cli.main"):
         return check_conveyor(argv)
     if module == "conveyor.cluster.batch":

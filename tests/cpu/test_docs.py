@@ -14,6 +14,8 @@ EXAMPLES = {"configs/x.yaml"}  # README's example of a config with a mistake
 def test_every_path_the_docs_name_exists():
     missing = []
     for doc in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if doc.name == "benchmarks-history.md":  # the record of past rounds: paths as they were then
+            continue
         for i, line in enumerate(doc.read_text().splitlines(), 1):
             for m in PATH.finditer(line):
                 path = m.group(1).rstrip("/.")

@@ -1,5 +1,6 @@
-"""Every fenced code block of README.md and docs/*.md is run or checked, so none goes
-stale (docs/benchmarks-history.md is the record of past rounds, not instructions: left out).
+"""Every fenced code block of README.md, BENCHMARKS.md and docs/*.md is run or checked, so
+none goes stale (docs/benchmarks-history.md is the record of past rounds, not instructions:
+left out); so is every command BENCHMARKS.md's tables give inline.
 
 - python: every block compiles. The offline examples (no `OpenAI(` / `client.`) run, page by
   page in one namespace, in a directory holding the demo model as `demo_model/` and the
@@ -157,7 +158,7 @@ def test_benchmark_commands_name_real_scripts_and_flags(monkeypatch: pytest.Monk
     problems, seen = [], 0
     prose = re.sub(r"^```.*?^```", "", (ROOT / "BENCHMARKS.md").read_text(), flags=re.M | re.S)  # blocks: test_block
     for span in re.findall(r"`([^`\n]+)`", prose):
-        cmds, _ = shell_commands(span) if re.search(r"\bbench/\S+\.py\b", span) else ([], [])
+        cmds, _ = shell_commands(span) if re.search(r"\bbench/\S+\.py\b|-m bench\.", span) else ([], [])
         for _, argv in cmds:
             found = check_command(argv)
             if found is not None:

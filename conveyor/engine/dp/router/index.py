@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from conveyor.engine.dp.router.events import EngineLoad, KVEvents
 
-# Measured (bench/routing.py, tracemalloc, the synthetic trace on 8 engines:
+# Measured (bench/routing/routing.py, tracemalloc, the synthetic trace on 8 engines:
 # 127 bytes): one indexed (hash, engine) entry, i.e. the 32-byte hash as a
 # bytes object (65), its slot in the owners dict and its mask, its slot in the
 # engine's ordered dict. The index never holds more than the engines' caches

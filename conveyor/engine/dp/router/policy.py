@@ -59,7 +59,7 @@ class RouterSettings:
     policy: str = "kv_aware"
     block_size: int = 16
     # Cost of one token of load (uncached prefill + decode still to come), in
-    # uncached prefill tokens. See BENCHMARKS.md "Routing": bench/routing.py's
+    # uncached prefill tokens. See BENCHMARKS.md "Routing": bench/routing/routing.py's
     # simulation reaches >= 90% of the ideal hit rate at max/mean load <= 1.25
     # with it.
     lam: float = LAM_DEFAULT

@@ -1,4 +1,4 @@
-"""Workloads for bench/routing.py, each a list of SimRequests (token ids
+"""Workloads for bench/routing/routing.py, each a list of SimRequests (token ids
 hashed with the engine's own block hash chain, conveyor/engine/dp/router/policy.py).
 
 - shared_prefix: vLLM's prefix_repetition shape: groups sharing a 512-token
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import random
 
-from bench.routing_sim import FollowUps, SimRequest
+from bench.routing.routing_sim import FollowUps, SimRequest
 from conveyor.engine.dp.router.policy import block_hashes_of
 from conveyor.engine.kv_cache.hashing import hash_block
 
@@ -29,6 +29,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 def shared_prefix(bs: int, groups: int = 32, per_group: int = 48, rate: float = 2.0,
                   seed: int = 0) -> list[SimRequest]:
+    """Groups of requests sharing a 512-token prefix, each with a unique 128-token suffix."""
     rng = random.Random(seed)
     prefixes = [_tokens(rng, 512) for _ in range(groups)]
     jobs = [g for g in range(groups) for _ in range(per_group)]
@@ -41,6 +42,7 @@ def shared_prefix(bs: int, groups: int = 32, per_group: int = 48, rate: float = 
 
 
 class MultiTurn(FollowUps):
+    """Conversations over one system prompt; each turn extends the last by its answer and a message."""
     def __init__(self, bs: int, convs: int = 96, turns: int = 6, seed: int = 0) -> None:
         self.bs, self.turns = bs, turns
         self.rng = random.Random(seed)
@@ -57,6 +59,7 @@ class MultiTurn(FollowUps):
                           session=conv)
 
     def next_after(self, done: SimRequest, now: int) -> list[SimRequest]:
+        """The conversation's next turn, after a think time (none after the last)."""
         conv = done.rid.split("-")[0]
         if self.turn[conv] >= self.turns:
             return []
@@ -102,6 +105,7 @@ def write_synthetic_trace(path: str, n: int = 600, seed: int = 0) -> None:
 
 
 def trace(path: str, bs: int, tick_ms: float = 10.0, limit: int | None = None) -> list[SimRequest]:
+    """The SimRequests of a Mooncake-format trace (block ids made into tokens, then hashed)."""
     memo: dict[tuple[bytes | None, int], list[bytes]] = {}
     out = []
     with open(path) as f:

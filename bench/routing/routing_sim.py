@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bench.lib.stats import percentile
 from conveyor.engine.dp.router.events import EngineLoad, KVEventPublisher
 from conveyor.engine.dp.router.policy import Router, RouterSettings
 
 
 @dataclass
 class SimRequest:
+    """A request as the router sees it (block hashes) plus what the simulation fills in."""
     rid: str
     hashes: list[bytes]
     num_tokens: int
@@ -40,6 +42,7 @@ class SimRequest:
 
 
 class SimEngine:
+    """An LRU prefix cache and a token-budget service model behind a real event publisher."""
     def __init__(self, capacity_blocks: int, block_size: int, budget: int, max_running: int) -> None:
         self.cache: OrderedDict[bytes, None] = OrderedDict()
         self.capacity, self.bs, self.budget, self.max_running = capacity_blocks, block_size, budget, max_running
@@ -48,6 +51,7 @@ class SimEngine:
         self.running: list[SimRequest] = []
 
     def admit(self) -> None:
+        """Admit waiting requests up to max_running; their cached prefix is skipped."""
         while self.waiting and len(self.running) < self.max_running:
             r = self.waiting.popleft()
             hit = 0
@@ -62,6 +66,7 @@ class SimEngine:
             self.running.append(r)
 
     def insert(self, hashes: list[bytes]) -> None:
+        """Blocks into the cache (LRU), publishing each store and eviction."""
         c = self.cache
         for h in hashes:
             if h in c:
@@ -101,11 +106,13 @@ class SimEngine:
         return done
 
     def load(self) -> EngineLoad:
+        """The engine's load as the router reads it."""
         return EngineLoad(len(self.waiting), len(self.running), self.capacity - len(self.cache))
 
 
 @dataclass
 class SimResult:
+    """One policy's hit rate (and the ideal), imbalance and decision latencies."""
     policy: str
     hit_rate: float
     ideal_hit_rate: float
@@ -119,11 +126,13 @@ class FollowUps:
     """Requests released only when an earlier one finishes (multi-turn)."""
 
     def next_after(self, done: SimRequest, now: int) -> list[SimRequest]:
+        """The requests released by ``done`` finishing (none by default)."""
         return []
 
 
 def simulate(requests: list[SimRequest], n: int, settings: RouterSettings, capacity: int,
              budget: int, max_running: int, follow: FollowUps | None = None) -> SimResult:
+    """Route every request (and its follow-ups) through the real Router to n SimEngines, tick by tick."""
     router = Router(settings, n)
     engines = [SimEngine(capacity, settings.block_size, budget, max_running) for _ in range(n)]
     pending = [(r.arrival, i, r) for i, r in enumerate(requests)]
@@ -170,7 +179,7 @@ def simulate(requests: list[SimRequest], n: int, settings: RouterSettings, capac
     mean_run = running_sum / max(ticks, 1)
     return SimResult(settings.policy, hits / total, ideal_hit_rate(order, n * capacity, settings.block_size),
                      float(mean_run.max() / mean_run.mean()) if mean_run.mean() > 0 else 1.0,
-                     float(np.percentile(inst, 90)) if inst else 1.0, lat, order)
+                     percentile(inst, 90) if inst else 1.0, lat, order)
 
 
 def ideal_hit_rate(order: list[SimRequest], capacity: int, bs: int) -> float:

@@ -10,8 +10,8 @@ the engine's own function) at 8, 64 and 512 engines on the trace: wall-clock
 p50/p99, and p99 of the thread's CPU time (on a shared 2-core host the wall
 p99 is mostly time slices lost to other processes).
 
-Usage: python bench/routing.py [--engines 8] [--quick]
-       python bench/routing.py --write-trace bench/data/mooncake_synth.jsonl
+Usage: python bench/routing/routing.py [--engines 8] [--quick]
+       python bench/routing/routing.py --write-trace bench/data/mooncake_synth.jsonl
 """
 from __future__ import annotations
 
@@ -21,14 +21,13 @@ import sys
 import time
 from collections import deque
 
-import numpy as np
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.routing_sim import SimRequest, simulate  # noqa: E402
-from bench.routing_workloads import MultiTurn, shared_prefix, trace, write_synthetic_trace  # noqa: E402
+from bench.lib.stats import percentile  # noqa: E402
+from bench.routing.routing_sim import SimRequest, simulate  # noqa: E402
+from bench.routing.routing_workloads import MultiTurn, shared_prefix, trace, write_synthetic_trace  # noqa: E402
 from conveyor.engine.dp.router.events import KVEvents  # noqa: E402
 from conveyor.engine.dp.router.policy import POLICIES, Router, RouterSettings  # noqa: E402
 
@@ -49,6 +48,7 @@ def _workload(name: str, quick: bool) -> tuple[list[SimRequest], MultiTurn | Non
 
 
 def run_policies(n: int, quick: bool) -> None:
+    """Every workload under every policy: hit rate against the ideal, balance, latency."""
     print(f"engines={n} block_size={BS}")
     print(f"{'workload':<14}{'policy':<14}{'hit':>7}{'ideal':>7}{'hit/ideal':>10}"
           f"{'max/mean':>10}{'p90 inst':>10}{'p50 us':>8}{'p99 us':>8}")
@@ -58,10 +58,10 @@ def run_policies(n: int, quick: bool) -> None:
             reqs, follow = _workload(name, quick)  # fresh: a run mutates its requests
             res = simulate(reqs, n, RouterSettings(policy=policy, block_size=BS, seed=0, lam=LAM),
                            cap, budget, max_running, follow)
-            lat = np.array(res.decision_us)
+            lat = res.decision_us
             print(f"{name:<14}{policy:<14}{res.hit_rate:>7.3f}{res.ideal_hit_rate:>7.3f}"
                   f"{res.hit_rate / res.ideal_hit_rate:>10.3f}{res.imbalance:>10.3f}"
-                  f"{res.imbalance_p90:>10.3f}{np.percentile(lat, 50):>8.1f}{np.percentile(lat, 99):>8.1f}")
+                  f"{res.imbalance_p90:>10.3f}{percentile(lat, 50):>8.1f}{percentile(lat, 99):>8.1f}")
 
 
 def decision_latency(n: int, reqs: list[SimRequest], reps: int) -> tuple[float, float, float, int]:
@@ -84,9 +84,8 @@ def decision_latency(n: int, reqs: list[SimRequest], reps: int) -> tuple[float, 
             inflight.append(rid)
             if len(inflight) > 16 * n:
                 router.finish(inflight.popleft())
-    a, c = np.array(lat) * 1e6, np.array(cpu) / 1e3
-    return (float(np.percentile(a, 50)), float(np.percentile(a, 99)), float(np.percentile(c, 99)),
-            router.index.num_entries())
+    a, c = [x * 1e6 for x in lat], [x / 1e3 for x in cpu]
+    return percentile(a, 50), percentile(a, 99), percentile(c, 99), router.index.num_entries()
 
 
 def index_bytes_per_block(reqs: list[SimRequest], n: int = 8) -> tuple[float, int]:
@@ -107,6 +106,7 @@ def index_bytes_per_block(reqs: list[SimRequest], n: int = 8) -> tuple[float, in
 
 
 def main() -> None:
+    """The policy table, the decision latency at 8/64/512 engines, the index's memory."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--quick", action="store_true")

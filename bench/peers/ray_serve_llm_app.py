@@ -3,7 +3,7 @@
 optional third column. Runs in the venv of ../shared/peers/vllm_cpu/README.md
 ("Ray Serve LLM on CPU"), not in the project's: it imports ray.serve.llm and vLLM.
 
-  /tmp/rayllmpeer/bin/python bench/ray_serve_llm_app.py MODEL_DIR --port 8300
+  /tmp/rayllmpeer/bin/python bench/peers/ray_serve_llm_app.py MODEL_DIR --port 8300
 
 Serves /v1 on 127.0.0.1:PORT through Serve's proxy until SIGINT/SIGTERM."""
 from __future__ import annotations
@@ -14,12 +14,13 @@ import signal
 import threading
 
 ENV = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-# Passed on to the replicas when set here (bench/routing_live.py: one unpinned
+# Passed on to the replicas when set here (bench/routing/routing_live.py: one unpinned
 # compute thread per replica).
 PASS_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS")
 
 
 def main() -> int:
+    """Deploy the OpenAI app over vLLM replicas; serve until SIGINT/SIGTERM."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("model")
     p.add_argument("--port", type=int, default=8300)

@@ -1,4 +1,4 @@
-"""vLLM's CPU build, offline, on compare_vllm.py's prompts: run with the PEER venv.
+"""vLLM's CPU build, offline, on bench/compare_vllm.py's prompts: run with the PEER venv.
 
 Like ../shared/peers/vllm_cpu/offline.py, plus ``--dtype`` and an explicit
 KV-cache size (its default takes half the RAM, which a shared box cannot give
@@ -9,36 +9,32 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import time
 
-from proc_tree import vllm_libs  # bench/, this script's own directory (first on sys.path)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from bench.lib.launch import peer_defaults  # noqa: E402  (stdlib only)
+from bench.lib.proc_tree import vllm_libs  # noqa: E402
+from bench.lib.prompts import make_prompts  # noqa: E402  (stdlib + numpy: the peer venv has them)
+
+peer_defaults(quiet=True)
 
 
 def check_avx2() -> None:
-    """PEER_FORCE_AVX2=1: bench/peer_site/sitecustomize.py (on PYTHONPATH, as
-    compare_vllm.py --isa avx2 sets it) has made torch report no AVX-512, so
+    """PEER_FORCE_AVX2=1: bench/peers/peer_site/sitecustomize.py (on PYTHONPATH,
+    as compare_vllm.py --isa avx2 sets it) has made torch report no AVX-512, so
     vLLM takes its AVX2 build; fail rather than measure the AVX-512 one."""
     import torch
     if torch.cpu._is_avx512_supported():
-        raise SystemExit("PEER_FORCE_AVX2=1 needs bench/peer_site on PYTHONPATH (its sitecustomize "
-                         "makes vLLM take its AVX2 build)")
+        raise SystemExit("PEER_FORCE_AVX2=1 needs bench/peers/peer_site on PYTHONPATH (its "
+                         "sitecustomize makes vLLM take its AVX2 build)")
 
 
-def make_prompts(n, seed, vocab, lo=16, hi=256):
-    """bench/offline_throughput.make_prompts, repeated (the peer venv has no repo on its path)."""
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    lens = rng.integers(lo, hi + 1, size=n)
-    return [rng.integers(3, vocab, size=int(n_)).tolist() for n_ in lens]
-
-
-def main():
-    ap = argparse.ArgumentParser()
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
@@ -49,7 +45,12 @@ def main():
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--prompt-len-range", default="16,256")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    """Time the generate() calls (best of --repeats) and print the JSON line."""
+    a = _args()
     if os.environ.get("PEER_FORCE_AVX2") == "1":
         check_avx2()
     from vllm import LLM, SamplingParams

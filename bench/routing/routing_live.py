@@ -4,10 +4,10 @@
 (b) `conveyor serve` with 2 engines (parallel.data_parallel_size 2) of the
 30M bench Llama, one fresh server per router policy (kv_aware, power_of_two).
 (c) the peer: Ray Serve LLM over 2 vLLM CPU replicas behind its
-PrefixCacheAffinityRouter (bench/ray_serve_llm_app.py in the venv of
+PrefixCacheAffinityRouter (bench/peers/ray_serve_llm_app.py in the venv of
 ../shared/peers/vllm_cpu/README.md, "Ray Serve LLM on CPU"), on the same
 workload in the same run. One server at a time, each bound to 127.0.0.1 and
-stopped by its PID (bench/serve_compare.py's start/stop).
+stopped by its PID (bench/lib/launch.py's start/stop).
 
 Workload: C conversations share one system prompt; turn k sends the whole
 conversation so far (system, user 1, assistant 1, ..., user k) as chat
@@ -37,13 +37,14 @@ enable_prompt_tokens_details); hit rate = cached / prompt tokens; TTFT
 p50/p90 (first streamed content token); output tok/s over the whole workload;
 in echo mode, how many answers equal the first server's.
 
-  .venv/bin/python bench/routing_live.py                       # kv_aware, power_of_two, ray-llm
-  .venv/bin/python bench/routing_live.py --servers kv_aware,power_of_two --think-s 0.5 3
-  .venv/bin/python bench/routing_live.py --servers ray-llm --think-s 0.5 3 --port 8410
-  .venv/bin/python bench/routing_live.py --answers fixed      # the fixed-answer workload
+  .venv/bin/python bench/routing/routing_live.py              # kv_aware, power_of_two, ray-llm
+  .venv/bin/python bench/routing/routing_live.py --servers kv_aware,power_of_two --think-s 0.5 3
+  .venv/bin/python bench/routing/routing_live.py --servers ray-llm --think-s 0.5 3 --port 8410
+  .venv/bin/python bench/routing/routing_live.py --answers fixed      # the fixed-answer workload
 
 Defaults: echo mode with word-token answers, 24 conversations x 6 turns, a ~300-token
-system prompt, ~64-token user messages (and fixed answers in --answers fixed), 32 tokens out, 2 engines of 12,288 KV tokens in blocks of 32 each
+system prompt, ~64-token user messages (and fixed answers in --answers fixed), 32 tokens
+out, 2 engines of 12,288 KV tokens in blocks of 32 each
 (BENCHMARKS.md, "Routing live").
 """
 from __future__ import annotations
@@ -52,7 +53,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import sys
@@ -61,12 +61,15 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.serve_compare import PEER_ENV, Server, conveyor_server, start, stop  # noqa: E402
-from bench.serve_load import _pct, _run  # noqa: E402
+from bench.lib import launch  # noqa: E402
+from bench.lib.launch import Server  # noqa: E402
+from bench.lib.meta import run_meta  # noqa: E402
+from bench.lib.sse import Reply, run, stream  # noqa: E402
+from bench.lib.stats import percentile  # noqa: E402
 
 OUT = os.path.join(REPO, "bench", "out", "routing_live")
 MODEL_NAME = "m30"
@@ -78,6 +81,7 @@ _METRIC = re.compile(r'^conveyor:prefix_cache_(queries|hits)_total\{([^}]*)\}\s+
 
 @dataclass(frozen=True)
 class Workload:
+    """The multi-turn chat workload's shape (the same for every server)."""
     convs: int = 24
     turns: int = 6
     system_words: int = 50
@@ -109,52 +113,13 @@ def conversations(w: Workload) -> tuple[str, list[list[tuple[str, str]]]]:
 
 # ---- one request, one conversation ---------------------------------------------------------
 
-@dataclass
-class Turn:
-    ok: bool = False
-    ttft: float = 0.0
-    e2e: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    error: str = ""
-    text: str = ""  # the streamed content, sent back as the assistant message in echo mode
-
-
-async def chat(client: Any, body: dict[str, Any]) -> Turn:
-    t0, res, buf = time.perf_counter(), Turn(), b""
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for data in r.aiter_bytes():
-                *events, buf = (buf + data).split(b"\n\n")
-                for ev in events:
-                    if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
-                        continue
-                    _take_event(res, json.loads(ev[6:]), time.perf_counter() - t0)
-        res.e2e, res.ok = time.perf_counter() - t0, not res.error
-    except Exception as e:  # noqa: BLE001 - counted as a failed request
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-def _take_event(res: Turn, obj: dict[str, Any], now: float) -> None:
-    if "error" in obj:
-        res.error = str(obj["error"])
-    if obj.get("usage"):
-        u = obj["usage"]
-        res.prompt_tokens, res.output_tokens = u["prompt_tokens"], u["completion_tokens"]
-        res.cached_tokens = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    for ch in obj.get("choices") or []:
-        content = (ch.get("delta") or {}).get("content")
-        if content:
-            res.ttft = res.ttft or now
-            res.text += content
+async def chat(client: Any, body: dict[str, Any]) -> Reply:
+    """One streamed chat turn (every event parsed: its content is the answer)."""
+    return await stream(client, "/v1/chat/completions", body, full=True)
 
 
 def _body(messages: list[dict[str, str]], w: Workload) -> dict[str, Any]:
+    """A streamed greedy chat request of exactly max_tokens tokens, usage on."""
     body = {"model": MODEL_NAME, "messages": messages, "max_tokens": w.max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     if w.allowed_token_ids:
@@ -178,7 +143,8 @@ def word_token_ids(model: str) -> tuple[int, ...]:
 
 
 async def conversation(client: Any, system: str, turns: list[tuple[str, str]], w: Workload,
-                       delay: float) -> list[Turn]:
+                       delay: float) -> list[Reply]:
+    """The turns of one conversation, each after the previous answer and a think time."""
     await asyncio.sleep(delay)
     think = random.Random(f"{w.seed}-{delay}")  # the same think times on every server
     msgs = [{"role": "system", "content": system}]
@@ -194,7 +160,8 @@ async def conversation(client: Any, system: str, turns: list[tuple[str, str]], w
     return out
 
 
-async def run_workload(url: str, w: Workload) -> tuple[list[Turn], float]:
+async def run_workload(url: str, w: Workload) -> tuple[list[Reply], float]:
+    """Every conversation, staggered and overlapping; the turns and the wall time."""
     import httpx
 
     system, convs = conversations(w)
@@ -240,27 +207,22 @@ def engine_counters(url: str) -> dict[str, tuple[float, float]] | None:
 
 
 def conveyor(a: argparse.Namespace, policy: str, port: int) -> Server:
-    ns = argparse.Namespace(config=a.config, model=a.model, max_num_seqs=a.max_num_seqs,
-                            max_model_len=a.max_model_len, conveyor_env=[],
-                            conveyor_set=[f"parallel.data_parallel_size={a.engines}",
-                                          f"serve.router={policy}",
-                                          f"cache.block_size={a.block_size}",
-                                          f"cache.num_gpu_blocks={a.kv_tokens // a.block_size}",
-                                          *a.conveyor_set])
-    s = conveyor_server(ns, port)
-    s.name = f"conveyor {policy}"
-    return s
+    """`conveyor serve` with --engines engines behind the ``policy`` router."""
+    sets = [f"parallel.data_parallel_size={a.engines}", f"serve.router={policy}",
+            f"cache.block_size={a.block_size}", f"cache.num_gpu_blocks={a.kv_tokens // a.block_size}",
+            *a.conveyor_set]
+    flags = launch.engine_flags(a.model, MODEL_NAME, a.max_num_seqs, a.max_model_len)
+    return launch.conveyor_serve(a.config, port, flags, sets, {}, name=f"conveyor {policy}")
 
 
 def ray_llm(a: argparse.Namespace, port: int) -> Server:
-    script = os.path.join(REPO, "bench", "ray_serve_llm_app.py")
-    argv = [os.path.join(a.ray_llm_venv, "bin", "python"), script, a.model, "--port", str(port),
-            "--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.max_model_len),
+    """Ray Serve LLM: --engines vLLM replicas behind its PrefixCacheAffinityRouter."""
+    args = ["--max-num-seqs", str(a.max_num_seqs), "--max-model-len", str(a.max_model_len),
             "--replicas", str(a.engines), "--prefix-router", "--num-blocks", str(a.kv_tokens // a.block_size),
             "--block-size", str(a.block_size), "--num-cpus", str(2 * a.engines + 2),
             "--temp-dir", "/tmp/ray_routing_peer"]
-    return Server("Ray Serve LLM prefix", argv, {**PEER_ENV, **_peer_thread_env()},
-                  url=f"http://127.0.0.1:{port}", ready_pattern="Ray Serve LLM at http://")
+    return launch.ray_serve_llm(a.model, port, args, _peer_thread_env(), a.ray_llm_venv,
+                                name="Ray Serve LLM prefix")
 
 
 def _peer_thread_env() -> dict[str, str]:
@@ -273,21 +235,23 @@ def _peer_thread_env() -> dict[str, str]:
 # ---- one server's run ----------------------------------------------------------------------
 
 def measure(s: Server, a: argparse.Namespace, w: Workload) -> dict[str, Any]:
+    """One server: start, warm up, the workload between two reads of its counters, stop."""
     t0 = time.monotonic()
     try:
-        url = start(s, a.out_dir, a.start_timeout_s if s.ready_pattern is None else a.peer_start_timeout_s)
+        url = launch.start(s, a.out_dir, a.start_timeout_s if s.ready_pattern is None else a.peer_start_timeout_s)
         print(f"{s.name}: ready at {url} in {time.monotonic() - t0:.0f}s", flush=True)
-        _run(warm_up(url, w))
+        run(warm_up(url, w))
         before = engine_counters(url)
-        turns, wall = _run(run_workload(url, w))
+        turns, wall = run(run_workload(url, w))
         after = engine_counters(url)
     finally:
-        stop(s)
+        launch.stop(s)
     return summarize(s.name, turns, wall, before, after)
 
 
-def summarize(name: str, turns: list[Turn], wall: float, before: dict[str, tuple[float, float]] | None,
+def summarize(name: str, turns: list[Reply], wall: float, before: dict[str, tuple[float, float]] | None,
               after: dict[str, tuple[float, float]] | None) -> dict[str, Any]:
+    """One server's row: prefill computed, hit rates, TTFT, output tok/s, its answers."""
     ok = [t for t in turns if t.ok]
     prompt = sum(t.prompt_tokens for t in ok)
     cached = sum(t.cached_tokens for t in ok)
@@ -297,7 +261,7 @@ def summarize(name: str, turns: list[Turn], wall: float, before: dict[str, tuple
         "prompt_tokens": prompt, "cached_tokens": cached, "prefill_computed_usage": prompt - cached,
         "hit_rate": cached / prompt if prompt else 0.0,
         "prefill_fraction": (prompt - cached) / prompt if prompt else 0.0,
-        "ttft_p50_ms": _pct(ttft, 50), "ttft_p90_ms": _pct(ttft, 90),
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p90_ms": percentile(ttft, 90),
         "output_tokens": sum(t.output_tokens for t in ok),
         "output_tok_s": sum(t.output_tokens for t in ok) / wall,
         "errors": sorted({t.error for t in turns if not t.ok})[:3],
@@ -312,6 +276,7 @@ def summarize(name: str, turns: list[Turn], wall: float, before: dict[str, tuple
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
+    """Every server's row, then power_of_two against kv_aware."""
     print(f"\n{'server':<24}{'ok/fail':>9}{'prompt':>8}{'prefill':>9}{'(engines)':>10}{'/prompt':>8}"
           f"{'hit':>7}{'(engines)':>10}{'TTFT p50':>10}{'p90 ms':>8}{'out tok/s':>11}{'same ans':>10}")
     first = rows[0]["answers"] if rows else []
@@ -341,10 +306,11 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--servers", default="kv_aware,power_of_two,ray-llm",
                    help=f"comma list, run in order: our policies ({', '.join(POLICIES)}) and ray-llm")
-    p.add_argument("--model", default=os.path.join(REPO, "bench", "out", "llama30m_v512"))
+    p.add_argument("--model", default=os.path.join(REPO, "bench", "out", "llama30m_v512"),
+                   help="checkpoint with a tokenizer (bench/lib/models.py's 30m_v512 is built there if missing)")
     p.add_argument("--config", default=os.path.join(REPO, "configs", "tiny-cpu.yaml"))
     p.add_argument("--conveyor-set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--ray-llm-venv", default="/tmp/rayllmpeer")
+    p.add_argument("--ray-llm-venv", default=launch.RAY_LLM_VENV)
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--kv-tokens", type=int, default=12288, help="KV cache per engine, in tokens")
     p.add_argument("--block-size", type=int, default=32,
@@ -368,6 +334,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def make_servers(a: argparse.Namespace) -> list[Server]:
+    """The --servers list: our policies and ray-llm, on consecutive ports."""
     out = []
     for i, name in enumerate(n.strip() for n in a.servers.split(",") if n.strip()):
         if name == "ray-llm":
@@ -380,13 +347,14 @@ def make_servers(a: argparse.Namespace) -> list[Server]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Each server in turn on the same workload; the table and the JSON."""
     a = _args(argv)
     a.model, a.config = os.path.abspath(a.model), os.path.abspath(a.config)
     os.makedirs(a.out_dir, exist_ok=True)
     if not os.path.isfile(os.path.join(a.model, "tokenizer.json")):
-        from bench.structured_output import build_model
+        from bench.lib.models import model_dir
 
-        build_model(a.model)
+        model_dir("30m_v512", a.model)
     w = Workload(convs=a.convs, turns=a.turns, think_s=a.think_s[0], think_max_s=a.think_s[1], seed=a.seed,
                  answers=a.answers, allowed_token_ids=word_token_ids(a.model)
                  if a.answers == "echo" and a.answer_vocab == "words" else ())
@@ -405,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
               f"TTFT p90 {r['ttft_p90_ms']:.0f} ms, {r['output_tok_s']:.1f} out tok/s "
               f"{r['errors'] or ''}", flush=True)
     print_table(rows)
-    meta = {"date_utc": stamp, "argv": sys.argv, "platform": platform.platform(), "cpus": os.cpu_count(),
-            "workload": {**asdict(w), "allowed_token_ids": len(w.allowed_token_ids)}, "engines": a.engines, "kv_tokens": a.kv_tokens, "block_size": a.block_size}
+    meta = run_meta(date_utc=stamp, workload={**asdict(w), "allowed_token_ids": len(w.allowed_token_ids)},
+                    engines=a.engines, kv_tokens=a.kv_tokens, block_size=a.block_size)
     path = os.path.join(a.out_dir, f"{stamp}-summary.json")
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows, "could_not_run": failed}, f, indent=2)

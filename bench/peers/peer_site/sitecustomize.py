@@ -1,5 +1,6 @@
 """Python runs this at start-up in every process of the vLLM peer that has
-this directory on PYTHONPATH (bench/serve_compare.py --isa avx2 puts it there
+this directory on PYTHONPATH (bench/serve_compare.py and bench/compare_vllm.py
+--isa avx2 put it there, bench/lib/launch.py's PEER_AVX2_ENV,
 for `vllm serve`, whose engine core is a child process; a monkeypatch in the
 parent alone would not reach it).
 
@@ -12,6 +13,7 @@ import os
 
 
 def force_avx2() -> None:
+    """Make torch report no AVX-512, AVX512_BF16 or AMX."""
     import torch
 
     torch.cpu._is_avx512_supported = lambda: False
