@@ -339,12 +339,15 @@ def test_distribution_at_drafted_positions(small_vocab, top_p):
 # ---- metrics on /metrics ------------------------------------------------------------------
 
 def test_prometheus_exposes_spec_counters():
+    from fake_engines import FakeEngineClient
+
     from conveyor.cluster.openai.metrics import ServeMetrics
     from conveyor.engine.frontend.async_client import EngineCounters
 
     class FakeLLM:
         stats = SchedulerStats()
         counters = EngineCounters()
+        client = FakeEngineClient()  # one engine: no fleet rows
 
     llm = FakeLLM()
     for _ in range(2):
