@@ -63,6 +63,7 @@ class ModelDims:
     q_out: int
     kv_out: int
     num_layers: int
+    moe: bool = False  # its MLPs are mixtures of experts: adapters target attention only
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> ModelDims:
@@ -70,8 +71,9 @@ class ModelDims:
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         kv = hf.get("num_key_value_heads") or heads
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
         return cls(hf["hidden_size"], hf["intermediate_size"], heads * head_dim, kv * head_dim,
-                   hf["num_hidden_layers"])
+                   hf["num_hidden_layers"], moe=experts > 0)
 
     @classmethod
     def from_model_dir(cls, path: str) -> ModelDims:
@@ -184,6 +186,10 @@ def check_adapter(path: str, max_rank: int, dims: ModelDims) -> AdapterSpec:
     """Parse and check a PEFT adapter directory; ValueError naming what is wrong."""
     cfg = read_adapter_config(path)
     r, scale, targets = _check_config(path, cfg, max_rank)
+    mlp = sorted(targets & {"gate_proj", "up_proj", "down_proj"})
+    if dims.moe and mlp:
+        raise _bad(path, f"target_modules: {mlp} not supported on a mixture-of-experts model; "
+                         "its adapters may target q_proj, k_proj, v_proj and o_proj")
     wfile = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(wfile):
         raise _bad(path, f"{WEIGHTS_FILE} not found")

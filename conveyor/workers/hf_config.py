@@ -33,9 +33,29 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "qwen3": {"vocab_size": 151936, "intermediate_size": 22016, "max_position_embeddings": 32768,
               "num_key_value_heads": 32, "sliding_window": None, "use_sliding_window": False,
               "head_dim": 128},
+    # Mixtures of experts (conveyor/workers/models/mixtral.py, qwen_moe.py).
+    "mixtral": {"vocab_size": 32000, "intermediate_size": 14336, "max_position_embeddings": 131072,
+                "num_key_value_heads": 8, "sliding_window": None, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                "num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {"vocab_size": 151936, "intermediate_size": 5632, "max_position_embeddings": 32768,
+                  "num_key_value_heads": 16, "sliding_window": None, "use_sliding_window": False,
+                  "num_attention_heads": 16, "num_hidden_layers": 24, "hidden_size": 2048,
+                  "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": [], "qkv_bias": True},
+    "qwen3_moe": {"vocab_size": 151936, "intermediate_size": 6144, "max_position_embeddings": 32768,
+                  "num_key_value_heads": 4, "sliding_window": None, "use_sliding_window": False,
+                  "num_hidden_layers": 24, "hidden_size": 2048,
+                  "num_experts": 128, "num_local_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768,
+                  "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
+# model_type -> (name, alias): transformers reads either key as one attribute
+# (its attribute_map); config.json may hold either, depending on its writer.
+_ALIASES: dict[str, tuple[str, str]] = {"mixtral": ("num_local_experts", "num_experts"),
+                                        "qwen3_moe": ("num_local_experts", "num_experts")}
 # Families whose config keeps sliding_window only when use_sliding_window is set.
-_WINDOW_SWITCHED = frozenset({"qwen2", "qwen3"})
+_WINDOW_SWITCHED = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
 
 
 class HFConfig:
@@ -48,6 +68,11 @@ class HFConfig:
         # Another family gets the shared defaults only: the model registry
         # (conveyor.workers.models.get_model_class) refuses its architecture anyway.
         values = {**_COMMON, **_FAMILIES.get(model_type, {}), **raw}
+        if model_type in _ALIASES:
+            a, b = _ALIASES[model_type]
+            given = raw.get(a, raw.get(b))
+            if given is not None:
+                values[a] = values[b] = given
         if values.get("num_key_value_heads") is None:
             values["num_key_value_heads"] = values["num_attention_heads"]
         if values.get("head_dim") is None:

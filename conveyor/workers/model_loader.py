@@ -11,6 +11,7 @@ import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -39,15 +40,16 @@ def load_hf_config(model_dir: str) -> HFConfig:
 
 def load_model(model_dir: str, hf_config: Any, dtype: torch.dtype,
                device: torch.device | str,
-               pp_layer_partition: list[int] | None = None) -> LlamaForCausalLM:
+               pp_layer_partition: list[int] | None = None, expert_parallel: bool = False) -> LlamaForCausalLM:
     """Build this rank's part of the model on `device` and load its weights.
 
     Uses conveyor.parallel.state for the TP/PP rank, so call init_distributed first
-    when running with several ranks.
+    when running with several ranks. expert_parallel: a mixture of experts
+    spreads its experts over the TP ranks (conveyor/workers/layers/moe.py).
     """
     cls = get_model_class(hf_config)
     with torch.device(device):
-        model = cls(hf_config, dtype, pp_layer_partition=pp_layer_partition)
+        model = cls(hf_config, dtype, pp_layer_partition=pp_layer_partition, expert_parallel=expert_parallel)
     load_weights(model, model_dir)
     return model.eval()
 
@@ -72,8 +74,17 @@ def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, WeightLike]]:
                 yield name, f.get_slice(name)
 
 
-def _map_name(name: str, mapping: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
-    """HF name -> (our parameter name, shard id or None)."""
+_EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _map_name(name: str, mapping: dict[str, tuple[str, Any]],
+              experts: dict[str, tuple[str, int | None]]) -> tuple[str, Any]:
+    """HF name -> (our parameter name, shard id or None). One expert's tensor
+    ("...experts.E.w1.weight") goes to the stacked parameter with shard (E, part)."""
+    m = _EXPERT.search(name) if experts else None
+    if m is not None and m.group(2) in experts:
+        ours, part = experts[m.group(2)]
+        return f"{name[:m.start()]}.experts.{ours}", (int(m.group(1)), part)
     for hf_module, (ours, shard_id) in mapping.items():
         if f".{hf_module}." in name:
             return name.replace(f".{hf_module}.", f".{ours}."), shard_id
@@ -89,15 +100,26 @@ class _LoadTracker:
         for ours, shard_id in mapping.values():
             self.shards_of.setdefault(ours, set()).add(shard_id)
         self.seen: dict[int, set[Any]] = {}
+        # (our stacked expert parameter, part) -> the checkpoint's name of one expert's tensor
+        self.expert_names = {v: k for k, v in getattr(model, "expert_checkpoint_names", {}).items()}
 
     def record(self, param: nn.Parameter, shard_id: Any) -> None:
         self.seen.setdefault(id(param), set()).add(shard_id)
+
+    def _missing_experts(self, name: str, shards: set[tuple[int, int | None]]) -> list[str]:
+        prefix, ours = name.rsplit(".", 1)
+        return [f"{prefix}.{e}.{self.expert_names.get((ours, part), ours)}.weight"
+                for e, part in sorted(shards, key=lambda s: (s[0], -1 if s[1] is None else s[1]))]
 
     def missing(self, model: nn.Module) -> list[str]:
         out = []
         for name, param in model.named_parameters():  # tied params appear once
             got = self.seen.get(id(param))
             module = name.split(".")[-2] if "." in name else ""
+            expected = getattr(param, "expected_shards", None)
+            if expected is not None:  # stacked experts: name each missing checkpoint tensor
+                out += self._missing_experts(name, expected - (got or set()))
+                continue
             need = self.shards_of.get(module, {None})
             if got is None:
                 out.append(name)
@@ -123,6 +145,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     missing_prefixes = tuple(f"{n}." for n, m in model.named_modules()
                              if isinstance(m, PPMissingLayer))
     tied = bool(getattr(model, "tie_word_embeddings", False))
+    experts = getattr(model, "expert_checkpoint_names", {})
     tracker, unexpected = _LoadTracker(model), []
     for name, weight in iterate_checkpoint(model_dir):
         if name.endswith(_SKIP_SUFFIXES):
@@ -130,7 +153,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         for target in _targets(name, params, tied):
             if target.startswith(missing_prefixes):
                 continue  # owned by another PP stage
-            ours, shard_id = _map_name(target, mapping)
+            ours, shard_id = _map_name(target, mapping, experts)
             param = params.get(ours)
             if param is None:
                 unexpected.append(name)

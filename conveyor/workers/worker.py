@@ -83,7 +83,8 @@ class Worker:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             logger.info("dtype bfloat16 on CPU: linears in %s", cpu_bf16_math())
         model = load_model(cfg.model.path, hf, self.dtype, self.device,
-                           pp_layer_partition=cfg.parallel.pp_layer_partition)
+                           pp_layer_partition=cfg.parallel.pp_layer_partition,
+                           expert_parallel=cfg.parallel.enable_expert_parallel)
         self.model_runner = ModelRunner(cfg, model, self.device, hf.vocab_size, ps.is_last_pp_rank(),
                                         ps.is_first_pp_rank())
         if cfg.model.quantization == "int8":  # after the runner: it loads the CPU kernels

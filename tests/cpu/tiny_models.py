@@ -4,7 +4,10 @@
     make_tiny_model("qwen2", d, num_hidden_layers=3, max_shard_size="40KB")
 
 Families: llama, llama3 (Llama-3 rope scaling), mistral, qwen2, qwen2-tied
-(tie_word_embeddings=True), qwen3. Keyword overrides go into the config, except
+(tie_word_embeddings=True), qwen3, and the mixtures of experts mixtral,
+qwen2-moe (a shared expert, layer 0 dense by decoder_sparse_step 2, top-k not
+renormalised) and qwen3-moe (q/k norm, layer 1 dense by mlp_only_layers,
+norm_topk_prob). Keyword overrides go into the config, except
 `max_shard_size` (saves a sharded checkpoint with an index) and `seed`.
 Weights are deterministic for a given (family, overrides, seed).
 """
@@ -32,7 +35,15 @@ _FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {}),
     "qwen2-tied": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32,
+                                  "sliding_window": None}),
+    "qwen2-moe": ("Qwen2MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 48, "norm_topk_prob": False,
+                                     "decoder_sparse_step": 2, "mlp_only_layers": []}),
+    "qwen3-moe": ("Qwen3MoeConfig", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                     "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
 }
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe")
 
 FAMILIES = tuple(_FAMILIES)
 
@@ -71,5 +82,9 @@ def _randomize_defaults(model: Any) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("gate.weight") and p.shape[0] <= 16:
+                # A router (or Qwen2-MoE's shared-expert gate), zero-initialised by
+                # transformers: wide logits, so no two experts tie for top-k.
+                p.copy_(torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))

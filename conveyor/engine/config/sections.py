@@ -99,8 +99,12 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # the longest moved context's tokens, the next wave once the last one's
     # streams have their first token on their new engine, so each moved
     # stream waits for its own re-prefill, not for all of them together
-    # (conveyor/engine/dp/paced_drain.py PacedDrain). Off: every request moves at once.
+    # (conveyor/engine/dp/paced_drain.py PacedDrains). Off: every request moves at once.
     paced_drain: Annotated[bool, knob("bool")] = True
+    # Mixture-of-experts models: spread the experts over the tensor-parallel
+    # ranks (each holds num_experts / tp whole experts) instead of sharding every
+    # expert's matrices; attention stays tensor-parallel (conveyor/workers/layers/moe.py).
+    enable_expert_parallel: Annotated[bool, knob("bool", kwarg=True, flag=True)] = False
     # CPU: torch threads of each worker; 0: this machine's cores over the
     # ranks that share it (world_size, times data_parallel_size for engines
     # in this process: conveyor/engine/dp/client.py engine_config). Oversubscribed

@@ -32,12 +32,16 @@ AdapterWeights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 def wrap_model(model: LlamaForCausalLM, num_slots: int, max_rank: int) -> dict[tuple[int, str], LoRALinear]:
     """Replace this stage's four projections per decoder layer with LoRA
     wrappers; returns them keyed by (layer index, our module name)."""
+    from conveyor.workers.models.llama import LlamaMLP
+
     out: dict[tuple[int, str], LoRALinear] = {}
     for idx, layer in enumerate(model.model.layers):
         if isinstance(layer, PPMissingLayer):
             continue
-        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
-                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+        targets = [(layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj")]
+        if isinstance(layer._mlp, LlamaMLP):  # a mixture of experts takes no adapter (attention only)
+            targets += [(layer._mlp, "gate_up_proj"), (layer._mlp, "down_proj")]
+        for parent, name in targets:
             base = getattr(parent, name)
             cls = RowParallelLinearWithLoRA if name in ("o_proj", "down_proj") else ColumnParallelLinearWithLoRA
             wrapped = cls(base, num_slots, max_rank)

@@ -8,6 +8,8 @@ so the loader maps names through `packed_modules_mapping` only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,12 +91,25 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a family puts in each decoder layer: its attention class, and its
+    MLP (dense, or a mixture of experts) under the checkpoint's module name."""
+
+    attention_cls: type[LlamaAttention]
+    make_mlp: Callable[[Any, int, torch.dtype], nn.Module]
+    mlp_name: str = "mlp"
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype,
-                 attention_cls: type[LlamaAttention]) -> None:
+    _mlp: nn.Module  # the MLP, also registered under spec.mlp_name
+
+    def __init__(self, config: Any, layer_idx: int, dtype: torch.dtype, spec: LayerSpec) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, layer_idx, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.self_attn = spec.attention_cls(config, layer_idx, dtype)
+        mlp = spec.make_mlp(config, layer_idx, dtype)
+        self.add_module(spec.mlp_name, mlp)
+        object.__setattr__(self, "_mlp", mlp)  # the same module, not registered twice
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -104,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm(hidden_states, residual)
         h = self.self_attn(positions, h)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self._mlp(h), residual
 
 
 def _warn_sliding_window(config: Any) -> None:
@@ -118,7 +133,7 @@ def _warn_sliding_window(config: Any) -> None:
 class LlamaModel(nn.Module):
     """Embedding (first stage) -> this stage's decoder layers -> norm (last stage)."""
 
-    def __init__(self, config: Any, dtype: torch.dtype, attention_cls: type[LlamaAttention],
+    def __init__(self, config: Any, dtype: torch.dtype, spec: LayerSpec,
                  pp_layer_partition: list[int] | None = None) -> None:
         super().__init__()
         self.is_first = state.is_first_pp_rank()
@@ -130,7 +145,7 @@ class LlamaModel(nn.Module):
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
             if self.is_first else PPMissingLayer())
         self.layers = make_layers(n, self.start_layer, self.end_layer,
-                                  lambda i: LlamaDecoderLayer(config, i, dtype, attention_cls))
+                                  lambda i: LlamaDecoderLayer(config, i, dtype, spec))
         self.norm: nn.Module = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
                                 if self.is_last else PPMissingLayer())
 
@@ -164,13 +179,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    # Checkpoint names of one expert's tensors -> (our stacked parameter, part):
+    # "model.layers.L.<mlp>.experts.E.<name>.weight" (mixtures of experts only).
+    expert_checkpoint_names: dict[str, tuple[str, int | None]] = {}
+
     def __init__(self, hf_config: Any, dtype: torch.dtype,
-                 pp_layer_partition: list[int] | None = None) -> None:
+                 pp_layer_partition: list[int] | None = None, expert_parallel: bool = False) -> None:
         super().__init__()
         _warn_sliding_window(hf_config)
         self.config = hf_config
+        self.expert_parallel = expert_parallel
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf_config, dtype, self.attention_cls, pp_layer_partition)
+        self.model = LlamaModel(hf_config, dtype, self.layer_spec(), pp_layer_partition)
         self.lm_head: ParallelLMHead | PPMissingLayer = PPMissingLayer()
         if self.model.is_last:
             self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
@@ -180,6 +200,9 @@ class LlamaForCausalLM(nn.Module):
                 emb = self.model.embed_tokens
                 assert isinstance(emb, VocabParallelEmbedding)  # the first stage embeds
                 self.lm_head.weight = emb.weight
+
+    def layer_spec(self) -> LayerSpec:
+        return LayerSpec(self.attention_cls, lambda config, i, dtype: LlamaMLP(config, dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None

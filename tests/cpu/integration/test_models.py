@@ -109,7 +109,12 @@ def test_registry(ckpts: dict[str, str]) -> None:
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM"}
+         "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM"}
+# What the mixture-of-experts classes read (absent on dense families: None on both sides).
+_MOE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+             "qkv_bias")
 
 
 def _what_models_read(c) -> dict:
@@ -130,7 +135,8 @@ def _what_models_read(c) -> dict:
         "tied": bool(getattr(c, "tie_word_embeddings", False)),
         "biases": (bool(getattr(c, "attention_bias", False)), bool(getattr(c, "mlp_bias", False))),
         "window": window if window and getattr(c, "use_sliding_window", True) else None,
-        "dtype": resolve_dtype("auto", c, torch.device("cuda"))}
+        "dtype": resolve_dtype("auto", c, torch.device("cuda")),
+        **{k: getattr(c, k, None) for k in _MOE_KEYS}}
 
 
 def test_config_reader_reads_what_transformers_reads(ckpts: dict[str, str], tmp_path: Path) -> None:
