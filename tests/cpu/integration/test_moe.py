@@ -59,6 +59,33 @@ def test_tp2_sharded_or_expert_parallel_matches_hf(family, expert_parallel, ckpt
     _check(ckpts[family], prompts, refs[family], outs)
 
 
+def test_expert_parallel_on_ray_matches_hf(ray_local, ckpts, prompts, refs):
+    outs = _run(ckpts["qwen3-moe"], prompts, tensor_parallel_size=2, executor="ray",
+                enable_expert_parallel=True)
+    _check(ckpts["qwen3-moe"], prompts, refs["qwen3-moe"], outs)
+
+
+def test_speculation_structured_outputs_and_two_engines_on_moe(ckpts, prompts, refs):
+    """n-gram drafts and a JSON-schema request in one batch, then two engines
+    behind the router: still transformers' tokens, and the JSON parses."""
+    import json
+
+    from conveyor.engine import StructuredOutputsParams
+
+    path = ckpts["qwen2-moe"]
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 22, 333]}}, "required": ["a"],
+              "additionalProperties": False}  # bounded: a random model must close it
+    so = SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    with LLM(model=path, max_model_len=512, speculative_config=spec) as llm:
+        outs = llm.generate(prompts + [[5, 6, 7]], [GREEDY] * len(prompts) + [so], use_tqdm=False)
+    _check(path, prompts, refs["qwen2-moe"], outs[:-1])
+    assert outs[-1].outputs[0].finish_reason == "stop", outs[-1].outputs[0]
+    assert json.loads(outs[-1].outputs[0].text)["a"] in (1, 22, 333)
+    outs = _run(path, prompts, data_parallel_size=2)
+    _check(path, prompts, refs["qwen2-moe"], outs)
+
+
 def test_pp2_matches_hf(ckpts, prompts, refs):
     outs = _run(ckpts["qwen2-moe"], prompts, pipeline_parallel_size=2, executor="mp")
     _check(ckpts["qwen2-moe"], prompts, refs["qwen2-moe"], outs)
