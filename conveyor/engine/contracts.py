@@ -179,6 +179,9 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     # Requests with prompt_logprobs whose prefill chunk ran this step: the
     # positions that chunk predicts (a chunk of the prompt at a time).
     prompt_logprobs: dict[str, PromptLogprobs] | None = None
+    # Mixtures of experts: tokens routed to each expert since the last output,
+    # summed over the MoE layers of the replying rank's pipeline stage.
+    expert_tokens: list[int] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])
@@ -238,6 +241,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # Mixtures of experts: tokens routed to each expert since the last stats.
+    moe_routed_tokens: list[int] = msgspec.field(default_factory=list)
     # Cumulative; None until the first worker-group rebuild (nothing sent before).
     recovery: RecoveryStats | None = None
     # LoRA (vLLM's lora_requests_info): requests per adapter name, running and

@@ -38,6 +38,7 @@ from conveyor.workers.forward_context import set_forward_context
 from conveyor.workers.grammar_mask import apply_grammar_bitmask
 from conveyor.workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
 from conveyor.workers.layers.attention import find_attention_layers
+from conveyor.workers.layers.moe import FusedMoE, take_routed_tokens
 from conveyor.workers.lora.mapping import set_lora_mapping
 from conveyor.workers.prompt_logprobs import compute_prompt_logprobs
 from conveyor.workers.rejection_sampler import SpecLayout, sample_with_drafts
@@ -82,6 +83,7 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(config.model.attention_backend, device,
                                                   cpu_isa=config.model.cpu_isa)
         self.sampler = Sampler()
+        self.moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
         self.kv_caches: list[torch.Tensor] = []
         self._pending: _PendingSample | None = None
         self.lora = make_lora_manager(config, model, device)
@@ -124,6 +126,7 @@ class ModelRunner:
         finally:
             self._pending = None
             self.execute_model(cleanup)
+            take_routed_tokens(self.moe_layers)  # a profile's routing is no one's
 
     def _zero_intermediates(self, num_tokens: int) -> IntermediateTensors:
         hidden = self.model.config.hidden_size
@@ -326,6 +329,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
+        out = self._sample_tokens(grammar_output)
+        out.expert_tokens = take_routed_tokens(self.moe_layers)
+        return out
+
+    def _sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         pending, self._pending = self._pending, None
         if pending is None:
             raise RuntimeError("sample_tokens() called without a preceding execute_model()")

@@ -43,6 +43,14 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
                30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+def _per_index(name: str, doc: str, model_name: str, label: str, values: list[int]) -> CounterMetricFamily:
+    """One counter per list index, labelled `label`="i"."""
+    m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", label])
+    for i, n in enumerate(values):
+        m.add_metric([model_name, str(i)], n)
+    return m
+
+
 class _EngineCollector:
     """Scrape-time view of the engine (a custom collector: no copying of
     counters, so the exported values can never drift from the engine's)."""
@@ -94,12 +102,11 @@ class _EngineCollector:
         yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", sd.num_draft_tokens)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       sd.num_accepted_tokens)
-        pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                  "Draft tokens accepted, per draft position.",
-                                  labels=["model_name", "position"])
-        for i, n in enumerate(sd.accepted_per_pos):
-            pos.add_metric([self.model_name, str(i)], n)
-        yield pos
+        yield _per_index("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, per draft position.",
+                         self.model_name, "position", sd.accepted_per_pos)
+        if c.experts.routed:  # a mixture of experts
+            yield _per_index("moe_routed_tokens", "Tokens routed to each expert.", self.model_name, "expert",
+                             c.experts.routed)
         if st.lora_running is not None:
             yield from _lora_metrics(st, self.model_name)
         rec = st.recovery  # cumulative, carried by every stats message once set

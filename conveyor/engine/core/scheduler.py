@@ -85,6 +85,7 @@ class Scheduler:
         # Requests that ended outside a step (their grammar failed to compile):
         # reported with the next step's outputs.
         self._error_outputs: list[EngineCoreOutput] = []
+        self._expert_tokens: list[int] = []  # mixtures of experts: routed since the last stats
         self.spec = (SpecDecodeScheduling(config.speculative, self.max_model_len)
                      if config.speculative.enabled else None)
         # LoRA slots on the workers: running requests never use more distinct adapters.
@@ -382,6 +383,9 @@ class Scheduler:
         stopped: list[Request] = []
         sampled = mro.sampled_token_ids
         index = mro.req_id_to_index
+        if mro.expert_tokens:
+            self._expert_tokens = [a + b for a, b in zip(self._expert_tokens or [0] * len(mro.expert_tokens),
+                                                         mro.expert_tokens)]
         num_generated = 0
         for rid in so.num_scheduled_tokens:
             request = self.requests.get(rid)
@@ -465,9 +469,13 @@ class Scheduler:
             num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
             num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
-            recovery=self.recovery_stats,
+            recovery=self.recovery_stats, moe_routed_tokens=self._take_expert_tokens(),
             **(lora_stats(self.max_loras, self.running, self.waiting) if self.max_loras else {}),
             **self._structured_stats(), **(self.spec.take_stats() if self.spec is not None else {}))
+
+    def _take_expert_tokens(self) -> list[int]:
+        taken, self._expert_tokens = self._expert_tokens, []
+        return taken
 
     def _structured_stats(self) -> dict:
         mgr = self.structured_output_manager

@@ -22,6 +22,7 @@ from conveyor.engine.contracts import EngineCoreOutputs, SchedulerStats
 from conveyor.engine.core_client import NOT_DATA_PARALLEL, CoreClient, CoreClientFactory, FleetAdmin
 from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.frontend.clients import make_core_client
+from conveyor.engine.frontend.expert_counters import ExpertCounters
 from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from conveyor.engine.frontend.prepare import Frontend, PreparedRequest
 from conveyor.engine.lora import LoRARequest
@@ -117,6 +118,7 @@ class EngineCounters:
     bitmask_step: CumulativeHistogram = field(
         default_factory=lambda: CumulativeHistogram(_BITMASK_BUCKETS))
     spec_decode: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
+    experts: ExpertCounters = field(default_factory=ExpertCounters)
 
 
 class AsyncLLM:
@@ -375,6 +377,7 @@ class AsyncLLM:
         if st.bitmask_rows:
             c.bitmask_step.observe(st.bitmask_ms / 1e3)
         c.spec_decode.absorb(st)
+        c.experts.absorb(st)
 
     def _fail_all(self, message: str) -> None:
         self.dead.set(message)

@@ -97,6 +97,9 @@ class FusedMoE(nn.Module):
         # Not submodules: holders of each expert matrix's packed copies.
         self._slots = [(_ExpertSlot(), _ExpertSlot()) for _ in range(e)]
         self.act = SiluAndMul()
+        # Tokens routed to each expert (all experts, whichever rank holds them)
+        # since take_routed_tokens last read them: the routing metric.
+        self.routed = [0] * shape.num_experts
 
     def weight_loader(self, param: torch.Tensor, loaded: WeightLike, shard: tuple[int, int | None]) -> None:
         """One expert's checkpoint tensor: part 0 gate [I, H], 1 up [I, H],
@@ -123,6 +126,7 @@ class FusedMoE(nn.Module):
         tokens = order // k
         weights = topk_weights.reshape(-1)[order]
         counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
+        self.routed = [a + b for a, b in zip(self.routed, counts)]
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         start = sum(counts[:self.first_expert])
         for local in range(self.num_local):
@@ -139,9 +143,6 @@ class FusedMoE(nn.Module):
         h = linear(s13, xe, self.w13_weight[local])
         return linear(s2, self.act(h.contiguous()), self.w2_weight[local])
 
-    def routed_tokens(self, topk_ids: torch.Tensor) -> torch.Tensor:
-        """Tokens routed to each expert this step (all experts, any rank)."""
-        return torch.bincount(topk_ids.reshape(-1), minlength=self.shape.num_experts)
 
 
 def dense_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -175,3 +176,15 @@ class RouterGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+def take_routed_tokens(layers: list[FusedMoE]) -> list[int] | None:
+    """Tokens routed to each expert, summed over `layers`, since the last
+    call (None without MoE layers); the counts start over."""
+    if not layers:
+        return None
+    total = [0] * layers[0].shape.num_experts
+    for layer in layers:
+        total = [a + b for a, b in zip(total, layer.routed)]
+        layer.routed = [0] * layer.shape.num_experts
+    return total

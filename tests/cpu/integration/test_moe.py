@@ -116,3 +116,34 @@ def test_expert_of_the_wrong_shape_is_named_at_load(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=rf"{name.replace('.', '[.]')}.*expert 2 down.*does not match"):
         load_model(path, load_hf_config(path), torch.float32, "cpu")
+
+
+def test_routed_tokens_per_expert_are_counted(ckpts):
+    """Every token of every sparse layer goes to top_k experts: the routing
+    metric counts exactly that (qwen3-moe: one sparse layer, top-2)."""
+    prompt = list(range(5, 25))
+    with LLM(model=ckpts["qwen3-moe"], max_model_len=512) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        routed = {k: v for k, v in llm.get_metrics().items() if k.startswith("conveyor:moe_routed_tokens")}
+    # 20 prompt tokens, then 5 decode steps (the 6th token is sampled, never fed back).
+    assert len(routed) == 8 and sum(routed.values()) == 2 * (20 + 5)
+
+
+def test_prometheus_exposes_routed_tokens_per_expert():
+    from fake_engines import FakeEngineClient
+
+    from conveyor.cluster.openai.metrics import ServeMetrics
+    from conveyor.engine.contracts import SchedulerStats
+    from conveyor.engine.frontend.async_client import EngineCounters
+
+    class FakeLLM:
+        stats = SchedulerStats()
+        counters = EngineCounters()
+        client = FakeEngineClient()
+
+    llm = FakeLLM()
+    for _ in range(2):
+        llm.counters.experts.absorb(SchedulerStats(moe_routed_tokens=[3, 0, 5]))
+    text = ServeMetrics(llm, "m").render().decode()
+    assert 'conveyor:moe_routed_tokens_total{expert="0",model_name="m"} 6.0' in text
+    assert 'conveyor:moe_routed_tokens_total{expert="2",model_name="m"} 10.0' in text
