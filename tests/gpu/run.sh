@@ -2,7 +2,8 @@
 # The prepared GPU run (issue 30), one script under 8 minutes, every step under
 # its own `timeout`:
 #   kernel-tests  Triton attention vs the torch reference: bf16/fp16/fp32, head
-#                 sizes 64-256, block sizes 16/32/64, split-KV, graph replay
+#                 sizes 64-256, block sizes 16/32/64, split-KV, graph replay; the
+#                 Triton fused MoE vs the dense reference (bf16/fp32)
 #   e2e           LLM on CUDA (tests/gpu/test_e2e_gpu.py): fp32 token-equal to
 #                 transformers (triton and torch backends, chunked prefill,
 #                 prefix caching), bf16 under vLLM's top-5 rule, async

@@ -99,7 +99,7 @@ class FusedMoE(nn.Module):
         self.act = SiluAndMul()
         # Tokens routed to each expert (all experts, whichever rank holds them)
         # since take_routed_tokens last read them: the routing metric.
-        self.routed = [0] * shape.num_experts
+        self.routed = torch.zeros(shape.num_experts, dtype=torch.int64)
 
     def weight_loader(self, param: torch.Tensor, loaded: WeightLike, shard: tuple[int, int | None]) -> None:
         """One expert's checkpoint tensor: part 0 gate [I, H], 1 up [I, H],
@@ -120,17 +120,22 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], the router's fp32 weights and ids [T, k] -> this rank's
         partial output [T, H] in x's dtype (to be all-reduced over TP)."""
+        counts = torch.bincount(topk_ids.reshape(-1), minlength=self.shape.num_experts)
+        self.routed = self.routed.to(counts.device) + counts  # read at sampling time, not here (no sync)
+        if x.is_cuda:  # grouped GEMMs in Triton (conveyor/kernels/fused_moe.py)
+            from conveyor.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.first_expert)
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         tokens = order // k
         weights = topk_weights.reshape(-1)[order]
-        counts = torch.bincount(flat, minlength=self.shape.num_experts).tolist()
-        self.routed = [a + b for a, b in zip(self.routed, counts)]
+        per_expert = counts.tolist()
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-        start = sum(counts[:self.first_expert])
+        start = sum(per_expert[:self.first_expert])
         for local in range(self.num_local):
-            n = counts[self.first_expert + local]
+            n = per_expert[self.first_expert + local]
             if n:
                 rows = tokens[start:start + n]
                 y = self._expert(local, x.index_select(0, rows))
@@ -183,8 +188,8 @@ def take_routed_tokens(layers: list[FusedMoE]) -> list[int] | None:
     call (None without MoE layers); the counts start over."""
     if not layers:
         return None
-    total = [0] * layers[0].shape.num_experts
+    total = torch.zeros(layers[0].shape.num_experts, dtype=torch.int64)
     for layer in layers:
-        total = [a + b for a, b in zip(total, layer.routed)]
-        layer.routed = [0] * layer.shape.num_experts
-    return total
+        total += layer.routed.cpu()
+        layer.routed = torch.zeros_like(layer.routed)
+    return [int(n) for n in total.tolist()]

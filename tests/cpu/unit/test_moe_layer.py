@@ -3,6 +3,10 @@ through every expert, weighted by the router), the routing rule, the expert
 split over ranks, and its refusals."""
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module import
+
 import pytest
 import torch
 
@@ -82,3 +86,25 @@ def test_lora_on_the_experts_is_refused(tmp_path) -> None:
     assert dims.moe
     with pytest.raises(ValueError, match=r"\['down_proj'\] not supported on a mixture-of-experts model"):
         check_adapter(str(tmp_path), 16, dims)
+
+
+@pytest.mark.parametrize(("rows", "first_expert", "num_local"), [(1, 0, 8), (19, 0, 8), (19, 4, 4)])
+def test_triton_grouped_gemm_equals_dense_reference(rows: int, first_expert: int, num_local: int) -> None:
+    """The GPU path (conveyor/kernels/fused_moe.py) under the interpreter, fp32:
+    all experts, and an expert-parallel rank's half (other experts' pairs stay 0)."""
+    pytest.importorskip("triton")
+    from conveyor.kernels.fused_moe import align_pairs, fused_moe
+
+    whole = _layer()
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, SHAPE.hidden_size, generator=g)
+    weights, ids = route_topk(torch.randn(rows, SHAPE.num_experts, generator=g), SHAPE.top_k, True)
+    sl = slice(first_expert, first_expert + num_local)
+    got = fused_moe(x, whole.w13_weight[sl].contiguous(), whole.w2_weight[sl].contiguous(), weights, ids,
+                    first_expert)
+    mine = (ids >= first_expert) & (ids < first_expert + num_local)
+    ref = dense_reference(x, whole.w13_weight, whole.w2_weight, weights * mine, ids)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    sorted_ids, blocks = align_pairs(ids, SHAPE.num_experts)
+    assert sorted_ids.numel() == blocks.numel() * 16 and sorted(sorted_ids[sorted_ids < rows * 2].tolist()) \
+        == list(range(rows * 2))
