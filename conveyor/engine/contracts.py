@@ -222,6 +222,15 @@ class RecoveryStats(msgspec.Struct, gc=False):
     seconds_sum: float = 0.0
 
 
+def add_per_index(acc: list[int], values: list[int]) -> None:
+    """acc[i] += values[i], acc grown with zeros to fit (cumulative per-position
+    and per-expert counts)."""
+    if len(values) > len(acc):
+        acc.extend([0] * (len(values) - len(acc)))
+    for i, n in enumerate(values):
+        acc[i] += n
+
+
 class SchedulerStats(msgspec.Struct, gc=False):
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0

@@ -32,9 +32,10 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(padded, 0) - padded
     sorted_ids = torch.full((int(padded.sum().item()),), n, dtype=torch.int64, device=flat.device)
+    expert_of = flat[order]  # each sorted pair's expert
     run_start = torch.cumsum(counts, 0) - counts
-    rank_in_run = torch.arange(n, device=flat.device) - run_start[flat[order]]
-    sorted_ids[starts[flat[order]] + rank_in_run] = order
+    rank_in_run = torch.arange(n, device=flat.device) - run_start[expert_of]
+    sorted_ids[starts[expert_of] + rank_in_run] = order
     block_expert = torch.repeat_interleave(torch.arange(num_experts, device=flat.device), padded // block_m)
     return sorted_ids, block_expert
 

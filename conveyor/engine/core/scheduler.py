@@ -27,6 +27,7 @@ from conveyor.engine.contracts import (
     RequestStatus,
     SchedulerOutput,
     SchedulerStats,
+    add_per_index,
 )
 from conveyor.engine.core.async_scheduling import add_placeholders, at_length_cap
 from conveyor.engine.core.request import Request
@@ -384,8 +385,7 @@ class Scheduler:
         sampled = mro.sampled_token_ids
         index = mro.req_id_to_index
         if mro.expert_tokens:
-            self._expert_tokens = [a + b for a, b in zip(self._expert_tokens or [0] * len(mro.expert_tokens),
-                                                         mro.expert_tokens)]
+            add_per_index(self._expert_tokens, mro.expert_tokens)
         num_generated = 0
         for rid in so.num_scheduled_tokens:
             request = self.requests.get(rid)

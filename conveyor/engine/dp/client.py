@@ -100,7 +100,7 @@ class DataParallelClient:
         def handle(outs: EngineCoreOutputs) -> None:
             snapshot = False
             with self._lock:
-                if self.fleet.state(i) in (DEAD, OFF):
+                if self.fleet.state(i).gone:
                     return  # all it had moved; a late message must not be delivered
                 if outs.engine_error is not None:
                     if self._lose(i, f"engine {i}: {outs.engine_error}", dead=True):
@@ -192,7 +192,7 @@ class DataParallelClient:
                     by_engine.setdefault(e, []).append(rid)
                     self.router.finish(rid)
             for e, ids in by_engine.items():
-                if self.fleet.state(e) not in (DEAD, OFF):
+                if not self.fleet.state(e).gone:
                     self.fleet.client(e).abort_requests(ids)
 
     def resume(self, tag: int, requests: list[EngineCoreRequest]) -> None:
@@ -215,7 +215,7 @@ class DataParallelClient:
         """Engine i is lost (dead, or its actor is being rebuilt): it leaves
         the router's view and its requests move to the others now. False when
         no other engine is up (then the error ends the streams as before)."""
-        if self.fleet.state(i) in (DEAD, OFF):
+        if self.fleet.state(i).gone:
             return True
         was_up = self.fleet.state(i) is UP
         self.fleet.set_state(i, DEAD if dead else LOST)
@@ -463,7 +463,7 @@ class DataParallelClient:
         requests moved elsewhere does not fail the others' health."""
         states: list[str] = []
         for i, slot in enumerate(list(self.fleet.slots)):
-            if slot.state in (DEAD, OFF):
+            if slot.state.gone:
                 continue
             if slot.state is LOST:
                 states.append("recovering")
@@ -478,7 +478,7 @@ class DataParallelClient:
         return "recovering" if "recovering" in states else "ok"
 
     def worker_pids(self) -> list[int]:
-        return [pid for s in self.fleet.slots if s.state not in (DEAD, OFF) for pid in s.client.worker_pids()]
+        return [pid for s in self.fleet.slots if not s.state.gone for pid in s.client.worker_pids()]
 
     def shutdown(self) -> None:
         self.scaler.stop()

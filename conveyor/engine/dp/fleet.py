@@ -33,6 +33,12 @@ class EngineState(enum.StrEnum):
     DEAD = "dead"
     OFF = "off"
 
+    @property
+    def gone(self) -> bool:
+        """Out of service for good (dead, or an empty slot): its late outputs
+        are dropped and it holds no request."""
+        return self in (EngineState.DEAD, EngineState.OFF)
+
 
 def engine_config(config: EngineConfig) -> EngineConfig:
     """The config each in-process engine runs: uniproc workers go to a process

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.engine.contracts import SchedulerStats
+from conveyor.engine.contracts import SchedulerStats, add_per_index
 
 ROUTED = "conveyor:moe_routed_tokens"
 
@@ -15,11 +15,7 @@ class ExpertCounters:
     routed: list[int] = field(default_factory=list)
 
     def absorb(self, st: SchedulerStats) -> None:
-        per = st.moe_routed_tokens
-        if len(per) > len(self.routed):
-            self.routed.extend([0] * (len(per) - len(self.routed)))
-        for i, n in enumerate(per):
-            self.routed[i] += n
+        add_per_index(self.routed, st.moe_routed_tokens)
 
     def as_dict(self) -> dict[str, float]:
         """Counter values keyed as NAME{expert="i"}."""

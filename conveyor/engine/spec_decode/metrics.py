@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from conveyor.engine.contracts import SchedulerStats
+from conveyor.engine.contracts import SchedulerStats, add_per_index
 
 NUM_DRAFTS = "conveyor:spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "conveyor:spec_decode_num_draft_tokens"
@@ -23,11 +23,7 @@ class SpecDecodeCounters:
         self.num_drafts += st.spec_num_drafts
         self.num_draft_tokens += st.spec_num_draft_tokens
         self.num_accepted_tokens += st.spec_num_accepted_tokens
-        per = st.spec_accepted_per_pos
-        if len(per) > len(self.accepted_per_pos):
-            self.accepted_per_pos.extend([0] * (len(per) - len(self.accepted_per_pos)))
-        for i, n in enumerate(per):
-            self.accepted_per_pos[i] += n
+        add_per_index(self.accepted_per_pos, st.spec_accepted_per_pos)
 
     def as_dict(self) -> dict[str, float]:
         """Counter values keyed by metric name; per position as NAME{position="i"}."""

@@ -121,7 +121,7 @@ class FusedMoE(nn.Module):
         """x [T, H], the router's fp32 weights and ids [T, k] -> this rank's
         partial output [T, H] in x's dtype (to be all-reduced over TP)."""
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.shape.num_experts)
-        self.routed = self.routed.to(counts.device) + counts  # read at sampling time, not here (no sync)
+        self.routed += counts  # read at sampling time, not here (no device sync per layer)
         if x.is_cuda:  # grouped GEMMs in Triton (conveyor/kernels/fused_moe.py)
             from conveyor.kernels.fused_moe import fused_moe
 

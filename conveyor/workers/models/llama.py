@@ -38,14 +38,18 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, intermediate_size: int | None = None,
+                 reduce_results: bool = True) -> None:
+        """intermediate_size: default config.intermediate_size; reduce_results
+        False leaves the TP all-reduce to the caller (an MoE block sums its
+        shared expert with the routed ones, then reduces once)."""
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only 'silu')")
         bias = bool(getattr(config, "mlp_bias", False))
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias=bias, params_dtype=dtype)
-        self.down_proj = RowParallelLinear(i, h, bias=bias, params_dtype=dtype)
+        self.down_proj = RowParallelLinear(i, h, bias=bias, reduce_results=reduce_results, params_dtype=dtype)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

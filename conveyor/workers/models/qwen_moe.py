@@ -13,8 +13,6 @@ import torch
 from torch import nn
 
 from conveyor.parallel import state
-from conveyor.parallel.layers import MergedColumnParallelLinear, RowParallelLinear
-from conveyor.workers.layers.activation import SiluAndMul
 from conveyor.workers.layers.moe import FusedMoE, RouterGate, moe_shape, route_topk
 from conveyor.workers.models.llama import LayerSpec, LlamaForCausalLM, LlamaMLP
 from conveyor.workers.models.qwen2 import Qwen2Attention
@@ -30,22 +28,6 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
             and int(config.num_experts) > 0 and (layer_idx + 1) % step == 0)
 
 
-class SharedExpert(nn.Module):
-    """Qwen2-MoE's always-on expert: a dense gated MLP whose down projection
-    is not reduced here (the block reduces once, with the routed experts)."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias=False,
-                                                       params_dtype=dtype)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False, reduce_results=False,
-                                           params_dtype=dtype)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class QwenSparseMoeBlock(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, expert_parallel: bool) -> None:
         super().__init__()
@@ -54,7 +36,8 @@ class QwenSparseMoeBlock(nn.Module):
         self.gate = RouterGate(shape.hidden_size, shape.num_experts, dtype)
         self.experts = FusedMoE(shape, dtype, expert_parallel)
         shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-        self.shared_expert = SharedExpert(shape.hidden_size, shared, dtype) if shared else None
+        # A dense gated MLP; the block reduces it with the routed experts.
+        self.shared_expert = LlamaMLP(config, dtype, shared, reduce_results=False) if shared else None
         self.shared_expert_gate = RouterGate(shape.hidden_size, 1, dtype) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
