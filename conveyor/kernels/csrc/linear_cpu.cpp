@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
-#include "linear_kernels.h"
+#include "linear_tables.h"
 
 namespace {
 using conveyor_linear::LinearTable;
@@ -36,13 +36,7 @@ std::vector<std::pair<std::string, const LinearTable*>> tables() {
   return out;
 }
 
-const LinearTable* pick(const std::string& isa) {
-  static const std::vector<std::pair<std::string, const LinearTable*>> all = tables();
-  if (isa == "auto") return all.front().second;
-  for (const auto& [name, t] : all)
-    if (name == isa) return t;
-  TORCH_CHECK(false, "linear kernel ISA '", isa, "' is not supported on this CPU (best: ", all.front().first, ")");
-}
+const LinearTable* pick(const std::string& isa) { return conveyor_linear::table_named(isa); }
 
 // Packed blocks per thread below which a call stays on one thread (the
 // fork/join costs more than 16 KiB-ish of weights).
@@ -172,6 +166,16 @@ std::vector<std::string> linear_isas() {
   return out;
 }
 }  // namespace
+
+namespace conveyor_linear {
+const LinearTable* table_named(const std::string& isa) {
+  static const std::vector<std::pair<std::string, const LinearTable*>> all = tables();
+  if (isa == "auto") return all.front().second;
+  for (const auto& [name, t] : all)
+    if (name == isa) return t;
+  TORCH_CHECK(false, "linear kernel ISA '", isa, "' is not supported on this CPU (best: ", all.front().first, ")");
+}
+}  // namespace conveyor_linear
 
 TORCH_LIBRARY(conveyor_linear, m) {
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, str isa) -> Tensor");

@@ -31,10 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.kernels import cpu_linear, cpu_moe
 from conveyor.parallel import state
 from conveyor.parallel.layers import (
     WeightLike,
     _copy_checked,
+    _packed_copy,
     default_weight_loader,
     divide,
     linear,
@@ -126,6 +128,28 @@ class FusedMoE(nn.Module):
             from conveyor.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.first_expert)
+        isa = self._grouped_isa(x)
+        if isa is not None:
+            w13 = _packed_copy(self, "_grouped13", self.w13_weight, cpu_moe.pack_experts)
+            w2 = _packed_copy(self, "_grouped2", self.w2_weight, cpu_moe.pack_experts)
+            return cpu_moe.experts(x, w13, w2, self.i_part, (topk_weights.float(), topk_ids),
+                                   self.first_expert, isa)
+        return self._per_expert(x, topk_weights, topk_ids, counts)
+
+    def _grouped_isa(self, x: torch.Tensor) -> str | None:
+        """The small-M kernels' table when this call runs the grouped op
+        (conveyor/kernels/cpu_moe.py), else None (the per-expert loop)."""
+        if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in cpu_linear.DTYPES \
+                or self.w13_weight.dtype != x.dtype:
+            return None
+        isa = cpu_linear.kernel_isa()
+        if isa is None or not cpu_moe.runs_grouped(isa, x.dtype, x.shape[0] * self.shape.top_k,
+                                                   self.shape.num_experts):
+            return None
+        return isa
+
+    def _per_expert(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    counts: torch.Tensor) -> torch.Tensor:
         t, k = topk_ids.shape
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
