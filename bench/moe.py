@@ -197,7 +197,8 @@ def run_ours_inline(wl: dict[str, Any]) -> dict[str, Any]:
 
     prompts = _prompts(wl)
     llm = LLM(model=wl["model_dir"], max_num_seqs=wl["max_num_seqs"], enable_prefix_caching=False,
-              dtype=wl["dtype"], max_model_len=wl["max_model_len"])
+              dtype=wl["dtype"], max_model_len=wl["max_model_len"],
+              max_num_batched_tokens=wl["max_num_batched_tokens"])
     sp = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     best, outs = float("inf"), []
@@ -231,6 +232,7 @@ def _run_vllm(wl: dict[str, Any]) -> dict[str, Any]:
     lo, hi = wl["prompt_len_range"]
     cmd = [peer_python(), PEER_SCRIPT, wl["model_dir"], "--num-prompts", str(wl["num_prompts"]),
            "--output-len", str(wl["output_len"]), "--max-num-seqs", str(wl["max_num_seqs"]),
+           "--max-num-batched-tokens", str(wl["max_num_batched_tokens"]),
            "--repeats", str(wl["gen_repeats"]), "--dtype", wl["dtype"],
            "--max-model-len", str(wl["max_model_len"]), "--prompt-len-range", f"{lo},{hi}",
            "--ids-out", wl["ids_out"]]
@@ -257,6 +259,7 @@ def measure_offline(a: argparse.Namespace, model_dir: str, tmp: str) -> dict[str
     """--repeats runs per engine, alternating which goes first; best and median tok/s, ratios, ids."""
     base = {"model_dir": model_dir, "dtype": a.dtype, "num_prompts": a.num_prompts, "output_len": a.output_len,
             "max_num_seqs": a.max_num_seqs, "max_model_len": a.max_model_len, "threads": a.threads,
+            "max_num_batched_tokens": a.max_num_batched_tokens,
             "gen_repeats": a.gen_repeats, "prompt_len_range": [int(x) for x in a.prompt_len_range.split(",")]}
     runs: dict[str, list[dict[str, Any]]] = {"conveyor": [], "vllm": []}
     sides: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
@@ -371,6 +374,7 @@ def cmd_profile(a: argparse.Namespace) -> int:
           "prompt_len_range": [int(x) for x in a.prompt_len_range.split(",")]}
     with bench_lock(not a.no_lock):
         llm = LLM(model=wl["model_dir"], max_num_seqs=a.max_num_seqs, enable_prefix_caching=False, dtype=a.dtype,
+                  max_num_batched_tokens=a.max_num_batched_tokens,
                   max_model_len=a.max_model_len)
         prompts = _prompts(wl)
         sp = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
@@ -451,6 +455,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--num-prompts", type=int, default=64)
         p.add_argument("--output-len", type=int, default=64)
         p.add_argument("--max-num-seqs", type=int, default=64)
+        # Both engines get the same step budget: vLLM's default for its LLM
+        # class on CPU (4096; ours is 2048, the serving default of both).
+        p.add_argument("--max-num-batched-tokens", type=int, default=4096)
         p.add_argument("--max-model-len", type=int, default=2048)
         p.add_argument("--prompt-len-range", default="16,256")
         p.add_argument("--json", default=None)

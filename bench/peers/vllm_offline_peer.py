@@ -39,6 +39,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
@@ -61,7 +62,8 @@ def main() -> None:
     prompts = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(a.num_prompts, 0, cfg["vocab_size"], lo, hi)]
     llm = LLM(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, skip_tokenizer_init=True,
               kv_cache_memory_bytes=int(a.kv_cache_gib * (1 << 30)), max_num_seqs=a.max_num_seqs,
-              enable_prefix_caching=False, quantization=a.quantization)
+              enable_prefix_caching=False, quantization=a.quantization,
+              **({"max_num_batched_tokens": a.max_num_batched_tokens} if a.max_num_batched_tokens else {}))
     sp = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, detokenize=False),
                  use_tqdm=False)

@@ -64,7 +64,7 @@ _SOURCES = [os.path.join(_CSRC, f) for f in
              # small-M linears (conveyor/kernels/cpu_linear.py): its op registers with torch's dispatcher
              "linear_cpu.cpp", "linear_portable.cpp", "linear_avx2.cpp", "linear_avx512.cpp",
              # a MoE layer's experts in one op over the small-M linear tables (conveyor/kernels/cpu_moe.py)
-             "moe_cpu.cpp")]
+             "moe_cpu.cpp", "moe_amx.cpp")]
 # Headers the sources include: hashed into the build directory's name.
 _HEADERS = ("cpu_kernels.h", "generic_kernels.inc", "simd_kernels.inc", "simd_prefill.inc", "lora_kernels.h",
             "lora_simd.inc", "linear_kernels.h", "linear_simd.inc", "linear_tables.h")

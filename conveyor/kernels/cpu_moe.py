@@ -32,11 +32,27 @@ _MEAN_ROWS = {("avx512", torch.float32): 48, ("avx512bf16", torch.float32): 48,
               ("avx512", torch.bfloat16): 16, ("avx512bf16", torch.bfloat16): 16}
 
 
-def runs_grouped(isa: str, dtype: torch.dtype, pairs: int, num_experts: int) -> bool:
-    """Whether a call with ``pairs`` (token, expert) pairs over ``num_experts``
-    experts runs the grouped op on table ``isa`` (else the per-expert loop)."""
+def kernel_for(isa: str, dtype: torch.dtype, pairs: int, num_experts: int) -> str | None:
+    """The op's kernel for a call with ``pairs`` (token, expert) pairs over
+    ``num_experts`` experts on table ``isa``: "amx" for bf16 where the CPU has
+    AMX (ahead of the per-expert oneDNN loop at every row count: 3.5x at 64
+    tokens, 1.5x at 1024, BENCHMARKS.md), the table up to its mean rows per
+    expert, or None: the per-expert loop."""
+    if dtype == torch.bfloat16 and isa.startswith("avx512") and amx_ready():
+        return "amx"
     limit = _MEAN_ROWS.get((isa, dtype))
-    return limit is None or pairs <= limit * num_experts
+    return isa if limit is None or pairs <= limit * num_experts else None
+
+
+_AMX: list[bool] = []
+
+
+def amx_ready() -> bool:
+    """Whether the op may run AMX tiles here (the CPU has AMX-BF16 and the OS
+    granted the tile state; asked once)."""
+    if not _AMX:
+        _AMX.append(bool(torch.ops.conveyor_moe.amx_ready()))
+    return _AMX[0]
 
 
 def pack_experts(w: torch.Tensor) -> torch.Tensor:
@@ -50,6 +66,8 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, inter: int,
     ``pack_experts`` of the layer's [E, 2I, H] and [E, H, I] stacks) that
     ``topk`` = (fp32 weights, int64 ids) [T, k] picked -> this rank's partial
     sum [T, H] in x's dtype. Pairs of experts outside [first_expert,
-    first_expert + E) are skipped (another rank's)."""
+    first_expert + E) are skipped (another rank's). ``isa``: a table of
+    cpu_linear, or "amx" (bf16 on AMX tiles where H and I are multiples of
+    32, else the best table)."""
     weights, ids = topk
     return torch.ops.conveyor_moe.experts(x, w13, w2, inter, ids, weights, first_expert, isa)

@@ -2,6 +2,10 @@
 //
 //   torch.ops.conveyor_moe.experts(x [T, H], w13, w2, I, topk_ids [T, k] int64,
 //       topk_weights [T, k] fp32, first_expert, isa) -> [T, H] of x's dtype
+//   torch.ops.conveyor_moe.amx_ready() -> bool: isa "amx" may be asked for
+//
+// isa: a linear table's name, or "amx": bf16 GEMMs on AMX tiles (moe_amx.cpp)
+// where the sizes are multiples of 32.
 //
 // w13 = the local experts' gate/up matrices [E, 2I, H] and w2 = their down
 // matrices [E, H, I], each expert packed by cpu_linear.pack and stacked:
@@ -150,19 +154,51 @@ struct GemmOut {
   at::Tensor y, yb;
 };
 
-GemmOut grouped_gemm(const LinearTable* t, const at::Tensor& xs, const at::Tensor& w, const PackedDims& d,
+// Which kernel runs a call: a table's, or AMX tiles for bf16 (x padded).
+struct Kernel {
+  const LinearTable* table;
+  bool amx;
+};
+
+// AMX tiles read 16 rows at a time: rows past x's last, never stored.
+constexpr int64_t kAmxPadRows = 15;
+
+// rows [P, k] copied into a buffer with kAmxPadRows more (uninitialised) rows.
+at::Tensor padded_rows(const at::Tensor& rows) {
+  at::Tensor out = at::empty({rows.size(0) + kAmxPadRows, rows.size(1)}, rows.options());
+  out.narrow(0, 0, rows.size(0)).copy_(rows);
+  return out;
+}
+
+GemmOut grouped_gemm(const Kernel& kn, const at::Tensor& xs, const at::Tensor& w, const PackedDims& d,
                      const std::vector<int64_t>& offset) {
-  const bool bf16 = xs.scalar_type() == at::kBFloat16, dot = bf16 && t->bf16_dot != nullptr;
-  const at::Tensor x = bf16 && !dot ? xs.to(at::kFloat) : xs.contiguous();
-  const int64_t p = x.size(0), np = d.nb * kBlockN;
+  const LinearTable* t = kn.table;
+  const bool bf16 = xs.scalar_type() == at::kBFloat16, dot = bf16 && (kn.amx || t->bf16_dot != nullptr);
+  const at::Tensor x = bf16 && !dot ? xs.to(at::kFloat) : (kn.amx ? padded_rows(xs) : xs.contiguous());
+  const int64_t p = xs.size(0), np = d.nb * kBlockN;
   GemmOut out{at::empty({p, np}, x.options().dtype(at::kFloat)), bf16 ? at::empty({p, np}, xs.options()) : at::Tensor()};
   const int64_t elem = x.element_size();
-  const Grouped g{!bf16 ? t->f32 : (dot ? t->bf16_dot : t->bf16_wide),
-                  static_cast<const char*>(w.data_ptr()), w[0].numel() * w.element_size(),
+  const LinearFn fn = kn.amx ? conveyor_linear::linear_amx_bf16()
+                             : (!bf16 ? t->f32 : (dot ? t->bf16_dot : t->bf16_wide));
+  const Grouped g{fn, static_cast<const char*>(w.data_ptr()), w[0].numel() * w.element_size(),
                   static_cast<const char*>(x.data_ptr()), d.k * elem, dot ? d.k / 2 : d.k, d.k, np,
                   out.y.data_ptr<float>(), bf16 ? reinterpret_cast<uint16_t*>(out.yb.data_ptr()) : nullptr};
   run_grouped(g, offset);
   return out;
+}
+
+bool amx_ready() {
+  static const bool ready = conveyor_linear::linear_amx_bf16() != nullptr && conveyor_linear::amx_request_permission();
+  return ready;
+}
+
+// "amx": AMX tiles for bf16 whose hidden and intermediate sizes are
+// multiples of 32 (else, and for fp32, the best table); any other name: that table.
+Kernel kernel_for(const std::string& isa, const at::Tensor& x, int64_t inter) {
+  if (isa != "amx") return {conveyor_linear::table_named(isa), false};
+  TORCH_CHECK(amx_ready(), "moe experts: this CPU (or this build) cannot run AMX tiles");
+  const bool fits = x.scalar_type() == at::kBFloat16 && x.size(1) % 32 == 0 && inter % 32 == 0;
+  return {conveyor_linear::table_named("auto"), fits};
 }
 
 // out[t] = sum over t's local pairs, ascending expert, of weight * y[pair]
@@ -214,17 +250,17 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor&
   const PackedDims d2 = packed_dims(w2, x, inter, "w2");
   TORCH_CHECK(d2.e == d13.e && d2.nb * kBlockN >= h && d2.nb * kBlockN - h < kBlockN,
               "moe experts: w2 does not match w13 (experts) or x (hidden size)");
-  const LinearTable* t = conveyor_linear::table_named(std::string(isa.data(), isa.size()));
+  const Kernel kn = kernel_for(std::string(isa.data(), isa.size()), x, inter);
   const at::Tensor ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
   const Pairs p = sort_pairs(ids, first_expert, d13.e);
   if (p.token.empty()) return at::zeros_like(x);
   const at::Tensor rows = at::from_blob(const_cast<int64_t*>(p.token.data()),
                                         {static_cast<int64_t>(p.token.size())}, at::kLong);
   const at::Tensor xs = x.index_select(0, rows);
-  const GemmOut up = grouped_gemm(t, xs, w13, d13, p.offset);
+  const GemmOut up = grouped_gemm(kn, xs, w13, d13, p.offset);
   const at::Tensor gate_up = x.scalar_type() == at::kFloat ? up.y : up.yb;
   const at::Tensor act = silu_and_mul(gate_up.size(1) == 2 * inter ? gate_up : gate_up.narrow(1, 0, 2 * inter).contiguous());
-  const GemmOut down = grouped_gemm(t, act, w2, d2, p.offset);
+  const GemmOut down = grouped_gemm(kn, act, w2, d2, p.offset);
   return combine(x.scalar_type() == at::kFloat ? down.y : down.yb, ids, weights, p, h, x.scalar_type());
 }
 }  // namespace
@@ -232,6 +268,7 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor&
 TORCH_LIBRARY(conveyor_moe, m) {
   m.def("experts(Tensor x, Tensor w13, Tensor w2, int inter, Tensor topk_ids, Tensor topk_weights, int first_expert, "
         "str isa) -> Tensor");
+  m.def("amx_ready() -> bool", &amx_ready);
 }
 
 TORCH_LIBRARY_IMPL(conveyor_moe, CPU, m) { m.impl("experts", &experts); }

@@ -137,16 +137,15 @@ class FusedMoE(nn.Module):
         return self._per_expert(x, topk_weights, topk_ids, counts)
 
     def _grouped_isa(self, x: torch.Tensor) -> str | None:
-        """The small-M kernels' table when this call runs the grouped op
-        (conveyor/kernels/cpu_moe.py), else None (the per-expert loop)."""
+        """The grouped op's kernel for this call (conveyor/kernels/cpu_moe.py),
+        else None (the per-expert loop)."""
         if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in cpu_linear.DTYPES \
                 or self.w13_weight.dtype != x.dtype:
             return None
         isa = cpu_linear.kernel_isa()
-        if isa is None or not cpu_moe.runs_grouped(isa, x.dtype, x.shape[0] * self.shape.top_k,
-                                                   self.shape.num_experts):
+        if isa is None:
             return None
-        return isa
+        return cpu_moe.kernel_for(isa, x.dtype, x.shape[0] * self.shape.top_k, self.shape.num_experts)
 
     def _per_expert(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     counts: torch.Tensor) -> torch.Tensor:

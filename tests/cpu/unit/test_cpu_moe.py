@@ -112,9 +112,49 @@ def test_mismatched_weights_are_refused() -> None:
         cpu_moe.experts(x.bfloat16(), cpu_moe.pack_experts(w13), cpu_moe.pack_experts(w2), 24, topk, 0, isa)
 
 
-def test_the_grouped_op_runs_up_to_its_measured_mean_rows() -> None:
-    # AVX-512 fp32: up to 48 mean rows per expert; bf16 16; AVX2: every row count.
-    assert cpu_moe.runs_grouped("avx512", torch.float32, 48 * 16, 16)
-    assert not cpu_moe.runs_grouped("avx512", torch.float32, 48 * 16 + 1, 16)
-    assert not cpu_moe.runs_grouped("avx512bf16", torch.bfloat16, 17 * 16, 16)
-    assert cpu_moe.runs_grouped("avx2", torch.float32, 10_000, 16)
+def test_each_call_gets_the_kernel_measured_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
+    # AVX-512 fp32: the table up to 48 mean rows per expert, then the loop
+    # (None); AVX2: the table at every row count; bf16 on AMX: tiles always.
+    assert cpu_moe.kernel_for("avx512", torch.float32, 48 * 16, 16) == "avx512"
+    assert cpu_moe.kernel_for("avx512", torch.float32, 48 * 16 + 1, 16) is None
+    assert cpu_moe.kernel_for("avx2", torch.float32, 10_000, 16) == "avx2"
+    monkeypatch.setattr(cpu_moe, "_AMX", [False])
+    assert cpu_moe.kernel_for("avx512bf16", torch.bfloat16, 16 * 16, 16) == "avx512bf16"
+    assert cpu_moe.kernel_for("avx512bf16", torch.bfloat16, 17 * 16, 16) is None
+    monkeypatch.setattr(cpu_moe, "_AMX", [True])
+    assert cpu_moe.kernel_for("avx512bf16", torch.bfloat16, 10_000, 16) == "amx"
+    assert cpu_moe.kernel_for("avx2", torch.bfloat16, 16, 16) == "avx2"  # an ISA cap holds
+
+
+def _amx_or_skip() -> None:
+    if not _tables() or not cpu_moe.amx_ready():
+        pytest.skip("this CPU (or build) has no AMX-BF16")
+
+
+@pytest.mark.parametrize("shape", [(8, 2, 64, 32), (4, 3, 1056, 96)])
+@pytest.mark.parametrize("rows", [1, 15, 17, 64, 300])
+def test_amx_tiles_agree_with_the_bf16_dot_kernel(shape: tuple[int, ...], rows: int) -> None:
+    """AMX sums the same exact bf16 products in fp32 in another order: within
+    one bf16 rounding of the vdpbf16ps kernel per GEMM, and the rows past the
+    last (A tiles read 16) never reach the output."""
+    _amx_or_skip()
+    e, k, h, i = shape
+    w13, w2 = _weights(e, h, i, torch.bfloat16)
+    x, topk = _routed(rows, e, k, h, torch.bfloat16)
+    p13, p2 = cpu_moe.pack_experts(w13), cpu_moe.pack_experts(w2)
+    amx = cpu_moe.experts(x, p13, p2, i, topk, 0, "amx")
+    dot = cpu_moe.experts(x, p13, p2, i, topk, 0, "avx512bf16")
+    assert amx.dtype == torch.bfloat16 and torch.isfinite(amx.float()).all()
+    torch.testing.assert_close(amx.float(), dot.float(), rtol=2 ** -6, atol=2 ** -6 * dot.float().abs().max().item())
+    ref = dense_reference(x.float(), w13.float(), w2.float(), *topk)
+    torch.testing.assert_close(amx.float(), ref, rtol=2 ** -6, atol=2 ** -6 * ref.abs().max().item())
+
+
+def test_amx_falls_back_to_the_table_off_its_sizes() -> None:
+    """Sizes not a multiple of 32 (and fp32) run the best table, bit for bit."""
+    _amx_or_skip()
+    e, k, h, i = SHAPES[0]  # intermediate 24
+    w13, w2 = _weights(e, h, i, torch.bfloat16)
+    x, topk = _routed(9, e, k, h, torch.bfloat16)
+    p13, p2 = cpu_moe.pack_experts(w13), cpu_moe.pack_experts(w2)
+    assert torch.equal(cpu_moe.experts(x, p13, p2, i, topk, 0, "amx"), _per_expert(x, w13, w2, topk, 0, "avx512bf16"))
