@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 
 from conveyor.engine.dp.router.events import KVEvents
+from conveyor.engine.kv_connector.metadata import KVConnectorMetadata, KVConnectorOutput
 
 # SamplingFields, not SamplingParams: decoding a message trusts the checks
 # that ran once at the edge (see conveyor/engine/sampling_params.py).
@@ -30,6 +31,8 @@ class FinishReason(enum.IntEnum):
 
 
 class RequestStatus(enum.IntEnum):
+    # Holding blocks while a KV connector loads its prefix (conveyor/engine/core/remote_kv.py).
+    WAITING_FOR_REMOTE_KVS = -2
     # Waiting for its grammar to compile: the scheduler skips it until then.
     WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR = -1
     WAITING = 0
@@ -128,6 +131,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     # last known token (num_scheduled_tokens counts them). The runner computes
     # logits at every draft position plus one and verifies them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    # KV connector work for this step's start (conveyor/engine/kv_connector/metadata.py).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
@@ -182,6 +187,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, gc=False):
     # Mixtures of experts: tokens routed to each expert since the last output,
     # summed over the MoE layers of the replying rank's pipeline stage.
     expert_tokens: list[int] | None = None
+    # KV connector: loads finished (with the blocks that failed), saves done.
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput([], {}, [])
@@ -259,6 +266,13 @@ class SchedulerStats(msgspec.Struct, gc=False):
     max_loras: int = 0
     lora_running: dict[str, int] | None = None
     lora_waiting: dict[str, int] | None = None
+    # KV reuse since the last stats: prompt tokens not computed, per source
+    # ("local" pool, "cpu" / "disk" tiers); tier transfers and failures; blocks
+    # held per tier (a gauge). Empty / 0 without a KV connector.
+    kv_reused_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    kv_transfer_bytes: int = 0
+    kv_transfer_failures: int = 0
+    kv_tier_blocks: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ResumeCall(msgspec.Struct, array_like=True, gc=False):
@@ -293,3 +307,4 @@ class KVCacheInfo(msgspec.Struct, frozen=True, gc=False):
     block_size: int
     bytes_per_block: int = 0  # all layers of one rank
     vocab_size: int = 0
+    kv_dtype: str = ""  # the KV cache's torch dtype name (a disk tier's model identity)

@@ -37,6 +37,7 @@ from conveyor.workers.dummy_batch import (
 from conveyor.workers.forward_context import set_forward_context
 from conveyor.workers.grammar_mask import apply_grammar_bitmask
 from conveyor.workers.input_batch import CachedRequestState, InputBatch, PreparedInputs, prepare_inputs
+from conveyor.workers.kv_connector.base import KVConnectorWorker
 from conveyor.workers.layers.attention import find_attention_layers
 from conveyor.workers.layers.moe import FusedMoE, take_routed_tokens
 from conveyor.workers.lora.mapping import set_lora_mapping
@@ -89,6 +90,8 @@ class ModelRunner:
         self.lora = make_lora_manager(config, model, device)
         # Captured decode graphs (CUDA + triton only), made by warm_up().
         self.graphs: DecodeGraphRunner | None = None
+        # KV beyond the pool (conveyor/workers/kv_connector/), set after warm-up.
+        self.kv_connector: KVConnectorWorker | None = None
 
     # ---- KV cache ------------------------------------------------------------
 
@@ -277,9 +280,13 @@ class ModelRunner:
                       ) -> ModelRunnerOutput | IntermediateTensors | None:
         """None on the last stage (logits kept for sample_tokens), the
         IntermediateTensors to send on other stages."""
+        if self.kv_connector is not None:  # before the forward: it may read or fill blocks
+            self.kv_connector.start_load_kv(so.kv_connector_metadata)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            kvo = self.kv_connector.get_output() if self.kv_connector is not None else None
+            return EMPTY_MODEL_RUNNER_OUTPUT if kvo is None else ModelRunnerOutput(
+                [], {}, [], kv_connector_output=kvo)
         p, num_sched, req_ids = self._prepare(so)
         lora_mapping = None
         if self.lora is not None:
@@ -331,6 +338,9 @@ class ModelRunner:
     def sample_tokens(self, grammar_output: GrammarOutput | None = None) -> ModelRunnerOutput:
         out = self._sample_tokens(grammar_output)
         out.expert_tokens = take_routed_tokens(self.moe_layers)
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_save()
+            out.kv_connector_output = self.kv_connector.get_output()
         return out
 
     def _sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

@@ -14,6 +14,7 @@ from conveyor.engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerO
 from conveyor.parallel import state as ps
 from conveyor.parallel.communication import IntermediateTensors, recv_tensor_dict, send_tensor_dict
 from conveyor.parallel.ports import free_port
+from conveyor.workers.kv_connector import make_worker_connector
 from conveyor.workers.model_loader import load_hf_config, load_model
 from conveyor.workers.model_runner import ModelRunner
 
@@ -129,11 +130,16 @@ class Worker:
         runner = self._runner()
         runner.allocate_kv_cache(num_blocks, self.dtype)
         runner.warm_up()  # compiles the kernels before the engine reports ready
+        if runner.kv_connector is not None:
+            runner.kv_connector.close()
+        runner.kv_connector = make_worker_connector(self.config, self.kv_info(num_blocks),
+                                                    runner.kv_caches)
 
     def kv_info(self, num_blocks: int) -> KVCacheInfo:
         r = self._runner()
         return KVCacheInfo(num_blocks, self.config.cache.block_size,
-                           r.kv_bytes_per_block(self.dtype), r.vocab_size)
+                           r.kv_bytes_per_block(self.dtype), r.vocab_size,
+                           str(self.dtype).removeprefix("torch."))
 
     def param_bytes(self) -> int:
         """Bytes of this rank's parameters (shared tensors counted once)."""
@@ -168,6 +174,8 @@ class Worker:
         return out if ps.tp_rank() == 0 else None
 
     def shutdown(self) -> None:
+        if self.model_runner is not None and self.model_runner.kv_connector is not None:
+            self.model_runner.kv_connector.close()  # disk writes finish: a restart finds them
         ps.destroy_distributed()
         self.model_runner = None
         if self._store_file is not None and os.path.exists(self._store_file):

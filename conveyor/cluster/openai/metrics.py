@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from conveyor.engine.contracts import RecoveryStats
 from conveyor.engine.core.recovery import RECOVERY_BUCKETS_S
+from conveyor.engine.frontend.kv_tier_counters import BYTES, FAILURES, REUSED, TIER_BLOCKS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "conveyor:"
@@ -107,6 +108,8 @@ class _EngineCollector:
         if c.experts.routed:  # a mixture of experts
             yield _per_index("moe_routed_tokens", "Tokens routed to each expert.", self.model_name, "expert",
                              c.experts.routed)
+        if c.kv_tiers.seen:
+            yield from _kv_tier_metrics(c.kv_tiers, self.model_name)
         if st.lora_running is not None:
             yield from _lora_metrics(st, self.model_name)
         rec = st.recovery  # cumulative, carried by every stats message once set
@@ -114,6 +117,26 @@ class _EngineCollector:
                       rec.restarts if rec is not None else 0)
         yield _histogram("engine_recovery_seconds", "Time to rebuild the worker group after a lost rank.",
                          _RecoveryHistogram(rec), lab)
+
+
+def _kv_tier_metrics(kt: Any, model_name: str) -> Iterator[Any]:
+    """DESIGN.md's names, without the conveyor: prefix (conveyor_kv_..._total)."""
+    reused = CounterMetricFamily(REUSED, "Prompt tokens reused instead of computed, by where their KV "
+                                 "came from.", labels=["model_name", "source"])
+    for source, n in sorted(kt.reused.items()):
+        reused.add_metric([model_name, source], n)
+    yield reused
+    b = CounterMetricFamily(BYTES, "Bytes moved between the KV pool and its tiers.", labels=["model_name"])
+    b.add_metric([model_name], kt.transfer_bytes)
+    yield b
+    f = CounterMetricFamily(FAILURES, "KV tier transfers that failed (checksum, missing, late, error); "
+                            "their blocks were recomputed.", labels=["model_name"])
+    f.add_metric([model_name], kt.transfer_failures)
+    yield f
+    g = GaugeMetricFamily(TIER_BLOCKS, "KV blocks held per tier.", labels=["model_name", "tier"])
+    for tier, n in sorted(kt.tier_blocks.items()):
+        g.add_metric([model_name, tier], n)
+    yield g
 
 
 def _engine_rows(rows: list[tuple[str, str, dict[str, str], float]], model: str) -> Iterator[Any]:

@@ -254,6 +254,23 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
                     "overlaps steps there)", cfg.scheduler.async_scheduling, over)
     _validate_lora(cfg, source, over)
     _validate_scaling(cfg, source, over)
+    _validate_kv_tiers(cfg, source, over)
+
+
+def _validate_kv_tiers(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
+    cc = cfg.cache
+    if cc.offload_disk_gb > 0 and not cc.offload_disk_path:
+        raise _fail(source, "cache.offload_disk_path", "a directory when cache.offload_disk_gb > 0",
+                    cc.offload_disk_path, over)
+    if cc.offload_cpu_gb == 0 and cc.offload_disk_gb == 0:
+        return
+    if not cc.enable_prefix_caching:
+        raise _fail(source, "cache.enable_prefix_caching", "true with a KV tier (tiers are keyed by "
+                    "the prefix cache's block hashes)", cc.enable_prefix_caching, over)
+    if cfg.world_size > 1:
+        raise _fail(source, "cache.offload_cpu_gb" if cc.offload_cpu_gb else "cache.offload_disk_gb",
+                    "0 with tensor or pipeline parallelism (KV tiers run on one-rank engines for now)",
+                    cc.offload_cpu_gb or cc.offload_disk_gb, over)
 
 
 def _validate_scaling(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:

@@ -143,6 +143,16 @@ class CacheConfig(msgspec.Struct, **_FROZEN):
     # KV budget when running on CPU
     cpu_kv_cache_bytes: Annotated[int, at_least(1, kwarg=True)] = 1 << 30
     enable_prefix_caching: Annotated[bool, knob("bool", kwarg=True, flag=True)] = True
+    # KV tiers below the paged pool (docs/kv_tiers.md): evicted blocks move to
+    # host memory, and (with a path) to disk, which survives restarts; 0 = off.
+    offload_cpu_gb: Annotated[float, finite_in(0.0, 65536.0, kwarg=True, flag=True,
+                                               help="host-memory KV tier in GiB (0: off)")] = 0.0
+    offload_disk_path: Annotated[str | None, knob("null or a directory", kwarg=True, flag=True,
+                                                  help="disk KV tier directory")] = None
+    offload_disk_gb: Annotated[float, finite_in(0.0, 100000.0, kwarg=True, flag=True,
+                                                help="disk KV tier in GiB (0: off)")] = 0.0
+    # A request waiting for tier KV longer than this recomputes its prefix instead.
+    kv_load_timeout_s: Annotated[float, finite_in(0.001, 3600.0)] = 30.0
 
 
 class ServeConfig(msgspec.Struct, **_FROZEN):

@@ -29,6 +29,7 @@ from conveyor.engine.core.request import Request
 from conveyor.engine.core.scheduler import Scheduler
 from conveyor.engine.dp.router.events import EngineLoad, KVEventPublisher, KVEvents
 from conveyor.engine.kv_cache.manager import cdiv
+from conveyor.engine.kv_connector.registry import make_scheduler_connector
 from conveyor.engine.sampling_params import resolved_max_tokens
 from conveyor.engine.structured_output.manager import StructuredOutputManager
 from conveyor.executors.base import EngineDeadError, Executor
@@ -71,7 +72,8 @@ class EngineCore:
             raise
         self.structured_output_manager = make_structured_output_manager(config, self.kv_info.vocab_size)
         self.scheduler = Scheduler(config, self.kv_info.num_blocks, log_stats,
-                                   self.structured_output_manager)
+                                   self.structured_output_manager,
+                                   make_scheduler_connector(config, self.kv_info))
         self.batch_queue_size = executor.max_concurrent_batches
         self.batch_queue: deque[_Entry] | None = deque() if self.batch_queue_size > 1 else None
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
@@ -324,8 +326,22 @@ class EngineCore:
         return _pending(ex.sample_tokens(grammar_output, non_block=True))
 
     def shutdown(self) -> None:
+        self._flush_kv_connector()
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+
+    def _flush_kv_connector(self) -> None:
+        """Transfers decided after the last step (a finished request's blocks
+        to disk, deletes) reach the workers before they go: a restart finds them."""
+        conn = self.scheduler.connector
+        for _ in range(3):
+            if conn is None or not conn.has_pending() or self.executor.failure is not None:
+                return
+            try:
+                self.step_fn()
+            except Exception:  # noqa: BLE001 - shutting down: what is lost is recomputed later
+                log.exception("KV connector: the last transfers did not reach the workers")
+                return
 
 
 def _pending(fut: object) -> Future[ModelRunnerOutput]:

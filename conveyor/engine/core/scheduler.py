@@ -11,18 +11,15 @@ what lets the batch queue keep several steps in flight.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import Counter
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import (
-    CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
     GrammarOutput,
-    LogprobsLists,
     ModelRunnerOutput,
-    NewRequestData,
     RecoveryStats,
     RequestStatus,
     SchedulerOutput,
@@ -30,10 +27,14 @@ from conveyor.engine.contracts import (
     add_per_index,
 )
 from conveyor.engine.core.async_scheduling import add_placeholders, at_length_cap
+from conveyor.engine.core.remote_kv import RemoteKVWaits, spill_held
 from conveyor.engine.core.request import Request
 from conveyor.engine.core.request_queue import make_queue
+from conveyor.engine.core.stats_parts import kv_stats, structured_stats
+from conveyor.engine.core.step_output import OutputExtras, StepPlan, grammar_bitmask, logprobs_for, make_output
 from conveyor.engine.core.stopping import check_stop, grammar_done
 from conveyor.engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
+from conveyor.engine.kv_connector.base import KVConnectorScheduler
 from conveyor.engine.lora import lora_stats
 from conveyor.engine.spec_decode.scheduling import SpecDecodeScheduling
 from conveyor.engine.structured_output.manager import StructuredOutputManager
@@ -41,24 +42,14 @@ from conveyor.engine.structured_output.manager import StructuredOutputManager
 _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+_WAITING_FOR_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
 
-
-@dataclass
-class _StepPlan:
-    """What one schedule() call decided, before it becomes a SchedulerOutput."""
-    token_budget: int
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    running: list[Request] = field(default_factory=list)
-    new: list[Request] = field(default_factory=list)
-    resumed: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int] | None] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, log_stats: bool = True,
-                 structured_output_manager: StructuredOutputManager | None = None) -> None:
+                 structured_output_manager: StructuredOutputManager | None = None,
+                 connector: KVConnectorScheduler | None = None) -> None:
         sc, cc = config.scheduler, config.cache
         self.config = config
         self.max_num_seqs = sc.max_num_seqs
@@ -93,6 +84,16 @@ class Scheduler:
         self.max_loras = config.lora.max_loras if config.lora.enable else 0
         # Set by EngineCore when it plans a step while the previous one runs.
         self.async_scheduling = False
+        # KV beyond the pool (conveyor/engine/kv_connector/): None = the pool alone.
+        self.connector = connector
+        self.remote_kv = (RemoteKVWaits(connector, cc.kv_load_timeout_s)
+                          if connector is not None else None)
+        self.kv_reused: Counter[str] = Counter()  # tokens reused per source since the last stats
+        self._hook_connector()
+
+    def _hook_connector(self) -> None:
+        if self.connector is not None:  # evicted blocks move down instead of vanishing
+            self.kv_cache_manager.block_pool.on_evict = self.connector.on_block_evicted
 
     # ---- requests in and out -------------------------------------------------
 
@@ -120,25 +121,43 @@ class Scheduler:
                 continue
             if request.status == _RUNNING:
                 self.running.remove(request)
+            elif request.status == _WAITING_FOR_KVS:
+                assert self.remote_kv is not None  # only a connector parks requests
+                self.remote_kv.drop(request, self.kv_cache_manager)
             else:
                 self.waiting.remove(request)
             request.status = status
             self._free_request(request)
 
     def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        kv = self.kv_cache_manager
+        if self.connector is not None:
+            rid = request.request_id
+            computed = kv.req_to_blocks.get(rid, [])[:kv.num_cached_block.get(rid, 0)]
+            delay, _ = self.connector.request_finished(request, [b.block_id for b in computed])
+            # Conveyor's connectors copy what they keep at the next step's start,
+            # before any reuse: blocks are never held past the request.
+            assert not delay, "delayed frees are not supported"
+        kv.free(request)
         if self.spec is not None:
             self.spec.drop(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or bool(self.waiting)
+        return bool(self.running) or bool(self.waiting) or (
+            self.remote_kv is not None and self.remote_kv.busy())
 
-    has_requests = has_unfinished_requests
+    def has_requests(self) -> bool:
+        """Work for a step: requests, or connector transfers to send the workers."""
+        return self.has_unfinished_requests() or (
+            self.connector is not None and self.connector.has_pending())
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if ok and self.connector is not None:
+            self.connector.reset(lost_workers=False)
+        return ok
 
     def reset_for_new_workers(self, num_blocks: int) -> None:
         """The worker group was rebuilt: its KV cache and request mirrors are
@@ -146,11 +165,16 @@ class Scheduler:
         (running first), to be sent as new and recomputed from its prompt plus
         the tokens it already generated; KV manager and prefix cache start empty."""
         requests = [*self.running, *self.waiting]
+        if self.remote_kv is not None:
+            requests += self.remote_kv.take_all()
+            assert self.connector is not None  # remote_kv exists only with one
+            self.connector.reset(lost_workers=True)
         self.running = []
         self.waiting = make_queue(self.policy)
         cc = self.config.cache
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, self.max_model_len,
                                                cc.enable_prefix_caching)
+        self._hook_connector()
         self.finished_req_ids = set()
         for r in requests:
             r.num_computed_tokens = r.num_output_placeholders = 0  # in-flight steps died
@@ -161,7 +185,10 @@ class Scheduler:
     # ---- schedule --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = _StepPlan(token_budget=self.max_num_batched_tokens)
+        plan = StepPlan(token_budget=self.max_num_batched_tokens)
+        if self.remote_kv is not None:  # parked past the deadline: recompute instead
+            for r in reversed(self.remote_kv.expire(self.kv_cache_manager)):
+                self.waiting.prepend(r)
         alone = len(self.running) + len(self.waiting) == 1
         self._schedule_running(plan, alone)
         if not plan.preempted:
@@ -175,7 +202,7 @@ class Scheduler:
         # A lone request has nobody to share the budget with.
         return t if 0 < t < num_new and not alone else num_new
 
-    def _schedule_running(self, plan: _StepPlan, alone: bool) -> None:
+    def _schedule_running(self, plan: StepPlan, alone: bool) -> None:
         allocate = self.kv_cache_manager.allocate_slots
         running = self.running
         num_scheduled = plan.num_scheduled
@@ -225,7 +252,7 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, victim: Request, plan: _StepPlan) -> int:
+    def _preempt(self, victim: Request, plan: StepPlan) -> int:
         """Preempt by recompute; returns the victim's former index in running."""
         idx = self.running.index(victim) if victim is not self.running[-1] else len(self.running) - 1
         del self.running[idx]
@@ -236,6 +263,8 @@ class Scheduler:
             plan.new_block_ids.pop(victim.request_id, None)
             plan.spec_tokens.pop(victim.request_id, None)
         victim.spec_token_ids = []  # preemption drops pending drafts
+        if self.connector is not None:
+            self.connector.request_reset(victim.request_id)
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -245,7 +274,7 @@ class Scheduler:
         plan.preempted.append(victim)
         return idx
 
-    def _schedule_waiting(self, plan: _StepPlan, alone: bool) -> None:
+    def _schedule_waiting(self, plan: StepPlan, alone: bool) -> None:
         skipped: list[Request] = []
         try:
             self._admit_waiting(plan, alone, skipped)
@@ -270,7 +299,7 @@ class Scheduler:
         request.status = _WAITING
         return False
 
-    def _admit_waiting(self, plan: _StepPlan, alone: bool, skipped: list[Request]) -> None:
+    def _admit_waiting(self, plan: StepPlan, alone: bool, skipped: list[Request]) -> None:
         kv = self.kv_cache_manager
         loras = ({r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
                  if self.max_loras else None)
@@ -290,11 +319,18 @@ class Scheduler:
             num_computed = request.num_computed_tokens
             if num_computed == 0:
                 hit_blocks, num_computed = kv.get_computed_blocks(request)
+                num_external = self._external_tokens(request, num_computed)
+                if num_external:
+                    if not self._park(request, hit_blocks, num_computed, num_external):
+                        break
+                    continue
             num_new = self._chunk(request.num_tokens - num_computed, alone)
             if not self.enable_chunked_prefill and num_new > plan.token_budget:
                 break  # no overtaking: later, shorter prompts wait too
             num_new = min(num_new, plan.token_budget)
             if kv.allocate_slots(request, num_new, num_computed, hit_blocks) is None:
+                if self.remote_kv is not None and spill_held(self.waiting, kv):
+                    continue  # waiting requests' loaded blocks went back to the cache: look again
                 break
             self.waiting.pop()
             self.running.append(request)
@@ -306,68 +342,38 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
+                self.kv_reused["local"] += len(hit_blocks) * self.block_size
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
-        new_reqs = []
-        for r in plan.new:
-            block_ids = plan.new_block_ids[r.request_id]
-            assert block_ids is not None  # a new request is sent its whole block list
-            new_reqs.append(NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params, block_ids,
-                                           r.num_computed_tokens, r.eos_token_id, list(r.output_token_ids),
-                                           r.lora_request))
-        cached = CachedRequestData()
-        send_tokens = self.send_new_token_ids
-        for r in (*plan.running, *plan.resumed):
-            rid = r.request_id
-            cached.req_ids.append(rid)
-            cached.new_block_ids.append(plan.new_block_ids[rid])
-            cached.num_computed_tokens.append(r.num_computed_tokens)
-            if send_tokens:
-                c = r.num_computed_tokens
-                cached.new_token_ids.append(r.all_token_ids[c:c + plan.num_scheduled[rid]])
-        for r in plan.resumed:
-            cached.resumed_req_ids.append(r.request_id)
-            cached.resumed_token_ids[r.request_id] = list(r.all_token_ids)
-        return SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
-            num_scheduled_tokens=plan.num_scheduled,
-            total_num_scheduled_tokens=self.max_num_batched_tokens - plan.token_budget,
-            finished_req_ids=self.finished_req_ids,
-            has_structured_output=self._any_structured_sample(plan),
-            scheduled_spec_decode_tokens=plan.spec_tokens)
+    def _external_tokens(self, request: Request, num_local: int) -> int:
+        """Tokens a connector holds beyond the local hit (0 without one)."""
+        if self.connector is None:
+            return 0
+        return self.connector.get_num_new_matched_tokens(request, num_local)[0]
 
-    @staticmethod
-    def _any_structured_sample(plan: _StepPlan) -> bool:
-        """Before num_computed_tokens advances: does a structured request sample?"""
-        n = plan.num_scheduled
-        return any(r.structured_output is not None
-                   and r.num_computed_tokens + n[r.request_id] >= len(r.all_token_ids)
-                   for r in (*plan.running, *plan.new, *plan.resumed))
+    def _park(self, request: Request, hit_blocks: list[KVCacheBlock], num_local: int,
+              num_external: int) -> bool:
+        """Hold blocks for the local hit plus the external tokens and wait in
+        WAITING_FOR_REMOTE_KVS for the load; False when the blocks do not fit."""
+        kv = self.kv_cache_manager
+        # Not hashed yet: nobody may hit blocks whose KV has not arrived.
+        if kv.allocate_slots(request, num_external, num_local, hit_blocks, delay_cache=True) is None:
+            return False
+        assert self.connector is not None and self.remote_kv is not None  # num_external > 0
+        self.waiting.pop()
+        request.num_computed_tokens = num_local
+        self.kv_reused["local"] += num_local
+        rid = request.request_id
+        load_id = self.connector.update_state_after_alloc(request, kv.get_block_ids(rid), num_external)
+        self.remote_kv.park(request, load_id)
+        return True
+
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
+        meta = self.connector.build_connector_meta() if self.connector is not None else None
+        return make_output(plan, OutputExtras(self.max_num_batched_tokens - plan.token_budget,
+                                              self.finished_req_ids, self.send_new_token_ids, meta))
 
     def get_grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
-        """The bitmask of the structured requests that sample in `so` (after
-        schedule, their computed prefix has caught up with their tokens);
-        None when there are none, so unstructured steps pay nothing."""
-        if not so.has_structured_output:
-            return None
-        ids: list[str] = []
-        grammars = []
-        drafts: list[list[int]] = []  # one mask row per draft position, plus one
-        requests = self.requests
-        spec_tokens = so.scheduled_spec_decode_tokens
-        for rid in so.num_scheduled_tokens:
-            r = requests.get(rid)
-            if r is None or r.structured_output is None or r.num_computed_tokens < len(r.all_token_ids):
-                continue
-            ids.append(rid)
-            grammars.append(r.structured_output.grammar)
-            drafts.append(spec_tokens.get(rid, []))
-        mgr = self.structured_output_manager
-        assert mgr is not None  # structured requests are admitted only with a manager
-        if not any(drafts):
-            return GrammarOutput(ids, mgr.bitmask(grammars).tobytes(), mgr.num_words)
-        return GrammarOutput(ids, mgr.bitmask(grammars, drafts).tobytes(), mgr.num_words,
-                             [len(d) + 1 for d in drafts])
+        return grammar_bitmask(so, self.requests, self.structured_output_manager)
 
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         requests = self.requests
@@ -384,6 +390,8 @@ class Scheduler:
         stopped: list[Request] = []
         sampled = mro.sampled_token_ids
         index = mro.req_id_to_index
+        if mro.kv_connector_output is not None and self.connector is not None:
+            self._apply_connector_output(mro)
         if mro.expert_tokens:
             add_per_index(self._expert_tokens, mro.expert_tokens)
         num_generated = 0
@@ -408,7 +416,7 @@ class Scheduler:
             num_generated += len(new_tokens)
             out = EngineCoreOutput(rid, new_tokens, num_cached_tokens=max(request.num_cached_tokens, 0))
             if mro.logprobs is not None and request.sampling_params.logprobs is not None:
-                out.new_logprobs = self._logprobs_for(mro.logprobs, i, request, len(new_tokens))
+                out.new_logprobs = logprobs_for(mro.logprobs, i, request, len(new_tokens))
             if request.prompt_logprobs is not None:  # the prompt is done: send them once
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if done:
@@ -425,6 +433,14 @@ class Scheduler:
         stats = self.make_stats(so, num_generated) if self.log_stats else None
         return EngineCoreOutputs(outputs, stats, time.monotonic())
 
+    def _apply_connector_output(self, mro: ModelRunnerOutput) -> None:
+        assert self.connector is not None and self.remote_kv is not None and mro.kv_connector_output
+        results = self.connector.update_connector_output(mro.kv_connector_output)
+        for res in results:
+            self.kv_reused.update(res.by_source)
+        for r in reversed(self.remote_kv.finish_loads(results, self.kv_cache_manager)):
+            self.waiting.prepend(r)  # first in line: its blocks are held
+
     def _append_tokens(self, request: Request, new_tokens: list[int]) -> tuple[list[int], bool]:
         max_len = self.max_model_len
         grammar = request.structured_output.grammar if request.structured_output is not None else None
@@ -439,20 +455,6 @@ class Scheduler:
         if hasher is not None and len(request.all_token_ids) >= (len(request.block_hashes) + 1) * self.block_size:
             hasher.extend(request)
         return new_tokens, False
-
-    @staticmethod
-    def _logprobs_for(lp: LogprobsLists, i: int, request: Request,
-                      n: int) -> list[dict[int, float]]:
-        k = request.sampling_params.logprobs or 0
-        rows = [i] * n if lp.row_start is None else range(lp.row_start[i], lp.row_start[i] + n)
-        out = []
-        for r in rows:
-            ids, vals = lp.token_ids[r], lp.logprobs[r]
-            # Column 0 is the sampled token, then the top-k in order.
-            d = {ids[j]: vals[j] for j in range(1, min(k + 1, len(ids)))}
-            d[ids[0]] = vals[0]
-            out.append(d)
-        return out
 
     def _remove_stopped(self, stopped: list[Request]) -> None:
         gone = {id(r) for r in stopped}
@@ -470,18 +472,10 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
             num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
             recovery=self.recovery_stats, moe_routed_tokens=self._take_expert_tokens(),
+            **kv_stats(self.connector, self.remote_kv, self.kv_reused),
             **(lora_stats(self.max_loras, self.running, self.waiting) if self.max_loras else {}),
-            **self._structured_stats(), **(self.spec.take_stats() if self.spec is not None else {}))
+            **structured_stats(self.structured_output_manager), **(self.spec.take_stats() if self.spec is not None else {}))
 
     def _take_expert_tokens(self) -> list[int]:
         taken, self._expert_tokens = self._expert_tokens, []
         return taken
-
-    def _structured_stats(self) -> dict:
-        mgr = self.structured_output_manager
-        if mgr is None:
-            return {}
-        bitmask_ms, bitmask_rows = mgr.take_bitmask_since_last()
-        return dict(num_structured_requests=mgr.stats.num_requests,
-                    grammar_compile_ms=mgr.take_compile_ms(), bitmask_ms=bitmask_ms,
-                    bitmask_rows=bitmask_rows)

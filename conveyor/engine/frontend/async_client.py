@@ -23,6 +23,7 @@ from conveyor.engine.core_client import NOT_DATA_PARALLEL, CoreClient, CoreClien
 from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.frontend.clients import make_core_client
 from conveyor.engine.frontend.expert_counters import ExpertCounters
+from conveyor.engine.frontend.kv_tier_counters import KVTierCounters
 from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from conveyor.engine.frontend.prepare import Frontend, PreparedRequest
 from conveyor.engine.lora import LoRARequest
@@ -119,6 +120,7 @@ class EngineCounters:
         default_factory=lambda: CumulativeHistogram(_BITMASK_BUCKETS))
     spec_decode: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
     experts: ExpertCounters = field(default_factory=ExpertCounters)
+    kv_tiers: KVTierCounters = field(default_factory=KVTierCounters)
 
 
 class AsyncLLM:
@@ -378,6 +380,7 @@ class AsyncLLM:
             c.bitmask_step.observe(st.bitmask_ms / 1e3)
         c.spec_decode.absorb(st)
         c.experts.absorb(st)
+        c.kv_tiers.absorb(st)
 
     def _fail_all(self, message: str) -> None:
         self.dead.set(message)

@@ -17,6 +17,7 @@ from conveyor.engine.core.engine_core import EngineCore
 from conveyor.engine.core_client import NOT_DATA_PARALLEL, CoreClientFactory, FleetAdmin, metric_dict
 from conveyor.engine.frontend.clients import make_core_client
 from conveyor.engine.frontend.expert_counters import ExpertCounters
+from conveyor.engine.frontend.kv_tier_counters import KVTierCounters
 from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
 from conveyor.engine.frontend.prepare import Frontend, PreparedRequest, Prompt
 from conveyor.engine.frontend.sync_engine import SyncCoreEngine
@@ -47,6 +48,7 @@ class LLM:
         self._ids = itertools.count()
         self._spec_counters = SpecDecodeCounters()
         self._expert_counters = ExpertCounters()
+        self._kv_counters = KVTierCounters()
 
     @staticmethod
     def _make_engine(config: EngineConfig, actor_factory: CoreClientFactory | None) -> Any:
@@ -114,6 +116,7 @@ class LLM:
                 if outs is not None and outs.scheduler_stats is not None:
                     self._spec_counters.absorb(outs.scheduler_stats)
                     self._expert_counters.absorb(outs.scheduler_stats)
+                    self._kv_counters.absorb(outs.scheduler_stats)
                 if outs is not None and outs.resume is not None:  # only a SyncCoreEngine asks
                     self.engine.resume(outs.resume.tag, resumed_requests(outs.resume, states.get))
                 for o in (outs.outputs if outs is not None else ()):
@@ -143,7 +146,8 @@ class LLM:
         """Current counter values keyed by metric name (speculative decoding:
         conveyor:spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens,
         ..._num_accepted_tokens_per_pos{position="i"})."""
-        out = {**self._spec_counters.as_dict(), **self._expert_counters.as_dict()}
+        out = {**self._spec_counters.as_dict(), **self._expert_counters.as_dict(),
+               **self._kv_counters.as_dict()}
         admin = self._admin()
         if admin is not None:  # data parallel: per-engine and router series
             out.update(metric_dict(admin.metric_rows()))

@@ -9,7 +9,7 @@ Invariants:
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from conveyor.engine.core.request import Request
@@ -117,6 +117,9 @@ class BlockPool:
         # A hash is published when it first maps to a block, and as removed
         # when its last block is evicted; None (one engine): no cost at all.
         self.events: KVEventPublisher | None = None
+        # A KV connector's hook: a computed block (block_id, hash) is about to be
+        # reused; it is called before the new owner's step may overwrite it.
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         blocks = self.cached_block_hash_to_block.get(block_hash)
@@ -147,6 +150,8 @@ class BlockPool:
         if self.enable_caching:
             for b in blocks:
                 if b.block_hash is not None:
+                    if self.on_evict is not None:
+                        self.on_evict(b.block_id, b.block_hash)
                     self._evict(b, b.block_hash)
                 b.ref_cnt = 1
         else:

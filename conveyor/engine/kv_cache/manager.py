@@ -60,13 +60,15 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       delay_cache: bool = False) -> list[KVCacheBlock] | None:
         """Reserve slots for num_new_tokens more tokens; None if they do not fit.
 
         A request that is not yet running (waiting or resumed) is admitted only
         if its whole prompt fits, so a long prompt never starts chunking into a
         cache it cannot finish in. On None nothing has changed (prefix-hit
-        blocks keep their ref counts)."""
+        blocks keep their ref counts). delay_cache: hash nothing yet (blocks a
+        KV connector still has to fill must not be prefix hits)."""
         req_blocks = self.req_to_blocks.get(request.request_id)
         if (req_blocks is not None and not new_computed_blocks
                 and request.status == RequestStatus.RUNNING):
@@ -96,7 +98,7 @@ class KVCacheManager:
             req_blocks.extend(new_computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache:
             self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 

@@ -1,0 +1,232 @@
+"""The tier connector, scheduler side: a host-memory tier and a disk tier
+below the paged pool.
+
+A computed block the pool evicts moves down to the host tier (the host
+tier's own LRU victim moves on to disk when there is one); a finished
+request's computed blocks are written to disk (so a restarted engine finds
+them). A later prefix that misses the pool but hits a tier is loaded back.
+This side owns the index of both tiers; the worker side
+(conveyor/workers/kv_connector/tiers.py) owns their bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.engine.core.request import Request
+from conveyor.engine.kv_connector import disk_format
+from conveyor.engine.kv_connector.base import KVConnectorScheduler, LoadResult, TierStats
+from conveyor.engine.kv_connector.metadata import (
+    TIER_CPU,
+    TIER_DISK,
+    TIER_NAMES,
+    BlockSave,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    TierLoad,
+)
+from conveyor.engine.kv_connector.spec import TierSpec
+from conveyor.engine.kv_connector.tier_index import TierIndex
+
+
+@dataclass
+class _Load:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    tiers: list[int]
+    disk_keys: list[bytes]  # pinned on disk until the load finishes
+
+
+class TierConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, spec: TierSpec) -> None:
+        self.spec = spec
+        self.cpu = TierIndex(spec.cpu_blocks)
+        self.disk = TierIndex(spec.disk_blocks)
+        self._meta = KVConnectorMetadata()
+        self._loads: dict[int, _Load] = {}
+        self._next_load_id = 0
+        # Requests whose tier load was given up: they recompute, never retry a tier.
+        self._no_tier: set[str] = set()
+        self._stats = TierStats()
+        if spec.disk_folder is not None:
+            for key in disk_format.scan(spec.disk_folder):  # a restart finds what was written
+                self._disk_insert(key, ready=True)
+
+    # ---- lookups and loads ---------------------------------------------------------
+
+    def _loadable_tier(self, key: bytes) -> int:
+        if self.cpu.loadable(key) is not None:
+            return TIER_CPU
+        if self.disk.loadable(key) is not None:
+            return TIER_DISK
+        return -1
+
+    def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> tuple[int, bool]:
+        if request.request_id in self._no_tier or request.prompt_logprobs is not None:
+            return 0, False
+        bs = self.spec.block_size
+        n = 0
+        # Capped like a local hit: the last token is computed to produce logits.
+        for key in request.block_hashes[num_local_computed // bs:(request.num_tokens - 1) // bs]:
+            tier = self._loadable_tier(key)
+            if tier < 0:
+                break
+            # Kept until the step is built: allocating the load's blocks evicts
+            # pool blocks into the tiers, which must not push these out.
+            (self.cpu if tier == TIER_CPU else self.disk).pinned.add(key)
+            n += 1
+        return n * bs, n > 0
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+                                 num_external_tokens: int) -> int:
+        bs = self.spec.block_size
+        start = request.num_computed_tokens // bs
+        keys = request.block_hashes[start:start + num_external_tokens // bs]
+        load = TierLoad(self._next_load_id, request.request_id, [], [], [], [])
+        self._next_load_id += 1
+        disk_keys = []
+        for key in keys:
+            tier = self._loadable_tier(key)
+            if tier < 0:  # cannot happen while lookups pin; the load just ends here
+                break
+            index = self.cpu if tier == TIER_CPU else self.disk
+            index.touch(key)
+            load.keys.append(key)
+            load.block_ids.append(block_ids[start + len(load.tiers)])
+            load.tiers.append(tier)
+            load.slots.append(index.entries[key].slot if tier == TIER_CPU else -1)
+            if tier == TIER_DISK:
+                disk_keys.append(key)
+                self.disk.held[key] += 1  # read over several steps
+        self._meta.loads.append(load)
+        self._loads[load.load_id] = _Load(request.request_id, load.keys, load.block_ids, load.tiers, disk_keys)
+        return load.load_id
+
+    def give_up_load(self, load_id: int, request_id: str) -> None:
+        self._no_tier.add(request_id)
+
+    def request_reset(self, request_id: str) -> None:
+        self._no_tier.discard(request_id)
+
+    # ---- saves ---------------------------------------------------------------------
+
+    def on_block_evicted(self, block_id: int, block_hash: bytes) -> None:
+        if self.cpu.capacity:
+            self._cpu_save(block_id, block_hash)
+        elif self.disk.capacity and block_hash not in self.disk:
+            self._disk_save(block_id, block_hash)
+
+    def _cpu_save(self, block_id: int, key: bytes) -> None:
+        if key in self.cpu:
+            self.cpu.touch(key)
+            return
+        placed = self.cpu.insert(key, ready=True)
+        if placed is None:
+            return  # every host slot is read by a load this step: not kept
+        slot, victim, victim_slot = placed
+        if victim is not None and self.disk.capacity and victim not in self.disk:
+            if self._disk_insert(victim, ready=False):  # the worker demotes before it overwrites
+                self._meta.demotes.append(BlockSave(victim, -1, victim_slot))
+        self._meta.cpu_saves.append(BlockSave(key, block_id, slot))
+
+    def _disk_save(self, block_id: int, key: bytes) -> None:
+        if self._disk_insert(key, ready=False):
+            self._meta.disk_saves.append(BlockSave(key, block_id, -1))
+
+    def _disk_insert(self, key: bytes, ready: bool) -> bool:
+        placed = self.disk.insert(key, ready)
+        if placed is None:
+            return False
+        victim = placed[1]
+        if victim is not None:
+            m = self._meta
+            unsent = len(m.disk_saves) + len(m.demotes)
+            m.disk_saves = [x for x in m.disk_saves if x.key != victim]
+            m.demotes = [x for x in m.demotes if x.key != victim]
+            if unsent == len(m.disk_saves) + len(m.demotes):
+                # Written in an earlier step: the writer thread deletes it after that write.
+                m.disk_deletes.append(victim)
+        return True
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """block_ids: the request's computed (hashed) blocks, in order. They
+        go to disk now (copied at the next step's start, before any reuse)."""
+        self._no_tier.discard(request.request_id)
+        if self.disk.capacity:
+            for key, block_id in zip(request.block_hashes, block_ids):
+                if key in self.disk:
+                    self.disk.touch(key)
+                else:
+                    self._disk_save(block_id, key)
+        return False, None
+
+    # ---- the step ------------------------------------------------------------------
+
+    def has_pending(self) -> bool:
+        return not self._meta.empty()
+
+    def build_connector_meta(self) -> KVConnectorMetadata | None:
+        meta, self._meta = self._meta, KVConnectorMetadata()
+        self.cpu.pinned.clear()  # the worker reads host slots at this step's start
+        self.disk.pinned.clear()
+        return None if meta.empty() else meta
+
+    def update_connector_output(self, out: KVConnectorOutput) -> list[LoadResult]:
+        st = self._stats
+        st.transfer_bytes += out.transfer_bytes
+        st.transfer_failures += out.transfer_failures
+        for key in out.disk_saved:
+            e = self.disk.entries.get(key)
+            if e is not None:
+                e.ready = True
+        for key in out.failed_saves:
+            self.cpu.remove(key)
+            self.disk.remove(key)
+        invalid = set(out.invalid_block_ids)
+        results = []
+        for load_id in out.finished_loads:
+            ld = self._loads.pop(load_id, None)
+            if ld is None:
+                continue
+            for key in ld.disk_keys:
+                if key in self.disk:
+                    self.disk.release(key)
+            n = next((i for i, b in enumerate(ld.block_ids) if b in invalid), len(ld.block_ids))
+            if n < len(ld.block_ids):
+                self._drop_bad(ld.keys[n], ld.tiers[n])
+            by_source: dict[str, int] = {}
+            for tier in ld.tiers[:n]:
+                name = TIER_NAMES[tier]
+                by_source[name] = by_source.get(name, 0) + self.spec.block_size
+            results.append(LoadResult(load_id, ld.req_id, n * self.spec.block_size, by_source))
+        return results
+
+    def _drop_bad(self, key: bytes, tier: int) -> None:
+        """A block that failed its load is not offered again (a retry would fail the same way)."""
+        if tier == TIER_CPU:
+            self.cpu.remove(key)
+        elif self.disk.remove(key) >= 0:
+            self._meta.disk_deletes.append(key)
+
+    def reset(self, lost_workers: bool) -> None:
+        """Host slots are gone with the workers (and stale after a prefix-cache
+        reset); disk files stay, except those whose write may have died."""
+        self.cpu.clear()
+        self._meta = KVConnectorMetadata()
+        self._loads.clear()
+        self._no_tier.clear()
+        self.disk.pinned.clear()
+        self.disk.held.clear()
+        if lost_workers:
+            for key in [k for k, e in self.disk.entries.items() if not e.ready]:
+                self.disk.remove(key)
+
+    def take_stats(self) -> TierStats:
+        st, self._stats = self._stats, TierStats()
+        st.tier_blocks = {"cpu": len(self.cpu), "disk": len(self.disk)}
+        return st
+
+    @property
+    def num_inflight_loads(self) -> int:
+        return len(self._loads)
