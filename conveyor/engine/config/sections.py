@@ -152,7 +152,7 @@ class CacheConfig(msgspec.Struct, **_FROZEN):
     offload_disk_gb: Annotated[float, finite_in(0.0, 100000.0, kwarg=True, flag=True,
                                                 help="disk KV tier in GiB (0: off)")] = 0.0
     # A request waiting for tier KV longer than this recomputes its prefix instead.
-    kv_load_timeout_s: Annotated[float, finite_in(0.001, 3600.0)] = 30.0
+    kv_load_timeout_s: Annotated[float, finite_in(0.001, 3600.0, kwarg=True)] = 30.0
 
 
 class ServeConfig(msgspec.Struct, **_FROZEN):

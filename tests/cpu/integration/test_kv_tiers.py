@@ -10,6 +10,7 @@ detected and recomputed with the same output.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from llm_utils import random_prompts
 
 from conveyor import LLM, SamplingParams
 from conveyor.engine.core.engine_core import EngineCore
+from conveyor.workers.kv_connector.block_io import BlockCodec
+from conveyor.workers.kv_connector.disk_io import DiskIO
 
 SESSIONS, TURNS = 4, 3
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -132,3 +135,24 @@ def _bytes_per_block(path: str) -> int:
         return _core(llm).kv_info.bytes_per_block
     finally:
         llm.shutdown()
+
+
+def test_late_disk_loads_are_recomputed_not_waited_for(tiny_llama, tier_off, tmp_path, monkeypatch):
+    """Every disk read outlasts kv_load_timeout_s: requests recompute and finish."""
+    disk = dict(offload_disk_path=str(tmp_path / "kv"), offload_disk_gb=0.01)
+    _run(tiny_llama, **disk)
+    slow_read = DiskIO._read
+    monkeypatch.setattr(DiskIO, "_read", lambda self, key: (time.sleep(0.2), slow_read(self, key))[1])
+    outs, cached, m = _run(tiny_llama, kv_load_timeout_s=0.05, **disk)
+    assert outs == tier_off[0]
+    assert m.get("conveyor_kv_transfer_failures_total", 0) > 0 and _reused(m, "disk") == 0
+
+
+def test_a_transfer_error_fails_its_blocks_not_the_engine(tiny_llama, tier_off, monkeypatch):
+    def broken(self, rows, block_ids):
+        raise RuntimeError("DMA error")
+
+    monkeypatch.setattr(BlockCodec, "scatter", broken)  # every load into the pool fails
+    outs, cached, m = _run(tiny_llama, offload_cpu_gb=0.001)
+    assert outs == tier_off[0]
+    assert m.get("conveyor_kv_transfer_failures_total", 0) > 0 and _reused(m, "cpu") == 0

@@ -1,0 +1,161 @@
+"""The KV tiers' parts without a model: the tier index (LRU, pins, never
+raising), the disk file format (every kind of bad file is a miss), the
+worker side on plain tensors (round trip, checksums, an error fails only its
+blocks), the two connector registries, and the config rules."""
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+import pytest
+import torch
+
+from conveyor.engine.config import ConfigError, EngineConfig, load_config
+from conveyor.engine.contracts import KVCacheInfo
+from conveyor.engine.kv_connector import disk_format
+from conveyor.engine.kv_connector.metadata import TIER_CPU, TIER_DISK, BlockSave, KVConnectorMetadata, TierLoad
+from conveyor.engine.kv_connector.registry import CONNECTORS, connector_name
+from conveyor.engine.kv_connector.spec import TierSpec
+from conveyor.engine.kv_connector.tier_index import TierIndex
+from conveyor.workers.kv_connector import WORKER_CONNECTORS
+from conveyor.workers.kv_connector.tiers import TierConnectorWorker
+
+
+def test_tier_index_evicts_lru_and_never_pinned_keys():
+    idx = TierIndex(2)
+    a = idx.insert(b"a", ready=True)
+    b = idx.insert(b"b", ready=True)
+    assert a is not None and b is not None and {a[0], b[0]} == {0, 1}
+    idx.touch(b"a")  # b is now least recently used
+    c = idx.insert(b"c", ready=True)
+    assert c is not None and c[1] == b"b" and c[0] == b[0]  # b's slot, reused
+    idx.pinned.add(b"a")
+    idx.held[b"c"] += 1
+    assert idx.insert(b"d", ready=True) is None  # everything pinned: declined, no raise
+    idx.pinned.clear()
+    d = idx.insert(b"d", ready=False)
+    assert d is not None and d[1] == b"a" and idx.loadable(b"d") is None
+    assert len(idx) == 2 and TierIndex(0).insert(b"x", True) is None
+
+
+def test_disk_format_rejects_every_bad_file(tmp_path):
+    key, payload = b"k" * 32, bytes(range(200))
+    disk_format.write_atomic(tmp_path, key, disk_format.encode(key, "m1", payload))
+    data = disk_format.read(tmp_path, key)
+    assert data is not None and disk_format.decode(data, key, "m1", 200) == payload
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    for bad, why in [(bytes(flipped), "a flipped payload byte"), (data[:-1], "truncated"),
+                     (b"junk" + data[4:], "bad magic"), (b"", "empty"), (data[:10], "torn header")]:
+        assert disk_format.decode(bad, key, "m1", 200) is None, why
+    assert disk_format.decode(data, b"x" * 32, "m1", 200) is None  # another block's file
+    assert disk_format.decode(data, key, "m2", 200) is None  # another model's
+    assert disk_format.decode(data, key, "m1", 100) is None  # another layout's
+    assert disk_format.read(tmp_path, b"z" * 32) is None  # missing
+
+
+def test_disk_scan_lists_oldest_first_and_drops_temp_files(tmp_path):
+    for i, key in enumerate([b"b" * 32, b"a" * 32]):
+        disk_format.write_atomic(tmp_path, key, disk_format.encode(key, "m", b"x"))
+        os.utime(disk_format.block_path(tmp_path, key), (1000 + i, 1000 + i))
+    (tmp_path / ("c" * 64 + ".kvb.tmp123.4")).write_bytes(b"half")
+    (tmp_path / "notes.txt").write_text("not a block")
+    assert disk_format.scan(tmp_path) == [b"b" * 32, b"a" * 32]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [("b" * 32).encode().hex() + ".kvb", ("a" * 32).encode().hex() + ".kvb", "notes.txt"])
+
+
+def _caches(num_blocks: int = 6) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(num_blocks, 2, 4, 2, 8, generator=g),
+            torch.randn(num_blocks, 2, 4, 1, 8, generator=g).to(torch.bfloat16)]
+
+
+def _worker(caches: list[torch.Tensor], tmp_path=None, cpu_blocks: int = 2, timeout: float = 5.0) -> TierConnectorWorker:
+    bpb = sum(c[0].numel() * c.element_size() for c in caches)
+    spec = TierSpec(block_size=4, bytes_per_block=bpb, cpu_blocks=cpu_blocks, disk_blocks=8 if tmp_path else 0,
+                    disk_folder=tmp_path, model_id="m", load_timeout_s=timeout)
+    return TierConnectorWorker(spec, caches)
+
+
+def _load(load_id: int, keys: list[bytes], tiers: list[int], slots: list[int], blocks: list[int]) -> KVConnectorMetadata:
+    return KVConnectorMetadata(loads=[TierLoad(load_id, "r", keys, tiers, slots, blocks)])
+
+
+def test_host_tier_round_trip_and_checksum(tmp_path):
+    caches = _caches()
+    w = _worker(caches)
+    before = [c[1].clone() for c in caches]
+    w.start_load_kv(KVConnectorMetadata(cpu_saves=[BlockSave(b"k1", 1, 0)]))
+    w.start_load_kv(_load(7, [b"k1"], [TIER_CPU], [0], [4]))
+    out = w.get_output()
+    assert out is not None and out.finished_loads == [7] and out.invalid_block_ids == []
+    assert all(torch.equal(c[4], b) for c, b in zip(caches, before))
+    assert w.host is not None
+    w.host[0, 3] ^= 0xFF  # one corrupted byte in the stored block
+    caches[0][5].zero_()
+    w.start_load_kv(_load(8, [b"k1"], [TIER_CPU], [0], [5]))
+    out = w.get_output()
+    assert out is not None and out.invalid_block_ids == [5] and out.transfer_failures == 1
+    assert caches[0][5].abs().sum() == 0  # a block that fails its check is never copied
+    w.start_load_kv(_load(9, [b"other"], [TIER_CPU], [0], [5]))  # the slot holds another key
+    out = w.get_output()
+    assert out is not None and out.invalid_block_ids == [5]
+
+
+def test_disk_tier_round_trip_late_and_error(tmp_path, monkeypatch):
+    caches = _caches()
+    w = _worker(caches, tmp_path, cpu_blocks=0, timeout=0.2)
+    w.start_load_kv(KVConnectorMetadata(disk_saves=[BlockSave(b"d1", 2, -1)]))
+    assert w.disk is not None
+    deadline = time.monotonic() + 5
+    saved: list[bytes] = []
+    while not saved and time.monotonic() < deadline:
+        out = w.get_output()
+        saved += out.disk_saved if out is not None else []
+    assert saved == [b"d1"]
+    want = [c[2].clone() for c in caches]
+    w.start_load_kv(_load(1, [b"d1", b"missing"], [TIER_DISK, TIER_DISK], [-1, -1], [3, 4]))
+    out = None
+    while out is None or not out.finished_loads:
+        time.sleep(0.01)
+        w.start_load_kv(None)  # later steps finish the reads
+        out = w.get_output()
+    assert out.finished_loads == [1] and out.invalid_block_ids == [4]
+    assert all(torch.equal(c[3], x) for c, x in zip(caches, want))
+    # A read that never arrives: reported invalid at the deadline, never copied after.
+    monkeypatch.setattr(w.disk, "_read", lambda key: time.sleep(1.0))
+    w.start_load_kv(_load(2, [b"d1"], [TIER_DISK], [-1], [5]))
+    time.sleep(0.3)
+    w.start_load_kv(None)
+    out = w.get_output()
+    assert out is not None and out.finished_loads == [2] and out.invalid_block_ids == [5]
+    # A transfer error fails its own blocks only; the next save works.
+    monkeypatch.setattr(w.codec, "gather", lambda *a: (_ for _ in ()).throw(OSError("bus error")))
+    w.start_load_kv(KVConnectorMetadata(disk_saves=[BlockSave(b"e", 1, -1)]))
+    out = w.get_output()
+    assert out is not None and out.failed_saves == [b"e"] and out.transfer_failures == 1
+    w.close()
+
+
+def test_registries_name_the_same_connectors():
+    assert set(CONNECTORS) == set(WORKER_CONNECTORS) == {"tiers"}
+    cfg = msgspec.convert({"cache": {"offload_cpu_gb": 1.0}}, EngineConfig)
+    assert connector_name(cfg) == "tiers" and connector_name(EngineConfig()) is None
+    kv = KVCacheInfo(10, 16, 4096, 100, "float32")
+    assert CONNECTORS["tiers"](cfg, kv).spec.cpu_blocks == (1 << 30) // 4096
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"cache": {"offload_disk_gb": 1.0}}, "cache.offload_disk_path"),
+    ({"cache": {"offload_cpu_gb": 1.0, "enable_prefix_caching": False}}, "cache.enable_prefix_caching"),
+    ({"cache": {"offload_cpu_gb": 1.0}, "parallel": {"tensor_parallel_size": 2}}, "cache.offload_cpu_gb"),
+    ({"cache": {"offload_cpu_gb": -1.0}}, "cache.offload_cpu_gb"),
+    ({"cache": {"kv_load_timeout_s": 0.0}}, "cache.kv_load_timeout_s"),
+])
+def test_tier_config_rules(tmp_path, over, key):
+    path = tmp_path / "c.yaml"
+    path.write_text(msgspec.json.encode({"model": {"path": "/nowhere"}, **over}).decode())
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(str(path))
