@@ -284,7 +284,10 @@ class ModelRunner:
             self.kv_connector.start_load_kv(so.kv_connector_metadata)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            kvo = self.kv_connector.get_output() if self.kv_connector is not None else None
+            kvo = None
+            if self.kv_connector is not None:
+                self.kv_connector.wait_idle(0.01)  # nothing to compute: let loads land
+                kvo = self.kv_connector.get_output()
             return EMPTY_MODEL_RUNNER_OUTPUT if kvo is None else ModelRunnerOutput(
                 [], {}, [], kv_connector_output=kvo)
         p, num_sched, req_ids = self._prepare(so)

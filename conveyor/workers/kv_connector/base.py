@@ -32,6 +32,11 @@ class KVConnectorWorker(ABC):
         """Block until this step's saves no longer need the pool blocks they read."""
         return None  # optional hook: nothing to do by default
 
+    def wait_idle(self, timeout_s: float) -> None:
+        """The step computes nothing: wait up to timeout_s for transfers in
+        flight (instead of the engine spinning on empty steps)."""
+        return None  # optional hook: nothing to do by default
+
     @abstractmethod
     def get_output(self) -> KVConnectorOutput | None:
         """What finished since the last call (None: nothing)."""

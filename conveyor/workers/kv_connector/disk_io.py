@@ -1,5 +1,5 @@
 """The disk tier's file work, off the step's path: one writer thread (writes
-and deletes, in order) and one reader thread. Files are those of
+and deletes, in order) and a few reader threads. Files are those of
 conveyor/engine/kv_connector/disk_format.py."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ class DiskIO:
         self.model_id = model_id
         self.nbytes = nbytes
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="conveyor-kv-disk-w")
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="conveyor-kv-disk-r")
+        self._reader = ThreadPoolExecutor(4, thread_name_prefix="conveyor-kv-disk-r")
         self._writes: list[tuple[bytes, Future[None]]] = []
 
     def write(self, key: bytes, payload: bytes) -> None:

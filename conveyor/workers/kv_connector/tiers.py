@@ -15,7 +15,7 @@ import logging
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,6 +90,13 @@ class TierConnectorWorker(KVConnectorWorker):
 
     def has_inflight(self) -> bool:
         return bool(self._disk_loads)
+
+    def wait_idle(self, timeout_s: float) -> None:
+        if not self._disk_loads:
+            return
+        futures = [f for p in self._disk_loads for f in p.reads.values()]
+        wait(futures, timeout=timeout_s)  # releases the GIL: the readers run
+        self._finish_disk_loads()
 
     def close(self) -> None:
         if self.disk is not None:

@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""KV tiers below the paged pool (docs/kv_tiers.md) on a multi-turn workload
+whose sessions outgrow the pool.
+
+Workload (the Doc-QA shape, scaled to a CPU box): --sessions sessions, each
+a random document of --doc tokens, then --turns turns; turn t's prompt is
+the previous prompt + its --output tokens + --question new tokens. Turns go
+round robin over the sessions, one request at a time (one user each), so a
+pool of --pool-blocks blocks holds about two sessions and the rest are
+evicted before their next turn. Greedy, fp32, ignore_eos; the random-weight
+30M Llama of bench/lib/models.py.
+
+Reported per mode (tier off; host tier on):
+  - prompt tokens computed, against an ideal infinite prefix cache (every
+    full block of a session's earlier turns reused);
+  - TTFT p50/p90 (arrival to first token, per request) and output tokens/s;
+  - with 0% hits (every prompt unique, same lengths, the same evictions):
+    throughput off vs on, the overhead of saving evicted blocks;
+  - the disk tier after a restart: a new engine on the same folder serves a
+    long session prefix from disk; share of the prompt from disk and TTFT
+    against recomputing it.
+Every mode's tokens are compared with the tier-off run (they must be equal).
+
+Usage:
+  .venv/bin/python bench/kv_tiers.py --json bench/out/kv_tiers.json
+  .venv/bin/python bench/kv_tiers.py --quick
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.lib.meta import run_meta  # noqa: E402
+from bench.lib.models import model_dir  # noqa: E402
+from bench.lib.stats import percentile  # noqa: E402
+from conveyor import LLM, SamplingParams  # noqa: E402
+from conveyor.engine.frontend import output_processor  # noqa: E402
+
+_TTFT: list[float] = []
+
+
+def _record_ttft() -> None:
+    """TTFT per request from the frontend's own record (arrival -> first token)."""
+    orig = output_processor.RequestState.process
+
+    def process(self: Any, o: Any) -> bool:
+        first = self.first_token_time is None and bool(o.new_token_ids)
+        out = orig(self, o)
+        if first:
+            _TTFT.append(self.first_token_time - self.arrival_time)
+        return out
+
+    output_processor.RequestState.process = process  # type: ignore[method-assign]
+
+
+@dataclass
+class Result:
+    tokens: list[list[int]] = field(default_factory=list)
+    prompt_tokens: int = 0
+    computed: int = 0  # prompt tokens not served from any cache
+    ideal_computed: int = 0
+    ttft: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    output_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "computed": self.computed,
+                "ideal_computed": self.ideal_computed,
+                "computed_vs_ideal": round(self.computed / max(self.ideal_computed, 1), 3),
+                "ttft_p50_ms": round(1e3 * percentile(self.ttft, 50), 1),
+                "ttft_p90_ms": round(1e3 * percentile(self.ttft, 90), 1),
+                "output_tok_s": round(self.output_tokens / self.wall_s, 1),
+                "wall_s": round(self.wall_s, 2),
+                "kv": {k: v for k, v in self.metrics.items() if k.startswith("conveyor_kv")}}
+
+
+def run_sessions(path: str, a: argparse.Namespace, unique: bool, **tier: Any) -> Result:
+    rng = random.Random(0)
+    sessions = [[rng.randrange(4, 8000) for _ in range(a.doc)] for _ in range(a.sessions)]
+    seen = [0] * a.sessions  # tokens of the session an infinite cache holds (its KV was computed)
+    llm = LLM(model=path, num_gpu_blocks=a.pool_blocks, block_size=16, max_model_len=a.max_len,
+              max_num_seqs=8, **tier)
+    sp = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True)
+    res = Result()
+    llm.generate([[5] * 32], sp, use_tqdm=False)  # warm-up
+    del _TTFT[:]
+    t0 = time.perf_counter()
+    for _turn in range(a.turns):
+        for s in range(a.sessions):
+            prompt = sessions[s]
+            if unique:  # same length, nothing shared with anything before
+                prompt = [rng.randrange(4, 8000) for _ in prompt]
+            o = llm.generate([prompt], sp, use_tqdm=False)[0]
+            out = list(o.outputs[0].token_ids)
+            res.tokens.append(out)
+            res.prompt_tokens += len(prompt)
+            res.computed += len(prompt) - o.num_cached_tokens
+            ideal_hit = 0 if unique else min(seen[s], len(prompt) - 1) // 16 * 16
+            res.ideal_computed += len(prompt) - ideal_hit
+            res.output_tokens += len(out)
+            seen[s] = len(prompt) + len(out) - 1  # the last sampled token's KV is not computed
+            sessions[s] = prompt + out + [rng.randrange(4, 8000) for _ in range(a.question)]
+    res.wall_s = time.perf_counter() - t0
+    res.ttft = list(_TTFT)
+    res.metrics = llm.get_metrics()
+    llm.shutdown()
+    return res
+
+
+def disk_restart(path: str, a: argparse.Namespace, folder: str) -> dict[str, Any]:
+    """One long session prefix written by engine 1; engine 2 (same folder) serves it from disk."""
+    rng = random.Random(1)
+    doc = [rng.randrange(4, 8000) for _ in range(a.max_len - 64)]
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    disk = dict(offload_disk_path=folder, offload_disk_gb=1.0)
+    out: dict[str, Any] = {"prefix_tokens": len(doc)}
+    llm = LLM(model=path, block_size=16, max_model_len=a.max_len, **disk)
+    first = llm.generate([doc], sp, use_tqdm=False)[0]
+    llm.shutdown()
+    follow = doc + list(first.outputs[0].token_ids) + [7] * 16
+    for name, kw in (("recompute", {}), ("from_disk", disk)):
+        llm = LLM(model=path, block_size=16, max_model_len=a.max_len, **kw)
+        llm.generate([[5] * 32], sp, use_tqdm=False)
+        del _TTFT[:]
+        o = llm.generate([follow], sp, use_tqdm=False)[0]
+        out[name] = {"ttft_ms": round(1e3 * _TTFT[0], 1), "cached_tokens": o.num_cached_tokens,
+                     "tokens": list(o.outputs[0].token_ids)}
+        llm.shutdown()
+    out["share_from_disk"] = round(out["from_disk"]["cached_tokens"] / len(follow), 3)
+    out["same_tokens"] = out["from_disk"].pop("tokens") == out["recompute"].pop("tokens")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--doc", type=int, default=384)
+    p.add_argument("--question", type=int, default=32)
+    p.add_argument("--output", type=int, default=16)
+    p.add_argument("--pool-blocks", type=int, default=80)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--cpu-gb", type=float, default=0.1)
+    p.add_argument("--quick", action="store_true", help="4 sessions, 3 turns, 256-token documents")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    if a.quick:
+        a.sessions, a.turns, a.doc, a.pool_blocks = 4, 3, 256, 40
+    a.max_len = min(a.max_len, (a.pool_blocks - 1) * 16)  # one request must fit the pool
+    path = model_dir("30m")
+    _record_ttft()
+    report: dict[str, Any] = {"meta": run_meta(args=vars(a))}
+    off = run_sessions(path, a, unique=False)
+    on = run_sessions(path, a, unique=False, offload_cpu_gb=a.cpu_gb)
+    report["multi_turn"] = {"off": off.summary(), "cpu_tier": on.summary(), "same_tokens": on.tokens == off.tokens}
+    miss_off = run_sessions(path, a, unique=True)
+    miss_on = run_sessions(path, a, unique=True, offload_cpu_gb=a.cpu_gb)
+    report["zero_hits"] = {"off_tok_s": miss_off.summary()["output_tok_s"],
+                           "on_tok_s": miss_on.summary()["output_tok_s"],
+                           "overhead": round(1 - miss_on.output_tokens / miss_on.wall_s
+                                             / (miss_off.output_tokens / miss_off.wall_s), 4),
+                           "same_tokens": miss_on.tokens == miss_off.tokens}
+    folder = tempfile.mkdtemp(prefix="conveyor-kv-bench-")
+    try:
+        report["disk_restart"] = disk_restart(path, a, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    text = json.dumps({k: v for k, v in report.items() if k != "meta"}, indent=2)
+    print(text)
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
