@@ -9,6 +9,9 @@
 #                 prefix caching), bf16 under vLLM's top-5 rule, async
 #                 scheduling x CUDA graphs on/off identical, executor "ray" with
 #                 one GPU worker (skipped when ray is not importable there)
+#   kv-tiers      tests/gpu/test_kv_tiers_gpu.py: the host tier in pinned memory
+#                 below the GPU pool and the disk tier after a restart give the
+#                 tier-off tokens; pinned round trip, a corrupted row is refused
 #   decode-floor  bench/decode_floor.py: a random ~1B Llama at batch 1/64/256,
 #                 step time vs (weight + KV bytes) / measured copy bandwidth
 #   attention     bench/attention.py: kernel GB/s vs the copy bandwidth
@@ -75,7 +78,7 @@ install_wheels() {  # the packages the image lacks, carried as wheels in .whl/
 if [ "${1:-}" = "--dry-run" ]; then  # the CPU-checkable parts, on this machine
   PY=${PY:-python3}
   bash -n "$0" || exit 1
-  step compile 60 "$PY" -m py_compile tests/gpu/test_e2e_gpu.py tests/gpu/test_kernels_gpu.py \
+  step compile 60 "$PY" -m py_compile tests/gpu/test_e2e_gpu.py tests/gpu/test_kernels_gpu.py tests/gpu/test_kv_tiers_gpu.py \
     bench/decode_floor.py bench/attention.py || exit 1
   install_wheels "$PY" || { echo "FAIL  imports"; exit 1; }
   # Without CUDA both modules skip at import: pytest's "no tests collected" (5) is the pass here.
@@ -120,6 +123,9 @@ e2e_extra=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=100"
 step e2e 160 "$PY" -m pytest tests/gpu/test_e2e_gpu.py -q -p no:cacheprovider -rfs --tb=short \
   --durations=10 $e2e_extra
 e2e_rc=$?
+# shellcheck disable=SC2086
+step kv-tiers 60 "$PY" -m pytest tests/gpu/test_kv_tiers_gpu.py -q -p no:cacheprovider -rfs --tb=short $e2e_extra
+tiers_rc=$?
 step decode-floor 100 "$PY" bench/decode_floor.py --batches 1,64,256 --ctx 1024 --out 64
 floor_rc=$?
 step bench 60 "$PY" bench/attention.py
@@ -130,4 +136,5 @@ echo "=== summary (logs in $LOG_DIR, ${SECONDS}s total)"
 for line in "${SUMMARY[@]}"; do echo "$line"; done
 grep -E "passed|failed|error" "$LOG_DIR/kernel-tests.log" 2>/dev/null | tail -n 1
 grep -E "passed|failed|error" "$LOG_DIR/e2e.log" 2>/dev/null | tail -n 1
-[ "$tests_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$floor_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+grep -E "passed|failed|error" "$LOG_DIR/kv-tiers.log" 2>/dev/null | tail -n 1
+[ "$tests_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$tiers_rc" -eq 0 ] && [ "$floor_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
