@@ -14,7 +14,8 @@ from sched_utils import make_request
 from conveyor.engine import LLM, SamplingParams
 from conveyor.engine.config import ConfigError, EngineConfig, build_config
 from conveyor.engine.contracts import ModelRunnerOutput, SchedulerStats
-from conveyor.engine.core.scheduler import Scheduler, _StepPlan
+from conveyor.engine.core.scheduler import Scheduler
+from conveyor.engine.core.step_output import StepPlan
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -136,7 +137,7 @@ def test_scheduler_preemption_drops_drafts_and_budget_truncates():
     assert so.scheduled_spec_decode_tokens == {"a": [1, 2]}
     s.update_from_output(so, _out(so, {"a": [1, 2, 1]}))
     assert req.spec_token_ids  # [.. 1 2 1] proposes again
-    s._preempt(req, _StepPlan(token_budget=0))
+    s._preempt(req, StepPlan(token_budget=0))
     assert req.spec_token_ids == [] and req.num_computed_tokens == 0
 
 
