@@ -468,7 +468,8 @@ class Scheduler:
     def make_stats(self, so: SchedulerOutput | None = None, num_generated: int = 0) -> SchedulerStats:
         pcs = self.kv_cache_manager.make_prefix_cache_stats()
         return SchedulerStats(
-            num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + (len(self.remote_kv.parked) if self.remote_kv else 0),
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
             num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
             recovery=self.recovery_stats, moe_routed_tokens=self._take_expert_tokens(),
