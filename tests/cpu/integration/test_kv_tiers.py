@@ -156,3 +156,11 @@ def test_a_transfer_error_fails_its_blocks_not_the_engine(tiny_llama, tier_off, 
     outs, cached, m = _run(tiny_llama, offload_cpu_gb=0.001)
     assert outs == tier_off[0]
     assert m.get("conveyor_kv_transfer_failures_total", 0) > 0 and _reused(m, "cpu") == 0
+
+
+@pytest.mark.parametrize("extra", [{"async_scheduling": "on"}, {"executor": "mp"}], ids=["async", "mp"])
+def test_host_tier_with_async_scheduling_and_a_worker_process(tiny_llama, tier_off, extra):
+    """Steps planned while the last one runs; a worker in its own process
+    (metadata and reports through msgspec)."""
+    outs, cached, m = _run(tiny_llama, offload_cpu_gb=0.001, **extra)
+    assert outs == tier_off[0] and _reused(m, "cpu") > 0
