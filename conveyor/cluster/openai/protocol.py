@@ -176,9 +176,21 @@ class TextPart(StrictModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: Annotated[str, Field(min_length=1, max_length=64 << 20)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageURLPart(StrictModel):
+    """An image content part; the served models take text only (for now), so
+    `render_messages` refuses it with a 400 naming that, before any fetch."""
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | ImageURLPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None  # assistant turns; checked in tools/request.py (as AssistantToolCall)
     tool_call_id: str | None = None  # tool turns
@@ -263,7 +275,10 @@ def render_messages(req: ChatRequest) -> list[dict[str, Any]]:
     for m in req.messages:
         content = m.content
         if isinstance(content, list):
-            content = "".join(p.text for p in content)
+            if any(isinstance(p, ImageURLPart) for p in content):
+                raise bad_request(f"model {req.model!r} takes text only: remove the image_url content parts "
+                                  "(image inputs need a vision-language model)", "messages")
+            content = "".join(p.text for p in content if isinstance(p, TextPart))
         d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             d["name"] = m.name

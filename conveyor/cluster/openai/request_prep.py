@@ -28,7 +28,7 @@ def heavy(req: Any) -> bool:
     chars = 0
     for m in getattr(req, "messages", None) or ():
         c = m.content
-        chars += len(c) if isinstance(c, str) else sum(len(p.text) for p in c or ())
+        chars += len(c) if isinstance(c, str) else sum(len(getattr(p, "text", "")) for p in c or ())
     return chars >= INLINE_CHARS
 
 

@@ -99,6 +99,30 @@ def test_values_the_engine_cannot_take_are_400s_naming_the_field(ckpt):
     run_bounded(run())
 
 
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+
+
+def test_an_image_for_a_text_only_model_is_a_400_saying_so(ckpt):
+    """Image parts parse (OpenAI's shape) and are refused before any fetch;
+    a malformed image part is a 400 too; the server goes on."""
+    async def run() -> None:
+        core = FakeCore()
+        async with app_client(fake_llm(core, model=ckpt)) as c:
+            r = await _post(c, CHAT, {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is this?"}, IMAGE_PART]}]})
+            assert r.status_code == 400 and error_body(r)["param"] == "messages", r.text
+            assert "takes text only" in error_body(r)["message"], r.text
+            r = await _post(c, CHAT, {"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": 5}}]}]})
+            assert r.status_code == 400, r.text
+            assert core.added == []
+            r = await _post(c, CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                      "max_tokens": 1})
+            assert r.status_code == 200, r.text
+
+    run_bounded(run())
+
+
 def test_sampling_params_bound_every_integer_and_string():
     for kw, field in [({"top_k": 2**64}, "top_k"), ({"stop_token_ids": [2**70]}, "stop_token_ids"),
                       ({"max_tokens": 2**64}, "max_tokens"), ({"min_tokens": 2**64}, "min_tokens"),
