@@ -18,6 +18,8 @@ class ForwardContext:
     attn_metadata: Any
     # conveyor.kernels.backends.AttentionBackend used by every Attention layer this step.
     attn_backend: Any
+    # The KV connector's worker side when it is layerwise (its per-layer hooks), else None.
+    kv_connector: Any = None
 
 
 _CTX: ForwardContext | None = None
@@ -28,9 +30,9 @@ def get_forward_context() -> ForwardContext | None:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: Any, attn_backend: Any) -> Iterator[None]:
+def set_forward_context(attn_metadata: Any, attn_backend: Any, kv_connector: Any = None) -> Iterator[None]:
     global _CTX
-    prev, _CTX = _CTX, ForwardContext(attn_metadata, attn_backend)
+    prev, _CTX = _CTX, ForwardContext(attn_metadata, attn_backend, kv_connector)
     try:
         yield
     finally:

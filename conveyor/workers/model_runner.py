@@ -103,10 +103,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         # Zeroed: masked-out slots must not hold NaN (0 * NaN poisons the sum).
         self.kv_caches = []
-        for attn in find_attention_layers(self.model):
+        for i, attn in enumerate(find_attention_layers(self.model)):
             cache = torch.zeros(attn.kv_cache_shape(num_blocks, self.block_size),
                                 dtype=dtype, device=self.device)
             attn.kv_cache = cache
+            attn.layer_index = i
             self.kv_caches.append(cache)
 
     # ---- profile and warm-up ------------------------------------------------------
@@ -297,12 +298,15 @@ class ModelRunner:
                 [self.requests[r].lora_request for r in req_ids], p.req_indices)
         # Captured graphs hold no LoRA deltas: a LoRA engine always runs eagerly.
         # Graphs are refused under PP, so only a last stage replays one.
-        out = self._graph_step(p, so) if self.graphs is not None and self.lora is None else None
+        # A layerwise KV connector's hooks are not in the captured graphs: eager then.
+        layerwise = self.kv_connector is not None and self.kv_connector.layerwise
+        out = self._graph_step(p, so) if self.graphs is not None and self.lora is None and not layerwise else None
         if out is None:
             meta = self._attn_metadata(p)
             input_ids = torch.from_numpy(p.input_ids).to(self.device)
             positions = torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
-            with set_forward_context(meta, self.attn_backend), set_lora_mapping(lora_mapping):
+            conn = self.kv_connector if layerwise else None
+            with set_forward_context(meta, self.attn_backend, conn), set_lora_mapping(lora_mapping):
                 hidden = self.model(input_ids, positions, intermediate_tensors)
             if not self.is_last_stage:
                 return hidden  # the IntermediateTensors to send

@@ -16,6 +16,11 @@ from conveyor.engine.kv_connector.metadata import KVConnectorMetadata, KVConnect
 
 
 class KVConnectorWorker(ABC):
+    # True: the runner puts this connector in the forward context and every
+    # attention layer calls wait_for_layer_load / save_kv_layer (eager steps;
+    # captured CUDA graphs run without them).
+    layerwise = False
+
     @abstractmethod
     def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
         """Start (or do) this step's transfers; meta None: only check those in flight."""

@@ -24,6 +24,7 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        self.layer_index = -1  # this rank's attention layers in order (set with the cache)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (num_blocks, 2, block_size, self.num_kv_heads, self.head_size)
@@ -38,7 +39,12 @@ class Attention(nn.Module):
         if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
             return self._causal(q, k, v).reshape(t, -1)
         meta = ctx.attn_metadata
+        conn = ctx.kv_connector  # layerwise KV connectors only (the seed's hooks)
+        if conn is not None:
+            conn.wait_for_layer_load(self.layer_index)
         ctx.attn_backend.write_kv(k, v, self.kv_cache, meta.slot_mapping)
+        if conn is not None:
+            conn.save_kv_layer(self.layer_index, self.kv_cache)
         return ctx.attn_backend.forward(q, self.kv_cache, meta, self.scale).reshape(t, -1)
 
     def _causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

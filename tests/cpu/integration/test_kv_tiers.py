@@ -20,6 +20,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.engine.core.engine_core import EngineCore
 from conveyor.workers.kv_connector.block_io import BlockCodec
 from conveyor.workers.kv_connector.disk_io import DiskIO
+from conveyor.workers.kv_connector.tiers import TierConnectorWorker
 
 SESSIONS, TURNS = 4, 3
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -164,3 +165,33 @@ def test_host_tier_with_async_scheduling_and_a_worker_process(tiny_llama, tier_o
     (metadata and reports through msgspec)."""
     outs, cached, m = _run(tiny_llama, offload_cpu_gb=0.001, **extra)
     assert outs == tier_off[0] and _reused(m, "cpu") > 0
+
+
+class _Layerwise(TierConnectorWorker):
+    """The tier connector declared layerwise, recording the seed's per-layer hooks."""
+    layerwise = True
+
+    def __init__(self, *args, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kw)
+        self.calls: list[tuple[str, int]] = []
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        self.calls.append(("load", layer))
+
+    def save_kv_layer(self, layer: int, kv_cache) -> None:  # type: ignore[no-untyped-def]
+        self.calls.append(("save", layer))
+
+
+def test_layerwise_hooks_wrap_every_attention_layer(tiny_llama, tier_off):
+    llm = LLM(model=tiny_llama, num_gpu_blocks=10, max_model_len=144, block_size=16, offload_cpu_gb=0.001)
+    try:
+        runner = _core(llm).executor.worker.model_runner
+        old = runner.kv_connector
+        old.close()
+        runner.kv_connector = conn = _Layerwise(old.spec, runner.kv_caches)
+        out = llm.generate(random_prompts(SESSIONS, 40, 40, seed=3)[:1], SP, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    assert list(out.outputs[0].token_ids) == tier_off[0][0]
+    per_forward = [(k, i) for i in range(len(runner.kv_caches)) for k in ("load", "save")]
+    assert conn.calls == per_forward * SP.max_tokens  # one prefill step + one per later token
