@@ -154,7 +154,7 @@ def profile_layer(a: argparse.Namespace, rows: int, dtype_name: str) -> str:
 
 def _load_kernels(wanted: bool) -> str | None:
     """Load the CPU extension as the engine's cpu attention backend does (so
-    linears of <= cpu_linear.SMALL_ROWS rows take the small-M kernel); its table."""
+    linears up to cpu_linear.small_rows rows take the small-M kernel); its table."""
     from conveyor.kernels import cpu_attention, cpu_linear
 
     if wanted and not cpu_attention.available():

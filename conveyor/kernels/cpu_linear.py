@@ -13,7 +13,7 @@ tables ``avx512bf16``, ``avx512``, ``avx2``, ``portable`` chosen by cpuid in
 one build, as the attention kernels.
 
 The engine routes every table of ENGINE_ISAS up to ``small_rows`` rows:
-SMALL_ROWS, and every row count for fp32 on the AVX2 table. There, with x
+SMALL_ROWS, fp32 on AVX-512 up to 64, and every row count for fp32 on the AVX2 table. There, with x
 read in place and the rows in L2-sized m-blocks, the kernel ran the
 Qwen2-0.5B linears 1.23x oneDNN's AVX2 GEMM at 32 rows and 1.03-1.08x from 96
 to 2048 (BENCHMARKS.md, "x in place"), so AVX2 fp32 keeps no oneDNN copy of
@@ -59,9 +59,20 @@ def kernel_isa() -> str | None:
     return isa if isa in ENGINE_ISAS else None
 
 
+# fp32 on the AVX-512 tables: with two column blocks per pass the kernel ran
+# 1.02-1.08x oneDNN's packed GEMM at 64 rows and 1.06-1.32x at 32 (qkv 1536 x
+# 1024, o 1024 x 1024, lm_head 32000 x 1024; Xeon, 2 threads), 0.87-0.93x at 128.
+SMALL_ROWS_AVX512_F32 = 64
+
+
 def small_rows(isa: str, dtype: torch.dtype) -> int:
     """The most rows the engine runs on table ``isa`` in ``dtype``."""
-    return sys.maxsize if isa == "avx2" and dtype == torch.float32 else SMALL_ROWS
+    if dtype == torch.float32:
+        if isa == "avx2":
+            return sys.maxsize
+        if isa.startswith("avx512"):
+            return SMALL_ROWS_AVX512_F32
+    return SMALL_ROWS
 
 
 _SUPPORTED: list[str] = []

@@ -152,7 +152,7 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
     holder = torch.nn.Module()
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 72, generator=g)
-    for m in (1, 16, 17):
+    for m in (1, 16, 17, lim + 1 if lim < 1000 else 300):
         x = torch.randn(m, 72, generator=g)
         y = linear(holder, x, w)
         if m <= lim:
@@ -163,8 +163,8 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
 @pytest.mark.parametrize("table", ["avx512", "avx2"])
 def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
     """With the attention backend on `table`, conveyor.parallel.layers.linear runs the
-    small kernel up to its row limit and oneDNN above: 16 rows, except fp32 on
-    the AVX2 table, every row count."""
+    small kernel up to its row limit and oneDNN above: 16 rows, except fp32:
+    64 on the AVX-512 tables, every row count on the AVX2 table."""
     _ext_or_skip()
     if table not in cpu_attention.supported_isas():
         pytest.skip(f"this CPU does not run {table}")
@@ -186,11 +186,11 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
         assert isa is not None and isa.startswith(table)
         g = torch.Generator().manual_seed(3)
         for dtype in (torch.float32, torch.bfloat16):
-            lim = sys.maxsize if (table, dtype) == ("avx2", torch.float32) else 16
+            lim = {("avx2", torch.float32): sys.maxsize, ("avx512", torch.float32): 64}.get((table, dtype), 16)
             assert cpu_linear.small_rows(isa, dtype) == lim
             w = torch.randn(40, 72, generator=g).to(dtype)
             holder = torch.nn.Module()
-            for m in (1, 16, 17, 300):
+            for m in (1, 16, 17, 64, 65, 300):
                 calls.clear()
                 x = torch.randn(m, 72, generator=g).to(dtype)
                 y = linear(holder, x, w)
