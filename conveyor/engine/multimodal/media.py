@@ -80,7 +80,7 @@ def decode_image(data: bytes, policy: MediaPolicy) -> Any:
     if len(data) > policy.max_bytes:
         raise MediaTooLarge(f"image is {len(data)} bytes; the limit is {policy.max_bytes}")
     try:
-        img = Image.open(io.BytesIO(data), formats=None)
+        img = Image.open(io.BytesIO(data))
     except UnidentifiedImageError as e:
         raise InvalidImage("image data could not be decoded (not an image, or truncated)") from e
     except Image.DecompressionBombError as e:

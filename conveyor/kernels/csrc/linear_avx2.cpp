@@ -22,6 +22,7 @@ struct V {
   static constexpr int kWidth = 8;
   static constexpr int kMaxRows = 6;
   static constexpr int kMaxRowsWide = 5;
+  static constexpr int kPairRowsF32 = 0;  // two 8-wide registers a block already
   static Reg load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, Reg r) { _mm256_storeu_ps(p, r); }
   static Reg zero() { return _mm256_setzero_ps(); }

@@ -15,11 +15,19 @@
 #pragma GCC target("avx512f,avx2,fma")
 
 namespace {
+#include "bf16_avx512.inc"
+
 struct V {
   using Reg = __m512;
   static constexpr int kWidth = 16;
   static constexpr int kMaxRows = 16;
   static constexpr int kMaxRowsWide = 16;
+  // fp32 passes over two blocks (linear_simd.inc): 24 sums, two weight
+  // registers and x in 32 zmm. Weights from DRAM (Xeon, 2 threads, K 1024,
+  // 256 MB), GB/s one block -> two: 4 rows 21.9 -> 25.3, 8 rows 20.3 -> 24.5,
+  // 12 rows 18.8 -> 23.2, 16 rows 17.3 -> 17.0, 20 rows 13.5 -> 16.2,
+  // 32 rows 10.6 -> 12.5.
+  static constexpr int kPairRowsF32 = 12;
   static Reg load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, Reg r) { _mm512_storeu_ps(p, r); }
   static Reg zero() { return _mm512_setzero_ps(); }
@@ -30,13 +38,7 @@ struct V {
   static Reg widen_i8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static void store_bf16(uint16_t* p, Reg r) {
-    const __m512i u = _mm512_castps_si512(r);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
-  }
+  static void store_bf16(uint16_t* p, Reg r) { store_bf16x16(p, r); }
   static void widen_pairs(const uint32_t* p, Reg& even, Reg& odd) {
     const __m512i v = _mm512_loadu_si512(p);
     even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -46,76 +48,7 @@ struct V {
 
 #include "linear_simd.inc"
 
-// fp32 with one register per block (kNv == 1): two adjacent column blocks per
-// pass of up to kPairRows rows, so each broadcast x feeds two FMAs (a pass of
-// 16 rows over one block issues 17 loads per 16 FMAs). The sums per column
-// are f32_rows' own (k in order, chunk by chunk): the same bits. Weights
-// streamed from DRAM (Xeon, 2 threads, K 1024, 256 MB), GB/s single-block ->
-// pairs: 4 rows 21.9 -> 25.3, 8 rows 20.3 -> 24.5, 12 rows 18.8 -> 23.2,
-// 16 rows 17.3 -> 17.0, 20 rows 13.5 -> 16.2, 32 rows 10.6 -> 12.5.
-constexpr int kPairRows = 12;
-static_assert(kNv == 1, "the pair kernel keeps one register per block row");
-
-template <int MB>
-void f32_rows_pair(const LinearArgs& a, int64_t nb, int64_t m0, int64_t k0, int64_t k1) {
-  typename V::Reg acc0[MB][kNv], acc1[MB][kNv];
-  const float* y = a.y + m0 * a.np + nb * kBlockN;
-  load_sums<MB>(a, y, k0, acc0);
-  load_sums<MB>(a, y + kBlockN, k0, acc1);
-  const float* w0 = static_cast<const float*>(a.w) + (nb * a.k + k0) * kBlockN;
-  const float* w1 = w0 + a.k * kBlockN;
-  const float* x = static_cast<const float*>(a.x) + k0 * a.xk + m0 * a.xm;
-  const int64_t xm = a.xm;
-  for (int64_t k = k0; k < k1; ++k, w0 += kBlockN, w1 += kBlockN, x += a.xk) {
-    __builtin_prefetch(w0 + kAhead<16>);
-    __builtin_prefetch(w1 + kAhead<16>);
-    const typename V::Reg v0 = V::load(w0), v1 = V::load(w1);
-    for (int i = 0; i < MB; ++i) {
-      const typename V::Reg xv = V::set1(x[i * xm]);
-      acc0[i][0] = V::fma(xv, v0, acc0[i][0]);
-      acc1[i][0] = V::fma(xv, v1, acc1[i][0]);
-    }
-  }
-  store_sums<MB>(a, nb, m0, k1, acc0);
-  store_sums<MB>(a, nb + 1, m0, k1, acc1);
-}
-
-template <int... I>
-constexpr std::array<RowsFn, sizeof...(I)> pair_fns(std::integer_sequence<int, I...>) {
-  return {&f32_rows_pair<I + 1>...};
-}
-
-// Rows [m0, me) in equal passes of at most `most` rows: this pass's rows.
-inline int64_t pass_rows(int64_t left, int64_t most) {
-  const int64_t passes = (left + most - 1) / most;
-  return (left + passes - 1) / passes;
-}
-
-// linear_blocks<F32> with the blocks taken in pairs (a last odd one alone).
-void linear_f32_pairs(const LinearArgs& a, int64_t lo, int64_t hi) {
-  constexpr int R = V::kMaxRows;
-  static constexpr auto single = rows_fns<F32>(std::make_integer_sequence<int, R>{});
-  static constexpr auto pair = pair_fns(std::make_integer_sequence<int, kPairRows>{});
-  const int64_t fit = a.k > 0 ? kMBlockBytes / (4 * a.k) / R * R : R;
-  const int64_t mc = fit > R ? fit : R;
-  for (int64_t mb = 0; mb < a.m; mb += mc) {
-    const int64_t me = mb + mc < a.m ? mb + mc : a.m;
-    for (int64_t nb = lo; nb < hi; nb += 2) {
-      const bool two = nb + 1 < hi;
-      for (int64_t k0 = 0; k0 < a.k; k0 += kChunkKF32) {
-        const int64_t k1 = k0 + kChunkKF32 < a.k ? k0 + kChunkKF32 : a.k;
-        for (int64_t m0 = mb; m0 < me;) {
-          const int64_t rows = pass_rows(me - m0, two ? kPairRows : R);
-          if (two) pair[rows - 1](a, nb, m0, k0, k1);
-          else single[rows - 1](a, nb, m0, k0, k1);
-          m0 += rows;
-        }
-      }
-    }
-  }
-}
-
-constexpr conveyor_linear::LinearFn kF32 = &linear_f32_pairs;
+constexpr conveyor_linear::LinearFn kF32 = &linear_blocks<F32>;
 constexpr conveyor_linear::LinearFn kBf16Wide = &linear_blocks<Bf16Wide>;
 constexpr conveyor_linear::LinearFn kI8 = &linear_blocks<I8>;
 const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr, kI8};
@@ -154,6 +87,7 @@ template <int MB>
 struct Bf16Dot {
   static constexpr RowsFn fn = &bf16_dot_rows<MB>;
   static constexpr int kRows = V::kMaxRows;
+  static constexpr int kPairRows = 0;
   static constexpr int64_t kChunk = kChunkK;
 };
 }  // namespace dot

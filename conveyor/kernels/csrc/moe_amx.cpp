@@ -37,27 +37,23 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tile 0: A (16 rows x 32 bf16); 1-4: C (16 rows x 16 fp32); 5, 6: B (16 pairs x 16 columns).
-void configure(int rows) {
+// Tile 0: A (16 rows x 32 bf16); 1-4: C (16 rows x 16 fp32); 5, 6: B (16 pairs
+// x 16 columns): every tile 16 rows of 64 bytes.
+void configure() {
   TileConfig c{};
   c.palette_id = 1;
   for (int t = 0; t <= 6; ++t) {
     c.colsb[t] = 64;
-    c.rows[t] = static_cast<uint8_t>(rows);
+    c.rows[t] = 16;
   }
   _tile_loadconfig(&c);
 }
 
-// C tile t's rows, rounded to bf16 (round_bf16's rule, 16 lanes at once), into yb.
+#include "bf16_avx512.inc"
+
+// A C tile's first `rows` rows, rounded to bf16, into yb (row stride ld).
 inline void store_rows(const float* c, int rows, uint16_t* yb, int64_t ld) {
-  for (int i = 0; i < rows; ++i) {
-    const __m512 r = _mm512_loadu_ps(c + i * kBlockN);
-    const __m512i u = _mm512_castps_si512(r);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    b = _mm512_mask_mov_epi32(b, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(yb + i * ld), _mm512_cvtepi32_epi16(b));
-  }
+  for (int i = 0; i < rows; ++i) store_bf16x16(yb + i * ld, _mm512_loadu_ps(c + i * kBlockN));
 }
 
 // Four column blocks nb..nb+3 of one 16-row slice over all of k.
@@ -107,7 +103,7 @@ void one_block(const LinearArgs& a, const char* xa, int64_t xstride, int64_t nb,
 // 4 x kp x 32 bytes, stay in L2 across the slices).
 void amx_bf16(const LinearArgs& a, int64_t lo, int64_t hi) {
   const int64_t xstride = a.xm * 4;  // bytes between rows (xm counts uint32 pairs)
-  configure(16);
+  configure();
   for (int64_t nb = lo; nb < hi;) {
     const bool four = nb + 4 <= hi;
     for (int64_t m0 = 0; m0 < a.m; m0 += 16) {
