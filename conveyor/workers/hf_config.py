@@ -56,6 +56,23 @@ _ALIASES: dict[str, tuple[str, str]] = {"mixtral": ("num_local_experts", "num_ex
                                         "qwen3_moe": ("num_local_experts", "num_experts")}
 # Families whose config keeps sliding_window only when use_sliding_window is set.
 _WINDOW_SWITCHED = frozenset({"qwen2", "qwen3", "qwen2_moe", "qwen3_moe"})
+# Vision-language families: model_type -> (defaults of their own keys, default
+# text model_type). Their text_config's keys are lifted to the top (the decoder
+# reads them as any text model's); the top level's own keys win.
+_NESTED: dict[str, tuple[dict[str, Any], str]] = {
+    "llava": ({"image_token_index": 32000, "projector_hidden_act": "gelu",
+               "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
+               "multimodal_projector_bias": True, "image_seq_length": 576}, "llama"),
+}
+
+
+def _lift_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    own, text_type = _NESTED[str(raw.get("model_type"))]
+    text = dict(raw.get("text_config") or {})
+    text_type = str(text.get("model_type", text_type))
+    top = {k: v for k, v in raw.items() if k != "text_config"}
+    return {**_COMMON, **_FAMILIES.get(text_type, {}), **text, **own, **top,
+            "text_model_type": text_type}
 
 
 class HFConfig:
@@ -64,7 +81,9 @@ class HFConfig:
     behaves as it does on a transformers config."""
 
     def __init__(self, raw: dict[str, Any]) -> None:
-        model_type = str(raw.get("model_type"))
+        if raw.get("model_type") in _NESTED:
+            raw = _lift_text_config(raw)
+        model_type = str(raw.get("text_model_type", raw.get("model_type")))
         # Another family gets the shared defaults only: the model registry
         # (conveyor.workers.models.get_model_class) refuses its architecture anyway.
         values = {**_COMMON, **_FAMILIES.get(model_type, {}), **raw}

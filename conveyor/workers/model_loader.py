@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _INDEX = "model.safetensors.index.json"
-_SKIP_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_SKIP_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached",
+                  "embeddings.position_ids")
 
 
 def load_hf_config(model_dir: str) -> HFConfig:
@@ -147,10 +148,13 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     tied = bool(getattr(model, "tie_word_embeddings", False))
     experts = getattr(model, "expert_checkpoint_names", {})
     tracker, unexpected = _LoadTracker(model), []
+    # A family whose checkpoints name modules under other prefixes (LLaVA's
+    # "language_model.model." is our "model.") lists (theirs, ours) pairs.
+    prefixes = getattr(model, "checkpoint_prefixes", ())
     for name, weight in iterate_checkpoint(model_dir):
         if name.endswith(_SKIP_SUFFIXES):
             continue  # buffers some checkpoints carry, not parameters
-        for target in _targets(name, params, tied):
+        for target in _targets(_renamed(name, prefixes), params, tied):
             if target.startswith(missing_prefixes):
                 continue  # owned by another PP stage
             ours, shard_id = _map_name(target, mapping, experts)
@@ -166,6 +170,13 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} parameter(s): "
                          + ", ".join(missing))
+
+
+def _renamed(name: str, prefixes: tuple[tuple[str, str], ...]) -> str:
+    for theirs, ours in prefixes:
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return name
 
 
 def _load_one(param: nn.Parameter, weight: WeightLike, shard_id: Any,

@@ -154,10 +154,13 @@ class LlamaModel(nn.Module):
                                 if self.is_last else PPMissingLayer())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        """inputs_embeds (first stage): used instead of embedding input_ids
+        (a vision-language model has put image features in them)."""
         if self.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
         else:
             if intermediate_tensors is None:
                 raise ValueError("a non-first PP stage needs intermediate_tensors")
@@ -209,11 +212,11 @@ class LlamaForCausalLM(nn.Module):
         return LayerSpec(self.attention_cls, lambda config, i, dtype: LlamaMLP(config, dtype))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                intermediate_tensors: IntermediateTensors | None = None
-                ) -> torch.Tensor | IntermediateTensors:
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         """input_ids/positions [T] -> final hidden states [T, hidden] on the
         last PP stage, IntermediateTensors elsewhere."""
-        return self.model(input_ids, positions, intermediate_tensors)
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 [N, vocab_size] (last PP stage, every TP rank)."""
