@@ -97,6 +97,8 @@ class EngineCore:
     def _hook_kv_events(self) -> None:
         if self.kv_events is not None:
             self.scheduler.kv_cache_manager.block_pool.events = self.kv_events
+            if self.scheduler.connector is not None:
+                self.scheduler.connector.attach_events(self.kv_events)
 
     def _kv_load(self) -> EngineLoad:
         s = self.scheduler

@@ -81,6 +81,10 @@ class KVConnectorScheduler(ABC):
         """The prefix cache was reset (or the worker group, and with it the host tier, lost)."""
         return None  # optional hook: nothing to do by default
 
+    def attach_events(self, events: Any) -> None:
+        """The data-parallel router's event publisher: report what the connector holds."""
+        return None  # optional hook: a connector that holds nothing reports nothing
+
     def take_stats(self) -> TierStats | None:
         return None
 

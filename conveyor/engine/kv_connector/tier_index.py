@@ -13,6 +13,7 @@ built), and `held`, per load in flight (released when the load finishes).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -29,6 +30,9 @@ class TierIndex:
         self._free_slots = list(range(self.capacity - 1, -1, -1))
         self.pinned: set[bytes] = set()
         self.held: Counter[bytes] = Counter()
+        # Told of every key that enters or leaves (the router's view of the tiers).
+        self.on_add: Callable[[bytes], None] | None = None
+        self.on_remove: Callable[[bytes], None] | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -61,6 +65,8 @@ class TierIndex:
             evicted, evicted_slot = victim, self.remove(victim)
         slot = self._free_slots.pop()
         self.entries[key] = Entry(slot, ready)
+        if self.on_add is not None:
+            self.on_add(key)
         return slot, evicted, evicted_slot
 
     def remove(self, key: bytes) -> int:
@@ -71,9 +77,14 @@ class TierIndex:
         self.pinned.discard(key)
         self.held.pop(key, None)
         self._free_slots.append(e.slot)
+        if self.on_remove is not None:
+            self.on_remove(key)
         return e.slot
 
     def clear(self) -> None:
+        if self.on_remove is not None:
+            for key in self.entries:
+                self.on_remove(key)
         self.entries.clear()
         self.pinned.clear()
         self.held.clear()

@@ -10,8 +10,9 @@ This side owns the index of both tiers; the worker side
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from conveyor.engine.core.request import Request
 from conveyor.engine.kv_connector import disk_format
@@ -27,6 +28,14 @@ from conveyor.engine.kv_connector.metadata import (
 )
 from conveyor.engine.kv_connector.spec import TierSpec
 from conveyor.engine.kv_connector.tier_index import TierIndex
+
+
+class TierEvents(Protocol):
+    """Where the tiers' keys are reported (conveyor/engine/dp/router/events.py's publisher)."""
+
+    def attach_tiers(self, tier_keys: Callable[[], list[bytes]]) -> None: ...
+    def tier_stored(self, block_hash: bytes) -> None: ...
+    def tier_removed(self, block_hash: bytes) -> None: ...
 
 
 @dataclass
@@ -49,9 +58,31 @@ class TierConnectorScheduler(KVConnectorScheduler):
         # Requests whose tier load was given up: they recompute, never retry a tier.
         self._no_tier: set[str] = set()
         self._stats = TierStats()
+        self.events: TierEvents | None = None
+        for index, other in ((self.cpu, self.disk), (self.disk, self.cpu)):
+            index.on_add = lambda key, other=other: self._tier_changed(key, other, True)
+            index.on_remove = lambda key, other=other: self._tier_changed(key, other, False)
         if spec.disk_folder is not None:
             for key in disk_format.scan(spec.disk_folder):  # a restart finds what was written
                 self._disk_insert(key, ready=True)
+
+    # ---- the router's view -----------------------------------------------------------
+
+    def attach_events(self, events: TierEvents) -> None:
+        self.events = events
+        events.attach_tiers(self.tier_keys)
+
+    def tier_keys(self) -> list[bytes]:
+        return list(dict.fromkeys([*self.cpu.entries, *self.disk.entries]))
+
+    def _tier_changed(self, key: bytes, other: TierIndex, added: bool) -> None:
+        """A key is in the tiers while either index holds it."""
+        if self.events is None or key in other:
+            return
+        if added:
+            self.events.tier_stored(key)
+        else:
+            self.events.tier_removed(key)
 
     # ---- lookups and loads ---------------------------------------------------------
 

@@ -195,3 +195,32 @@ def test_layerwise_hooks_wrap_every_attention_layer(tiny_llama, tier_off):
     assert list(out.outputs[0].token_ids) == tier_off[0][0]
     per_forward = [(k, i) for i in range(len(runner.kv_caches)) for k in ("load", "save")]
     assert conn.calls == per_forward * SP.max_tokens  # one prefill step + one per later token
+
+
+def test_router_follows_prefixes_into_the_tiers(tiny_llama, tier_off):
+    """Two engines behind the kv_aware router, pools too small to keep a
+    session's history: the tiers' keys reach the router, so every later turn
+    goes where its prefix is (a cache hit, the same engine as the turn before)
+    and reuses it; the tokens stay the tier-off run's."""
+    picks: list[list[int]] = [[] for _ in range(SESSIONS)]
+    reasons: list[str] = []
+
+    def spy(llm: LLM, turn: int) -> None:
+        router = llm.engine.client.router  # type: ignore[attr-defined]
+        if getattr(router, "_spied", False):
+            return
+        route = router.route
+
+        def recorded(request_id, hashes, *a, **kw):  # type: ignore[no-untyped-def]
+            d = route(request_id, hashes, *a, **kw)
+            picks[len(reasons) % SESSIONS].append(d.engine)
+            reasons.append(d.reason)
+            return d
+
+        router.route, router._spied = recorded, True
+
+    outs, cached, m = _run(tiny_llama, before_turn=spy, data_parallel_size=2, offload_cpu_gb=0.001)
+    assert outs == tier_off[0]
+    assert all(r == "cache_hit" for r in reasons[SESSIONS:]), reasons
+    assert all(len(set(p)) == 1 for p in picks), picks
+    assert sum(cached) > sum(tier_off[1])

@@ -135,6 +135,15 @@ class PrefixIndex:
             _set_bits(out, alive, len(hashes))
         return out
 
+    def run_from(self, hashes: list[bytes], e: int, start: int) -> int:
+        """How many blocks of `hashes` from `start` on engine e holds, in a row."""
+        bit, owners, n = 1 << e, self.owners, 0
+        for h in hashes[start:]:
+            if not owners.get(h, 0) & bit:
+                break
+            n += 1
+        return n
+
     def num_entries(self) -> int:
         return sum(len(st.held) for st in self.engines.values())
 
