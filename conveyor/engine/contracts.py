@@ -17,6 +17,7 @@ from conveyor.engine.kv_connector.metadata import KVConnectorMetadata, KVConnect
 # SamplingFields, not SamplingParams: decoding a message trusts the checks
 # that ran once at the edge (see conveyor/engine/sampling_params.py).
 from conveyor.engine.lora import LoRARequest
+from conveyor.engine.multimodal.features import MultiModalFeature
 from conveyor.engine.sampling_params import SamplingFields
 
 
@@ -83,6 +84,8 @@ class EngineCoreRequest(RequestFields, kw_only=True, array_like=True, gc=False):
     # The session the data-parallel router keeps on one engine (x-session-id /
     # `user`); a single engine ignores it.
     session: str | None = None
+    # Images, in prompt order, each with its placeholder range (multimodal/features.py).
+    mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -97,6 +100,7 @@ class NewRequestData(msgspec.Struct, array_like=True, gc=False):
     # relearns a request that was in flight when a rank died.
     output_token_ids: list[int] = msgspec.field(default_factory=list)
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -133,6 +137,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     scheduled_spec_decode_tokens: dict[str, list[int]] = msgspec.field(default_factory=dict)
     # KV connector work for this step's start (conveyor/engine/kv_connector/metadata.py).
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # The encoder stage: per request, the indices of its mm_features whose
+    # encoder output the workers compute this step (before the forward), and
+    # the images whose cached outputs they drop (before computing any).
+    scheduled_encoder_inputs: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    free_encoder_mm_hashes: list[str] = msgspec.field(default_factory=list)
 
 
 class GrammarOutput(msgspec.Struct, array_like=True, gc=False):
@@ -273,6 +282,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     kv_transfer_bytes: int = 0
     kv_transfer_failures: int = 0
     kv_tier_blocks: dict[str, int] = msgspec.field(default_factory=dict)
+    # Images whose encoder output was found cached (not recomputed) since the last stats.
+    encoder_cache_hits: int = 0
 
 
 class ResumeCall(msgspec.Struct, array_like=True, gc=False):

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from conveyor.engine.lora import LoRARequest
+from conveyor.engine.multimodal.features import MultiModalFeature
 from conveyor.engine.sampling_params import SamplingFields
 
 
@@ -27,6 +28,7 @@ class CachedRequestState:
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_id: int | None = None
     lora_request: LoRARequest | None = None
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,7 @@ from conveyor.workers.kv_connector.base import KVConnectorWorker
 from conveyor.workers.layers.attention import find_attention_layers
 from conveyor.workers.layers.moe import FusedMoE, take_routed_tokens
 from conveyor.workers.lora.mapping import set_lora_mapping
+from conveyor.workers.mm_encoder import EncoderRunner
 from conveyor.workers.prompt_logprobs import compute_prompt_logprobs
 from conveyor.workers.rejection_sampler import SpecLayout, sample_with_drafts
 from conveyor.workers.sampler import Sampler, SamplingMetadata
@@ -92,6 +93,9 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         # KV beyond the pool (conveyor/workers/kv_connector/), set after warm-up.
         self.kv_connector: KVConnectorWorker | None = None
+        # The encoder stage of a vision-language model (its first PP stage embeds).
+        self.mm = (EncoderRunner(model, device)
+                   if getattr(model, "supports_images", False) and is_first_stage else None)
 
     # ---- KV cache ------------------------------------------------------------
 
@@ -194,6 +198,8 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        if self.mm is not None:  # evictions apply before this step's images are encoded
+            self.mm.free(so.free_encoder_mm_hashes)
         for rid in sorted(so.finished_req_ids):
             self.requests.pop(rid, None)
             self._prompt_logprobs_reqs.discard(rid)
@@ -239,7 +245,7 @@ class ModelRunner:
             gen.manual_seed(sp.seed)
         st = CachedRequestState(nr.req_id, list(nr.prompt_token_ids), sp, gen, list(nr.block_ids),
                                 nr.num_computed_tokens, list(nr.output_token_ids), nr.eos_token_id,
-                                nr.lora_request)
+                                nr.lora_request, list(nr.mm_features))
         self.requests[nr.req_id] = st
         if sp.prompt_logprobs is not None:
             self._prompt_logprobs_reqs.add(nr.req_id)
@@ -300,14 +306,16 @@ class ModelRunner:
         # Graphs are refused under PP, so only a last stage replays one.
         # A layerwise KV connector's hooks are not in the captured graphs: eager then.
         layerwise = self.kv_connector is not None and self.kv_connector.layerwise
-        out = self._graph_step(p, so) if self.graphs is not None and self.lora is None and not layerwise else None
+        embeds = self._mm_embeds(so, p, num_sched, req_ids) if self.mm is not None else None
+        out = (self._graph_step(p, so) if self.graphs is not None and self.lora is None and not layerwise
+               and embeds is None else None)
         if out is None:
             meta = self._attn_metadata(p)
             input_ids = torch.from_numpy(p.input_ids).to(self.device)
             positions = torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
             conn = self.kv_connector if layerwise else None
             with set_forward_context(meta, self.attn_backend, conn), set_lora_mapping(lora_mapping):
-                hidden = self.model(input_ids, positions, intermediate_tensors)
+                hidden = self.model(input_ids, positions, intermediate_tensors, embeds)
             if not self.is_last_stage:
                 return hidden  # the IntermediateTensors to send
             out = hidden
@@ -328,6 +336,16 @@ class ModelRunner:
                                           batch.num_computed_tokens[rows], num_sched, p.query_start_loc)
         self._pending = _PendingSample(logits, req_ids, samples, spec, plp)
         return None
+
+    def _mm_embeds(self, so: SchedulerOutput, p: PreparedInputs, num_sched: np.ndarray,
+                   req_ids: list[str]) -> torch.Tensor | None:
+        """Input embeddings with the step's image rows in place (encoding the
+        scheduled images first); None when no image token is in the step."""
+        assert self.mm is not None
+        rows = np.arange(len(req_ids))
+        input_ids = torch.from_numpy(p.input_ids).to(self.device)
+        return self.mm.inputs_embeds(so, self.requests, req_ids, self.input_batch.num_computed_tokens[rows],
+                                     num_sched, p.query_start_loc, input_ids)
 
     def _graph_step(self, p: PreparedInputs, so: SchedulerOutput) -> torch.Tensor | None:
         """Replay a captured graph for a decode-only step (one token per row,

@@ -130,6 +130,10 @@ class SchedulerConfig(msgspec.Struct, **_FROZEN):
     async_scheduling: Annotated[str | bool, knob(
         "auto, on or off (or true/false)", lambda v: v in ("auto", "on", "off", True, False),
         kwarg=True, flag=True, help="auto | on | off: plan the next step while one runs")] = "auto"
+    # The encoder stage: image encoder output rows computed in one step
+    # (conveyor/engine/multimodal/encoder_cache.py). One image never exceeds it
+    # (the frontend refuses a larger one).
+    max_num_encoder_input_tokens: Annotated[int, int_in(1, 1 << 20, kwarg=True)] = 8192
 
 
 class CacheConfig(msgspec.Struct, **_FROZEN):
@@ -284,6 +288,22 @@ class LoRAConfig(msgspec.Struct, **_FROZEN):
         msgspec.field(default_factory=dict)
 
 
+class MultimodalConfig(msgspec.Struct, **_FROZEN):
+    """Image inputs (docs/multimodal.md): at most limit_per_prompt images per
+    prompt, each of at most max_image_pixels pixels (checked on the file's
+    header, before decoding); http(s) image URLs only from
+    allowed_media_domains (exact hosts, or ".example.com" for its
+    subdomains; empty: data: URLs only). The workers keep encoder outputs of
+    up to encoder_cache_tokens rows (an image's rows never exceed it)."""
+    limit_per_prompt: Annotated[int, int_in(0, 256, kwarg=True, flag=True,
+                                            help="images per prompt")] = 4
+    max_image_pixels: Annotated[int, int_in(1, 1 << 31, kwarg=True)] = 16_777_216
+    encoder_cache_tokens: Annotated[int, int_in(1, 1 << 24, kwarg=True)] = 16384
+    allowed_media_domains: Annotated[list[str], knob(
+        "a list of host names", lambda v: all(isinstance(d, str) and d.strip(".") for d in v),
+        kwarg=True)] = msgspec.field(default_factory=list)
+
+
 class EngineConfig(msgspec.Struct, **_FROZEN):
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
@@ -293,6 +313,7 @@ class EngineConfig(msgspec.Struct, **_FROZEN):
     structured_outputs: StructuredOutputsConfig = msgspec.field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
     lora: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
+    multimodal: MultimodalConfig = msgspec.field(default_factory=MultimodalConfig)
 
     @property
     def max_model_len(self) -> int:

@@ -7,6 +7,7 @@ import msgspec
 
 from conveyor.engine.contracts import EngineCoreRequest, FinishReason, PromptLogprobs, RequestFields, RequestStatus
 from conveyor.engine.lora import LoRARequest
+from conveyor.engine.multimodal.features import MultiModalFeature
 from conveyor.engine.sampling_params import resolved_max_tokens
 
 
@@ -37,6 +38,8 @@ class Request(RequestFields, kw_only=True, gc=False):
     # produced so far (positions 1..), sent whole with the first token. While
     # set, the prefix cache is not read (a cached position has no logits).
     prompt_logprobs: PromptLogprobs | None = None
+    # Images in prompt order (placeholder ranges sorted, disjoint).
+    mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -52,7 +55,7 @@ class Request(RequestFields, kw_only=True, gc=False):
                    priority=req.priority, cache_salt=req.cache_salt, max_tokens=max_tokens,
                    all_token_ids=prompt + outputs, output_token_ids=outputs,
                    lora_request=req.lora_request,
-                   prompt_logprobs=plp)
+                   prompt_logprobs=plp, mm_features=list(req.mm_features))
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,7 @@ from conveyor.engine.core.stopping import check_stop, grammar_done
 from conveyor.engine.kv_cache import BlockHasher, KVCacheBlock, KVCacheManager
 from conveyor.engine.kv_connector.base import KVConnectorScheduler
 from conveyor.engine.lora import lora_stats
+from conveyor.engine.multimodal.encoder_cache import EncoderCacheManager
 from conveyor.engine.spec_decode.scheduling import SpecDecodeScheduling
 from conveyor.engine.structured_output.manager import StructuredOutputManager
 
@@ -43,7 +44,6 @@ _RUNNING = RequestStatus.RUNNING
 _WAITING = RequestStatus.WAITING
 _WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
 _WAITING_FOR_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
-
 
 
 class Scheduler:
@@ -90,6 +90,8 @@ class Scheduler:
                           if connector is not None else None)
         self.kv_reused: Counter[str] = Counter()  # tokens reused per source since the last stats
         self._hook_connector()
+        self.encoder = EncoderCacheManager(config.multimodal.encoder_cache_tokens,
+                                           sc.max_num_encoder_input_tokens)
 
     def _hook_connector(self) -> None:
         if self.connector is not None:  # evicted blocks move down instead of vanishing
@@ -139,6 +141,7 @@ class Scheduler:
             # before any reuse: blocks are never held past the request.
             assert not delay, "delayed frees are not supported"
         kv.free(request)
+        self.encoder.free(request)
         if self.spec is not None:
             self.spec.drop(request.request_id)
         self.finished_req_ids.add(request.request_id)
@@ -175,6 +178,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(num_blocks, cc.block_size, self.max_model_len,
                                                cc.enable_prefix_caching)
         self._hook_connector()
+        self.encoder = EncoderCacheManager(self.encoder.cache_size, self.encoder.compute_budget)
         self.finished_req_ids = set()
         for r in requests:
             r.num_computed_tokens = r.num_output_placeholders = 0  # in-flight steps died
@@ -185,7 +189,7 @@ class Scheduler:
     # ---- schedule --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        plan = StepPlan(token_budget=self.max_num_batched_tokens)
+        plan = StepPlan(token_budget=self.max_num_batched_tokens, encoder_budget=self.encoder.compute_budget)
         if self.remote_kv is not None:  # parked past the deadline: recompute instead
             for r in reversed(self.remote_kv.expire(self.kv_cache_manager)):
                 self.waiting.prepend(r)
@@ -221,8 +225,10 @@ class Scheduler:
                 continue
             if chunked:
                 num_new = self._chunk(num_new, alone)
-            if num_new > budget:
-                num_new = budget
+            num_new = self.encoder.fit(request, request.num_computed_tokens, min(num_new, budget), plan)
+            if num_new == 0:
+                i += 1  # an image it reaches does not fit the encoder budget or cache this step
+                continue
             new_blocks = allocate(request, num_new)
             while new_blocks is None:
                 plan.token_budget = budget
@@ -236,6 +242,7 @@ class Scheduler:
             if new_blocks is None:
                 break
             rid = request.request_id
+            self.encoder.commit(request, plan)
             scheduled.append(request)
             new_block_ids[rid] = [b.block_id for b in new_blocks] if new_blocks else None
             num_scheduled[rid] = num_new
@@ -266,6 +273,8 @@ class Scheduler:
         if self.connector is not None:
             self.connector.request_reset(victim.request_id)
         self.kv_cache_manager.free(victim)
+        self.encoder.free(victim)
+        plan.encoder_pending.pop(victim.request_id, None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -327,12 +336,15 @@ class Scheduler:
             num_new = self._chunk(request.num_tokens - num_computed, alone)
             if not self.enable_chunked_prefill and num_new > plan.token_budget:
                 break  # no overtaking: later, shorter prompts wait too
-            num_new = min(num_new, plan.token_budget)
-            if kv.allocate_slots(request, num_new, num_computed, hit_blocks) is None:
-                if self.remote_kv is not None and spill_held(self.waiting, kv):
+            num_new = self.encoder.fit(request, num_computed, min(num_new, plan.token_budget), plan)
+            if num_new == 0 or kv.allocate_slots(request, num_new, num_computed, hit_blocks) is None:
+                self.encoder.free(request)
+                plan.encoder_pending.pop(request.request_id, None)
+                if num_new and self.remote_kv is not None and spill_held(self.waiting, kv):
                     continue  # waiting requests' loaded blocks went back to the cache: look again
                 break
             self.waiting.pop()
+            self.encoder.commit(request, plan)
             self.running.append(request)
             (plan.new if request.status == _WAITING else plan.resumed).append(request)
             plan.new_block_ids[request.request_id] = kv.get_block_ids(request.request_id)
@@ -370,7 +382,8 @@ class Scheduler:
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         meta = self.connector.build_connector_meta() if self.connector is not None else None
         return make_output(plan, OutputExtras(self.max_num_batched_tokens - plan.token_budget,
-                                              self.finished_req_ids, self.send_new_token_ids, meta))
+                                              self.finished_req_ids, self.send_new_token_ids, meta,
+                                              self.encoder.take_freed()))
 
     def get_grammar_bitmask(self, so: SchedulerOutput) -> GrammarOutput | None:
         return grammar_bitmask(so, self.requests, self.structured_output_manager)
@@ -406,6 +419,8 @@ class Scheduler:
                 self.spec.verify(request, drafts, len(new_tokens or ()))
             if mro.prompt_logprobs is not None:
                 request.add_prompt_logprobs(mro.prompt_logprobs.get(rid))
+            if request.mm_features:
+                self.encoder.release_passed(request)
             if not new_tokens:
                 continue  # a partial prefill chunk samples nothing
             if request.num_output_placeholders:
@@ -473,6 +488,7 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
             num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
             recovery=self.recovery_stats, moe_routed_tokens=self._take_expert_tokens(),
+            encoder_cache_hits=self.encoder.take_hits(),
             **kv_stats(self.connector, self.remote_kv, self.kv_reused),
             **(lora_stats(self.max_loras, self.running, self.waiting) if self.max_loras else {}),
             **structured_stats(self.structured_output_manager), **(self.spec.take_stats() if self.spec is not None else {}))

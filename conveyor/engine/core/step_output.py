@@ -26,6 +26,12 @@ class StepPlan:
     new_block_ids: dict[str, list[int] | None] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The encoder stage (conveyor/engine/multimodal/encoder_cache.py): rows the
+    # step may still encode, images chosen for requests whose KV is not yet
+    # allocated, and the images computed this step per request.
+    encoder_budget: int = 0
+    encoder_pending: dict[str, list[int]] = field(default_factory=dict)
+    encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -35,6 +41,7 @@ class OutputExtras:
     finished_req_ids: set[str]
     send_new_token_ids: bool  # PP > 1: non-last stages never see sampled tokens
     kv_connector_metadata: KVConnectorMetadata | None = None
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
 
 def make_output(plan: StepPlan, extras: OutputExtras) -> SchedulerOutput:
@@ -44,7 +51,7 @@ def make_output(plan: StepPlan, extras: OutputExtras) -> SchedulerOutput:
         assert block_ids is not None  # a new request is sent its whole block list
         new_reqs.append(NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params, block_ids,
                                        r.num_computed_tokens, r.eos_token_id, list(r.output_token_ids),
-                                       r.lora_request))
+                                       r.lora_request, r.mm_features))
     cached = CachedRequestData()
     send_tokens = extras.send_new_token_ids
     for r in (*plan.running, *plan.resumed):
@@ -65,7 +72,9 @@ def make_output(plan: StepPlan, extras: OutputExtras) -> SchedulerOutput:
         finished_req_ids=extras.finished_req_ids,
         has_structured_output=_any_structured_sample(plan),
         scheduled_spec_decode_tokens=plan.spec_tokens,
-        kv_connector_metadata=extras.kv_connector_metadata)
+        kv_connector_metadata=extras.kv_connector_metadata,
+        scheduled_encoder_inputs=plan.encoder_inputs,
+        free_encoder_mm_hashes=extras.free_encoder_mm_hashes)
 
 
 def _any_structured_sample(plan: StepPlan) -> bool:

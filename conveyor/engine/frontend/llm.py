@@ -181,14 +181,15 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]  # one prompt of token ids
     for p in items:
-        if not isinstance(p, (str, list)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+        if not isinstance(p, (str, list, dict)):
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict "
+                             f"(prompt, multi_modal_data), got {type(p).__name__}")
     return items
 
 

@@ -15,12 +15,16 @@ from conveyor.engine.errors import ParamError
 from conveyor.engine.frontend.json_limits import utf8_problem
 from conveyor.engine.frontend.tokenizer import Tokenizer, eos_of_model_dir, load_tokenizer
 from conveyor.engine.lora import LoRARequest, ModelDims, check_adapter
+from conveyor.engine.multimodal.features import MultiModalFeature
+from conveyor.engine.multimodal.inputs import ImageInputs, MultiModalInputError, split_prompt
 from conveyor.engine.sampling_params import SamplingFields, child_seed, resolved_max_tokens
 from conveyor.engine.structured_output.backend import StructuredOutputBackend
 from conveyor.engine.structured_output.params import StructuredOutputsParams
 from conveyor.engine.structured_output.registry import make_backend
 
-Prompt = str | list[int]
+# A dict: {"prompt": str} or {"prompt_token_ids": [...]}, with optional
+# "multi_modal_data": {"image": image or [images]} (multimodal/inputs.py).
+Prompt = str | list[int] | dict
 _VALID_SPECS_CACHED = 256
 
 
@@ -94,6 +98,7 @@ class Frontend:
         self.loras = LoRARegistry(config) if config.lora.enable else None
         self._invalid_specs: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> the error
         self._specs_lock = threading.Lock()
+        self.images = ImageInputs.for_model(config)  # None: the model takes text only
 
     def prepare(self, prompt: Prompt, sp: SamplingFields, request_id: str,
                 priority: int = 0, id_suffix: str = "",
@@ -101,6 +106,7 @@ class Frontend:
         """Tokenize, check the engine's limits once, fan n out. `id_suffix`
         makes the children's engine ids unique per call (a client that reuses
         its request id never shares engine ids with the earlier request)."""
+        prompt, images = split_prompt(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model directory has no tokenizer.json: pass token ids")
@@ -110,6 +116,9 @@ class Frontend:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
+        features: list[MultiModalFeature] = []
+        if images:
+            ids, features = self._expand_images(ids, images)
         check_engine_limits(ids, sp, self.config, self.vocab_size)
         if sp.structured_outputs is not None:
             self.validate_structured_outputs(sp.structured_outputs)
@@ -127,9 +136,15 @@ class Frontend:
                                       sampling_params=sp.trusted_copy(n=1, seed=child_seed(sp.seed, k),
                                                                       **extra, **_child_only(k, sp)),
                                       eos_token_id=self.eos_token_id, arrival_time=now, priority=priority,
-                                      lora_request=lora_request)
+                                      lora_request=lora_request, mm_features=features)
                     for k in range(sp.n)]
         return PreparedRequest(request_id, text, ids, children)
+
+    def _expand_images(self, ids: list[int], images: list) -> tuple[list[int], list[MultiModalFeature]]:
+        if self.images is None:
+            raise MultiModalInputError(f"model {os.path.basename(self.config.model.path.rstrip('/'))!r} takes "
+                                       "text only: image inputs need a vision-language model")
+        return self.images.expand(ids, images)
 
     def validate_structured_outputs(self, params: StructuredOutputsParams) -> None:
         """Compile-check the constraint before anything is queued (ValueError).

@@ -3,7 +3,12 @@
 hash(block i) = sha256(msgpack((hash(block i-1), tokens of block i, extra keys))).
 The salt, and the LoRA adapter's id when there is one (two adapters never
 share KV), are mixed into block 0 only: every later block inherits them
-through the chain. Hashes are stable across processes and runs (no Python hash()).
+through the chain. A block that holds image placeholder tokens also mixes in
+those images' content hashes (mm_hash) with the offsets at which they start:
+two images behind the same text never share a block, and, through the
+chain, neither do the blocks after them; the same image at the same place
+does. A text-only block's hash is unchanged. Hashes are stable across
+processes and runs (no Python hash()).
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import hashlib
 import msgspec
 
 from conveyor.engine.core.request import Request
+from conveyor.engine.multimodal.features import MultiModalFeature, overlapping
 
 _enc = msgspec.msgpack.Encoder()
 
@@ -33,8 +39,16 @@ class BlockHasher:
         while start + bs <= len(tokens):
             parent = hashes[-1] if hashes else None
             extra = _first_block_extra(request) if start == 0 else None
+            if request.mm_features:
+                extra = mm_block_extra(extra, request.mm_features, start, start + bs)
             hashes.append(hash_block(parent, tokens[start:start + bs], extra))
             start += bs
+
+
+def mm_block_extra(extra: object, features: list[MultiModalFeature], start: int, end: int) -> object:
+    """A block's extra key with the images whose placeholders meet [start, end)."""
+    images = [(f.mm_hash, f.offset) for f in overlapping(features, start, end)]
+    return extra if not images else (extra, "mm", images)
 
 
 def first_block_extra(cache_salt: str | None, lora_int_id: int | None) -> object:

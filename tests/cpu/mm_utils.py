@@ -1,0 +1,85 @@
+"""A tiny random LLaVA checkpoint with its tokenizer and image processor,
+built on the spot (never downloaded), and transformers' greedy reference
+through its own LlavaProcessor.
+
+The tokenizer is the tests' tiny BPE one plus "<image>" as a special token
+(id 512); the CLIP tower takes 30x30 images in 6x6 patches, so an image is
+25 placeholder tokens (the CLS position dropped: strategy "default")."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+from tokenizers import AddedToken
+
+IMAGE = "<image>"
+IMAGE_ID = 512
+IMAGE_TOKENS = 25
+PATCH = 6
+
+
+def make_tiny_llava(path: str, seed: int = 0) -> str:
+    from tiny_models import _randomize_defaults
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    from conveyor.cluster.demo.model import build_tiny_tokenizer, save_tokenizer
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=30, patch_size=PATCH, projection_dim=32, hidden_act="quick_gelu")
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=520, max_position_embeddings=1024,
+                       rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=3)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_ID,
+                         image_seq_length=IMAGE_TOKENS, projector_hidden_act="gelu")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():  # CLIP's init is tiny: widen so an image moves the logits
+        for name, p in model.named_parameters():
+            if "vision_tower" in name or "projector" in name:
+                if p.dim() > 1:
+                    p.copy_(0.2 * torch.randn_like(p))
+    _randomize_defaults(model)
+    model.save_pretrained(path)
+    tok = build_tiny_tokenizer(512)
+    tok.add_special_tokens([AddedToken(IMAGE, special=True, normalized=False)])
+    assert tok.token_to_id(IMAGE) == IMAGE_ID
+    save_tokenizer(tok, path)
+    CLIPImageProcessorPil(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}).save_pretrained(path)
+    return path
+
+
+def image(seed: int, size: tuple[int, int] = (40, 32)):
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return Image.fromarray((rng.rand(size[1], size[0], 3) * 255).astype(np.uint8))
+
+
+@lru_cache(maxsize=2)
+def hf_llava(path: str):
+    from transformers import AutoTokenizer, CLIPImageProcessorPil, LlavaForConditionalGeneration, LlavaProcessor
+
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    proc = LlavaProcessor(image_processor=CLIPImageProcessorPil.from_pretrained(path),
+                          tokenizer=AutoTokenizer.from_pretrained(path), patch_size=PATCH,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    return model, proc
+
+
+def hf_generate(path: str, prompt: str, images: list, max_new_tokens: int) -> tuple[list[int], list[set[int]]]:
+    """transformers' greedy tokens (EOS ignored) and its top-5 ids at each."""
+    model, proc = hf_llava(path)
+    inputs = proc(text=prompt, images=images or None, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=3, output_scores=True, return_dict_in_generate=True)
+    n = inputs["input_ids"].shape[1]
+    top5 = [set(s[0].topk(5).indices.tolist()) for s in out.scores]
+    return out.sequences[0, n:].tolist(), top5
