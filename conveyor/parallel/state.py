@@ -37,6 +37,9 @@ class ParallelState:
     pp_cpu_group: ProcessGroup
     # Global ranks of this rank's PP group, indexed by pp_rank.
     pp_ranks: list[int]
+    # gloo over every rank (the default group when the backend is gloo), for
+    # what all ranks must agree on each step (KV tier transfers).
+    world_cpu_group: ProcessGroup | None = None
 
 
 _STATE: ParallelState | None = None
@@ -99,11 +102,13 @@ def init_distributed(world_size: int, rank: int, tp_size: int, pp_size: int,
     pp_lists = [[p * tp_size + t for p in range(pp_size)] for t in range(tp_size)]
     tp_group, tp_cpu = _new_groups(tp_lists, rank, backend, timeout)
     pp_group, pp_cpu = _new_groups(pp_lists, rank, backend, timeout)
+    world_cpu = dist.group.WORLD if backend == "gloo" else dist.new_group(
+        list(range(world_size)), backend="gloo", timeout=timeout)
     _STATE = ParallelState(
         world_size=world_size, rank=rank, tp_size=tp_size, pp_size=pp_size,
         tp_rank=rank % tp_size, pp_rank=rank // tp_size, backend=backend,
         tp_group=tp_group, pp_group=pp_group, tp_cpu_group=tp_cpu,
-        pp_cpu_group=pp_cpu, pp_ranks=pp_lists[rank % tp_size])
+        pp_cpu_group=pp_cpu, pp_ranks=pp_lists[rank % tp_size], world_cpu_group=world_cpu)
     return _STATE
 
 
@@ -155,6 +160,10 @@ def is_last_pp_rank() -> bool:
 
 def get_pp_group() -> ProcessGroup:
     return _require().pp_group
+
+
+def get_world_cpu_group() -> ProcessGroup | None:
+    return _require().world_cpu_group
 
 
 def get_pp_cpu_group() -> ProcessGroup:

@@ -7,14 +7,17 @@ import os
 import tempfile
 from typing import Any
 
+import msgspec
 import torch
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import KVCacheInfo, ModelRunnerOutput, SchedulerOutput
+from conveyor.engine.kv_connector.metadata import KVConnectorOutput
 from conveyor.parallel import state as ps
 from conveyor.parallel.communication import IntermediateTensors, recv_tensor_dict, send_tensor_dict
 from conveyor.parallel.ports import free_port
 from conveyor.workers.kv_connector import make_worker_connector
+from conveyor.workers.kv_connector.rank_merge import RankMerge, gather_reports
 from conveyor.workers.model_loader import load_hf_config, load_model
 from conveyor.workers.model_runner import ModelRunner
 
@@ -58,6 +61,7 @@ class Worker:
         self.init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
         self.device = torch.device("cpu")
         self.model_runner: ModelRunner | None = None
+        self.kv_merge: RankMerge | None = None
 
     # ---- start-up ------------------------------------------------------------
 
@@ -133,7 +137,10 @@ class Worker:
         if runner.kv_connector is not None:
             runner.kv_connector.close()
         runner.kv_connector = make_worker_connector(self.config, self.kv_info(num_blocks),
-                                                    runner.kv_caches)
+                                                    runner.kv_caches, self.rank, self.config.world_size)
+        # Several ranks: each moves its shard; the engine hears one agreed report.
+        ws = self.config.world_size
+        self.kv_merge = RankMerge(ws) if runner.kv_connector is not None and ws > 1 else None
 
     def kv_info(self, num_blocks: int) -> KVCacheInfo:
         r = self._runner()
@@ -157,6 +164,8 @@ class Worker:
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         runner = self._runner()
+        if self.kv_merge is not None:
+            self.kv_merge.note(so.kv_connector_metadata)
         intermediate = None
         forward = so.total_num_scheduled_tokens > 0
         if forward and not ps.is_first_pp_rank():
@@ -165,13 +174,32 @@ class Worker:
         if isinstance(out, IntermediateTensors):
             send_tensor_dict(out, ps.pp_next_rank())
             return None
+        if out is not None and self.kv_merge is not None:  # a step with no forward: no sample_tokens
+            return self._with_merged_kv(out, out.kv_connector_output)
         return out
 
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput | None:
-        if not ps.is_last_pp_rank():
-            return None
-        out = self._runner().sample_tokens(grammar_output)
-        return out if ps.tp_rank() == 0 else None
+        runner = self._runner()
+        out = runner.sample_tokens(grammar_output) if ps.is_last_pp_rank() else None
+        if self.kv_merge is not None:
+            if out is not None:
+                mine = out.kv_connector_output
+            else:  # an earlier stage: its shard's transfers still count
+                conn = runner.kv_connector
+                assert conn is not None  # kv_merge exists only with a connector
+                conn.wait_for_save()
+                mine = conn.get_output()
+            out = self._with_merged_kv(out, mine)
+        return out if ps.is_last_pp_rank() and ps.tp_rank() == 0 else None
+
+    def _with_merged_kv(self, out: ModelRunnerOutput | None, mine: KVConnectorOutput | None
+                        ) -> ModelRunnerOutput | None:
+        """A collective over every rank, once per step: the engine's one KV
+        connector report (conveyor/workers/kv_connector/rank_merge.py)."""
+        assert self.kv_merge is not None  # the callers checked
+        reports = gather_reports(mine, ps.get_world_cpu_group(), self.config.world_size)
+        merged = self.kv_merge.merge(reports)
+        return None if out is None else msgspec.structs.replace(out, kv_connector_output=merged)
 
     def shutdown(self) -> None:
         if self.model_runner is not None and self.model_runner.kv_connector is not None:

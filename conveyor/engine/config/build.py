@@ -267,10 +267,6 @@ def _validate_kv_tiers(cfg: EngineConfig, source: str, over: dict[str, Any]) -> 
     if not cc.enable_prefix_caching:
         raise _fail(source, "cache.enable_prefix_caching", "true with a KV tier (tiers are keyed by "
                     "the prefix cache's block hashes)", cc.enable_prefix_caching, over)
-    if cfg.world_size > 1:
-        raise _fail(source, "cache.offload_cpu_gb" if cc.offload_cpu_gb else "cache.offload_disk_gb",
-                    "0 with tensor or pipeline parallelism (KV tiers run on one-rank engines for now)",
-                    cc.offload_cpu_gb or cc.offload_disk_gb, over)
 
 
 def _validate_scaling(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:

@@ -105,6 +105,21 @@ def read(folder: Path, key: bytes) -> bytes | None:
         return None
 
 
+def rank_folder(folder: Path, rank: int, world_size: int) -> Path:
+    """Where one rank keeps its shard of each block: the folder itself on a
+    one-rank engine, <folder>/rank<r> with several (same keys in each)."""
+    return folder if world_size == 1 else folder / f"rank{rank}"
+
+
+def scan_ranks(folder: Path, world_size: int) -> list[bytes]:
+    """Keys whose shard every rank wrote, least recently written first (by rank 0's files)."""
+    keys = scan(rank_folder(folder, 0, world_size))
+    for r in range(1, world_size):
+        held = set(scan(rank_folder(folder, r, world_size)))
+        keys = [k for k in keys if k in held]
+    return keys
+
+
 def scan(folder: Path) -> list[bytes]:
     """Keys stored in folder, least recently written first; leftover
     temporary files (a writer died mid-file) are removed."""

@@ -63,7 +63,8 @@ class TierConnectorScheduler(KVConnectorScheduler):
             index.on_add = lambda key, other=other: self._tier_changed(key, other, True)
             index.on_remove = lambda key, other=other: self._tier_changed(key, other, False)
         if spec.disk_folder is not None:
-            for key in disk_format.scan(spec.disk_folder):  # a restart finds what was written
+            # A restart finds what was written (every rank's shard of it).
+            for key in disk_format.scan_ranks(spec.disk_folder, spec.world_size):
                 self._disk_insert(key, ready=True)
 
     # ---- the router's view -----------------------------------------------------------

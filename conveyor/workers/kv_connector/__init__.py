@@ -12,14 +12,16 @@ from conveyor.engine.kv_connector.spec import tier_spec
 from conveyor.workers.kv_connector.base import KVConnectorWorker
 from conveyor.workers.kv_connector.tiers import TierConnectorWorker
 
-WorkerFactory = Callable[[EngineConfig, KVCacheInfo, list[torch.Tensor]], KVConnectorWorker]
+# (config, the output rank's KV layout, this rank's KV caches, this rank, world size)
+WorkerFactory = Callable[[EngineConfig, KVCacheInfo, list[torch.Tensor], int, int], KVConnectorWorker]
 
 WORKER_CONNECTORS: dict[str, WorkerFactory] = {
-    "tiers": lambda config, kv, caches: TierConnectorWorker(tier_spec(config, kv), caches),
+    "tiers": lambda config, kv, caches, rank, world: TierConnectorWorker(tier_spec(config, kv), caches,
+                                                                       rank, world),
 }
 
 
-def make_worker_connector(config: EngineConfig, kv: KVCacheInfo,
-                          kv_caches: list[torch.Tensor]) -> KVConnectorWorker | None:
+def make_worker_connector(config: EngineConfig, kv: KVCacheInfo, kv_caches: list[torch.Tensor],
+                          rank: int = 0, world_size: int = 1) -> KVConnectorWorker | None:
     name = connector_name(config)
-    return WORKER_CONNECTORS[name](config, kv, kv_caches) if name is not None else None
+    return WORKER_CONNECTORS[name](config, kv, kv_caches, rank, world_size) if name is not None else None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from conveyor.engine.kv_connector.disk_format import rank_folder
 from conveyor.engine.kv_connector.metadata import (
     TIER_CPU,
     BlockSave,
@@ -47,18 +48,26 @@ class _DiskLoad:
 
 
 class TierConnectorWorker(KVConnectorWorker):
-    def __init__(self, spec: TierSpec, kv_caches: list[torch.Tensor]) -> None:
+    """One rank's shard of every tier block: with several ranks (TP, PP) each
+    keeps its own host rows (same slots) and its own disk folder
+    (disk_format.rank_folder); conveyor/workers/kv_connector/rank_merge.py
+    folds the ranks' reports into the engine's."""
+
+    def __init__(self, spec: TierSpec, kv_caches: list[torch.Tensor], rank: int = 0,
+                 world_size: int = 1) -> None:
         self.spec = spec
         self.codec = BlockCodec(kv_caches)
-        if self.codec.bytes_per_block != spec.bytes_per_block:
+        if world_size == 1 and self.codec.bytes_per_block != spec.bytes_per_block:
             raise RuntimeError(f"KV tiers: a block is {self.codec.bytes_per_block} bytes here, "
                                f"{spec.bytes_per_block} in the engine's KVCacheInfo")
+        nbytes = self.codec.bytes_per_block  # this rank's shard (PP stages differ)
         pin = bool(kv_caches) and kv_caches[0].is_cuda
         self.host = self.codec.new_rows(spec.cpu_blocks, pin) if spec.cpu_blocks else None
         self.slot_key: list[bytes | None] = [None] * spec.cpu_blocks
         self.slot_crc = [0] * spec.cpu_blocks
-        self.disk = (DiskIO(spec.disk_folder, spec.model_id, spec.bytes_per_block)
+        self.disk = (DiskIO(rank_folder(spec.disk_folder, rank, world_size), spec.model_id, nbytes)
                      if spec.disk_folder is not None else None)
+        self.nbytes = nbytes
         self._disk_loads: list[_DiskLoad] = []
         self._out = KVConnectorOutput()
 
@@ -124,13 +133,13 @@ class TierConnectorWorker(KVConnectorWorker):
         if self.slot_key[d.slot] != d.key or _crc(row) != self.slot_crc[d.slot]:
             raise RuntimeError(f"host slot {d.slot} no longer holds the block to demote")
         self._disk().write(d.key, row.numpy().tobytes())
-        self._out.transfer_bytes += self.spec.bytes_per_block
+        self._out.transfer_bytes += self.nbytes
 
     def _disk_save(self, s: BlockSave) -> None:
         rows = self.codec.new_rows(1)
         self.codec.gather([s.block_id], rows)
         self._disk().write(s.key, rows[0].numpy().tobytes())
-        self._out.transfer_bytes += self.spec.bytes_per_block
+        self._out.transfer_bytes += self.nbytes
 
     def _cpu_saves(self, saves: list[BlockSave]) -> None:
         assert self.host is not None  # cpu saves come only with a host tier
@@ -143,7 +152,7 @@ class TierConnectorWorker(KVConnectorWorker):
         for s in saves:  # a slot saved twice in one step ends with the last save
             self.slot_key[s.slot] = s.key
             self.slot_crc[s.slot] = _crc(self.host[s.slot])
-        self._out.transfer_bytes += len(saves) * self.spec.bytes_per_block
+        self._out.transfer_bytes += len(saves) * self.nbytes
 
     # ---- loads ---------------------------------------------------------------------
 
@@ -174,7 +183,7 @@ class TierConnectorWorker(KVConnectorWorker):
             log.warning("KV host tier: slot %d failed its check; block recomputed", slot)
             return False
         self.codec.scatter(row, [ld.block_ids[i]])
-        self._out.transfer_bytes += self.spec.bytes_per_block
+        self._out.transfer_bytes += self.nbytes
         return True
 
     def _finish_disk_loads(self) -> None:
@@ -206,7 +215,7 @@ class TierConnectorWorker(KVConnectorWorker):
         except Exception as e:  # noqa: BLE001 - fails this block only
             log.warning("KV disk tier: loading block %d failed: %s", ld.block_ids[i], e)
             return False
-        self._out.transfer_bytes += self.spec.bytes_per_block
+        self._out.transfer_bytes += self.nbytes
         return True
 
     def _finish(self, p: _DiskLoad) -> None:

@@ -224,3 +224,28 @@ def test_router_follows_prefixes_into_the_tiers(tiny_llama, tier_off):
     assert all(r == "cache_hit" for r in reasons[SESSIONS:]), reasons
     assert all(len(set(p)) == 1 for p in picks), picks
     assert sum(cached) > sum(tier_off[1])
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])
+def test_tiers_on_several_ranks(tiny_llama, tmp_path, layout):
+    """Each rank keeps its shard of every tier block (host rows, a disk folder
+    per rank); the engine uses a block only once every rank loaded it. Same
+    tokens as the same layout with the tiers off, before and after a restart
+    from disk."""
+    kw = dict(executor="mp", **layout)
+    off = _run(tiny_llama, **kw)
+    disk = dict(offload_disk_path=str(tmp_path / "kv"), offload_disk_gb=0.01)
+    on = _run(tiny_llama, offload_cpu_gb=0.0005, **disk, **kw)
+    assert on[0] == off[0]
+    assert _reused(on[2], "cpu") > 0 and sum(on[1]) > sum(off[1])
+    ranks = sorted(p.name for p in next((tmp_path / "kv").iterdir()).iterdir())
+    assert ranks == ["rank0", "rank1"]
+    again = _run(tiny_llama, **disk, **kw)  # a new engine: the first turn's prefixes from disk
+    assert again[0] == off[0]
+    assert all(c >= 32 for c in again[1][:SESSIONS]), again[1]
+    # Rank 0's shards only (with PP2 it is not the rank that replies): caught, recomputed.
+    assert _corrupt_disk_files(next((tmp_path / "kv").iterdir()) / "rank0") > 0
+    bad = _run(tiny_llama, **disk, **kw)
+    assert bad[0] == off[0]
+    assert bad[2].get("conveyor_kv_transfer_failures_total", 0) > 0

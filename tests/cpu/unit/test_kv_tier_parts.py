@@ -150,7 +150,6 @@ def test_registries_name_the_same_connectors():
 @pytest.mark.parametrize("over, key", [
     ({"cache": {"offload_disk_gb": 1.0}}, "cache.offload_disk_path"),
     ({"cache": {"offload_cpu_gb": 1.0, "enable_prefix_caching": False}}, "cache.enable_prefix_caching"),
-    ({"cache": {"offload_cpu_gb": 1.0}, "parallel": {"tensor_parallel_size": 2}}, "cache.offload_cpu_gb"),
     ({"cache": {"offload_cpu_gb": -1.0}}, "cache.offload_cpu_gb"),
     ({"cache": {"kv_load_timeout_s": 0.0}}, "cache.kv_load_timeout_s"),
 ])
@@ -159,3 +158,26 @@ def test_tier_config_rules(tmp_path, over, key):
     path.write_text(msgspec.json.encode({"model": {"path": "/nowhere"}, **over}).decode())
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(str(path))
+
+
+def test_rank_merge_agrees_only_when_every_rank_did():
+    """TP/PP: a load is finished, a save durable, only once every rank
+    reported it; a block bad on one rank is invalid for the engine."""
+    from conveyor.engine.kv_connector.metadata import KVConnectorOutput as Out
+    from conveyor.workers.kv_connector.rank_merge import RankMerge
+
+    m = RankMerge(2)
+    m.note(KVConnectorMetadata(loads=[TierLoad(7, "r", [b"a", b"b"], [TIER_DISK] * 2, [-1, -1], [3, 4])],
+                               disk_saves=[BlockSave(b"k", 9), BlockSave(b"x", 8)]))
+    step1 = m.merge([Out(finished_loads=[7], invalid_block_ids=[4], disk_saved=[b"k"], transfer_bytes=10),
+                     Out(failed_saves=[b"x"], transfer_failures=1)])
+    assert step1 is not None
+    assert (step1.finished_loads, step1.disk_saved, step1.failed_saves) == ([], [], [b"x"])
+    assert (step1.transfer_bytes, step1.transfer_failures) == (10, 1)
+    step2 = m.merge([None, Out(finished_loads=[7], disk_saved=[b"k", b"x"])])
+    assert step2 is not None
+    assert (step2.finished_loads, step2.invalid_block_ids, step2.disk_saved) == ([7], [4], [b"k"])
+    assert m.num_pending == 1  # x: saved by one rank after failing on the other, never durable
+    m.note(KVConnectorMetadata(disk_saves=[BlockSave(b"x", 8)]))  # written again: counted afresh
+    assert m.num_pending == 0
+    assert m.merge([None, None]) is None
