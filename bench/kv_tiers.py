@@ -18,13 +18,15 @@ Reported per mode (tier off; host tier on):
     throughput off vs on, the overhead of saving evicted blocks (--repeats
     interleaved runs, medians: this shared 2-core box is noisy);
   - the disk tier after a restart: a new engine on the same folder serves a
-    long session prefix from disk; share of the prompt from disk and TTFT
+    --restart-prefix-token session (8K by default, on the same shape with
+    8448 positions) from disk; share of the prompt from disk and TTFT
     against recomputing it.
 Every mode's tokens are compared with the tier-off run (they must be equal).
 
 Usage:
   .venv/bin/python bench/kv_tiers.py --json bench/out/kv_tiers.json
   .venv/bin/python bench/kv_tiers.py --quick
+  .venv/bin/python bench/kv_tiers.py --only-restart
 """
 from __future__ import annotations
 
@@ -141,16 +143,17 @@ def zero_hits(path: str, a: argparse.Namespace) -> dict[str, Any]:
 def disk_restart(path: str, a: argparse.Namespace, folder: str) -> dict[str, Any]:
     """One long session prefix written by engine 1; engine 2 (same folder) serves it from disk."""
     rng = random.Random(1)
-    doc = [rng.randrange(4, 8000) for _ in range(a.max_len - 64)]
+    doc = [rng.randrange(4, 8000) for _ in range(a.restart_prefix)]
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    disk = dict(offload_disk_path=folder, offload_disk_gb=1.0)
+    disk = dict(offload_disk_path=folder, offload_disk_gb=2.0)
     out: dict[str, Any] = {"prefix_tokens": len(doc)}
-    llm = LLM(model=path, block_size=16, max_model_len=a.max_len, **disk)
+    max_len = a.restart_prefix + 64
+    llm = LLM(model=path, block_size=16, max_model_len=max_len, **disk)
     first = llm.generate([doc], sp, use_tqdm=False)[0]
     llm.shutdown()
     follow = doc + list(first.outputs[0].token_ids) + [7] * 16
     for name, kw in (("recompute", {}), ("from_disk", disk)):
-        llm = LLM(model=path, block_size=16, max_model_len=a.max_len, **kw)
+        llm = LLM(model=path, block_size=16, max_model_len=max_len, **kw)
         llm.generate([[5] * 32], sp, use_tqdm=False)
         del _TTFT[:]
         o = llm.generate([follow], sp, use_tqdm=False)[0]
@@ -174,21 +177,28 @@ def main() -> None:
     p.add_argument("--cpu-gb", type=float, default=0.1)
     p.add_argument("--repeats", type=int, default=3, help="0%%-hit runs, off and on interleaved")
     p.add_argument("--quick", action="store_true", help="4 sessions, 3 turns, 256-token documents")
+    p.add_argument("--restart-prefix", type=int, default=8192,
+                   help="the disk-restart session's prefix, in tokens (<= 8384)")
+    p.add_argument("--only-restart", action="store_true", help="the disk-restart measure alone")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     if a.quick:
         a.sessions, a.turns, a.doc, a.pool_blocks, a.repeats = 4, 3, 256, 40, 1
     a.max_len = min(a.max_len, (a.pool_blocks - 1) * 16)  # one request must fit the pool
-    path = model_dir("30m")
+    if not 16 <= a.restart_prefix <= 8384:
+        p.error("--restart-prefix must be in [16, 8384] (the model has 8448 positions)")
     _record_ttft()
     report: dict[str, Any] = {"meta": run_meta(args=vars(a))}
-    off = run_sessions(path, a, unique=False)
-    on = run_sessions(path, a, unique=False, offload_cpu_gb=a.cpu_gb)
-    report["multi_turn"] = {"off": off.summary(), "cpu_tier": on.summary(), "same_tokens": on.tokens == off.tokens}
-    report["zero_hits"] = zero_hits(path, a)
+    if not a.only_restart:
+        path = model_dir("30m")
+        off = run_sessions(path, a, unique=False)
+        on = run_sessions(path, a, unique=False, offload_cpu_gb=a.cpu_gb)
+        report["multi_turn"] = {"off": off.summary(), "cpu_tier": on.summary(),
+                                "same_tokens": on.tokens == off.tokens}
+        report["zero_hits"] = zero_hits(path, a)
     folder = tempfile.mkdtemp(prefix="conveyor-kv-bench-")
     try:
-        report["disk_restart"] = disk_restart(path, a, folder)
+        report["disk_restart"] = disk_restart(model_dir("30m8k"), a, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     text = json.dumps({k: v for k, v in report.items() if k != "meta"}, indent=2)
