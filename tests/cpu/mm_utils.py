@@ -35,16 +35,17 @@ def make_tiny_llava(path: str, seed: int = 0) -> str:
                               image_size=30, patch_size=PATCH, projection_dim=32, hidden_act="quick_gelu")
     text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, vocab_size=520, max_position_embeddings=1024,
-                       rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=3)
+                       rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1, pad_token_id=3,
+                       initializer_range=0.05)
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_ID,
                          image_seq_length=IMAGE_TOKENS, projector_hidden_act="gelu")
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():  # CLIP's init is tiny: widen so an image moves the logits
         for name, p in model.named_parameters():
-            if "vision_tower" in name or "projector" in name:
-                if p.dim() > 1:
-                    p.copy_(0.2 * torch.randn_like(p))
+            if p.dim() > 1:  # the text model as tests/cpu/tiny_models.py's (std 0.05)
+                vision = "vision_tower" in name or "linear_1" in name
+                p.copy_((0.2 if vision else 0.05) * torch.randn_like(p))
     _randomize_defaults(model)
     model.save_pretrained(path)
     tok = build_tiny_tokenizer(512)

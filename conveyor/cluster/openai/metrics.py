@@ -110,6 +110,7 @@ class _EngineCollector:
                              c.experts.routed)
         if c.kv_tiers.seen:
             yield from _kv_tier_metrics(c.kv_tiers, self.model_name)
+        yield from _encoder_metrics(self.llm, lab)
         if st.lora_running is not None:
             yield from _lora_metrics(st, self.model_name)
         rec = st.recovery  # cumulative, carried by every stats message once set
@@ -117,6 +118,16 @@ class _EngineCollector:
                       rec.restarts if rec is not None else 0)
         yield _histogram("engine_recovery_seconds", "Time to rebuild the worker group after a lost rank.",
                          _RecoveryHistogram(rec), lab)
+
+
+def _encoder_metrics(llm: Any, lab: list[str]) -> Iterator[Any]:
+    """A vision-language model's encoder cache (DESIGN.md's name, without the conveyor: prefix)."""
+    if getattr(getattr(llm, "frontend", None), "images", None) is None:
+        return  # a text model (or a stand-in without a frontend)
+    hits = CounterMetricFamily("conveyor_encoder_cache_hits", "Images whose encoder output was reused "
+                               "from the encoder cache.", labels=["model_name"])
+    hits.add_metric(lab, llm.counters.encoder_cache_hits)
+    yield hits
 
 
 def _kv_tier_metrics(kt: Any, model_name: str) -> Iterator[Any]:

@@ -121,6 +121,7 @@ class EngineCounters:
     spec_decode: SpecDecodeCounters = field(default_factory=SpecDecodeCounters)
     experts: ExpertCounters = field(default_factory=ExpertCounters)
     kv_tiers: KVTierCounters = field(default_factory=KVTierCounters)
+    encoder_cache_hits: int = 0  # images whose encoder output was reused
 
 
 class AsyncLLM:
@@ -381,6 +382,7 @@ class AsyncLLM:
         c.spec_decode.absorb(st)
         c.experts.absorb(st)
         c.kv_tiers.absorb(st)
+        c.encoder_cache_hits += st.encoder_cache_hits
 
     def _fail_all(self, message: str) -> None:
         self.dead.set(message)

@@ -49,6 +49,7 @@ class LLM:
         self._spec_counters = SpecDecodeCounters()
         self._expert_counters = ExpertCounters()
         self._kv_counters = KVTierCounters()
+        self._encoder_cache_hits = 0
 
     @staticmethod
     def _make_engine(config: EngineConfig, actor_factory: CoreClientFactory | None) -> Any:
@@ -98,6 +99,18 @@ class LLM:
                                          sts[0].prompt_logprobs))
         return results
 
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation of OpenAI-shaped messages (or a list of them)
+        through the model's chat template; text and image_url parts (data:
+        URLs; http(s) from multimodal.allowed_media_domains)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = [self.frontend.chat_prompt(c, add_generation_prompt, chat_template)  # type: ignore[arg-type]
+                                 for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def _make_requests(self, prompt: Prompt, sp: SamplingParams, priority: int = 0,
                        lora_request: LoRARequest | None = None
                        ) -> tuple[PreparedRequest, list[tuple[EngineCoreRequest, RequestState]]]:
@@ -117,6 +130,7 @@ class LLM:
                     self._spec_counters.absorb(outs.scheduler_stats)
                     self._expert_counters.absorb(outs.scheduler_stats)
                     self._kv_counters.absorb(outs.scheduler_stats)
+                    self._encoder_cache_hits += outs.scheduler_stats.encoder_cache_hits
                 if outs is not None and outs.resume is not None:  # only a SyncCoreEngine asks
                     self.engine.resume(outs.resume.tag, resumed_requests(outs.resume, states.get))
                 for o in (outs.outputs if outs is not None else ()):
@@ -148,6 +162,8 @@ class LLM:
         ..._num_accepted_tokens_per_pos{position="i"})."""
         out = {**self._spec_counters.as_dict(), **self._expert_counters.as_dict(),
                **self._kv_counters.as_dict()}
+        if self.frontend.images is not None:  # a vision-language model
+            out["conveyor_encoder_cache_hits_total"] = float(self._encoder_cache_hits)
         admin = self._admin()
         if admin is not None:  # data parallel: per-engine and router series
             out.update(metric_dict(admin.metric_rows()))

@@ -15,6 +15,7 @@ from conveyor.engine.errors import ParamError
 from conveyor.engine.frontend.json_limits import utf8_problem
 from conveyor.engine.frontend.tokenizer import Tokenizer, eos_of_model_dir, load_tokenizer
 from conveyor.engine.lora import LoRARequest, ModelDims, check_adapter
+from conveyor.engine.multimodal.chat import media_policy, render_chat
 from conveyor.engine.multimodal.features import MultiModalFeature
 from conveyor.engine.multimodal.inputs import ImageInputs, MultiModalInputError, split_prompt
 from conveyor.engine.sampling_params import SamplingFields, child_seed, resolved_max_tokens
@@ -139,6 +140,24 @@ class Frontend:
                                       lora_request=lora_request, mm_features=features)
                     for k in range(sp.n)]
         return PreparedRequest(request_id, text, ids, children)
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None) -> Prompt:
+        """OpenAI-shaped messages (text and image parts: multimodal/chat.py)
+        through the chat template -> a prompt for prepare(). The template
+        holds the special tokens it wants: none are added."""
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer.json: chat is unavailable")
+        msgs, images = render_chat(messages, self.image_placeholder(), media_policy(self.config))
+        text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt, chat_template)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
+
+    def image_placeholder(self) -> str | None:
+        """The text of the model's image placeholder token; None: text only."""
+        if self.images is None or self.tokenizer is None:
+            return None
+        return str(self.tokenizer.convert_ids_to_tokens(self.images.image_token_id))
 
     def _expand_images(self, ids: list[int], images: list) -> tuple[list[int], list[MultiModalFeature]]:
         if self.images is None:

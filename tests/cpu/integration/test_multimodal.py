@@ -1,0 +1,112 @@
+"""LLaVA end to end (issue 46): greedy fp32 tokens equal transformers'
+generate through its own LlavaProcessor (vLLM's top-5 rule at a
+divergence) on a tiny random checkpoint built here, with one image, two
+images of different sizes, a text-only prompt in the same batch, prefill
+chunks that cut through image placeholders, the same text with different
+images, the same image again (encoder cache and prefix cache), preemption;
+llm.chat with a data: URL gives generate's tokens."""
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from llm_utils import close_or_why, engine_top5
+from mm_utils import IMAGE_ID, IMAGE_TOKENS, hf_generate, image, make_tiny_llava
+
+from conveyor.engine import LLM, SamplingParams
+
+TOKENS = 10
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+# Two full blocks (block size 16) of text before the first image.
+LEAD = ("The old man reads a long story in the morning? Every token finds the garden at night! "
+        "My friend visits the river. Look:")
+CASES = [  # (prompt, images): images of other sizes are resized and cropped by the processor
+    ("The cat runs to the garden today.", []),
+    (f"{LEAD} <image> what the cat sees", [image(1)]),
+    ("<image> and <image>: which is the dog?", [image(2, (30, 30)), image(3, (64, 48))]),
+    (f"{LEAD} <image> what the cat sees", [image(4, (50, 30))]),  # case 1's text, another image
+    ("A small bird eats <image> the ball", [image(1)]),  # case 1's image, another text
+]
+
+
+def _prompt(text: str, images: list):
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory) -> str:
+    return make_tiny_llava(str(tmp_path_factory.mktemp("llava") / "m"))
+
+
+@pytest.fixture(scope="module")
+def refs(llava):
+    return [hf_generate(llava, p, imgs, TOKENS) for p, imgs in CASES]
+
+
+def _check(outs, refs) -> None:
+    for i, (o, (ref, top5)) in enumerate(zip(outs, refs)):
+        c = o.outputs[0]
+        why = close_or_why(c.token_ids, engine_top5(c), ref, top5)
+        assert why is None, f"case {i}: {why}"
+
+
+def _image_offset(out) -> int:
+    return out.prompt_token_ids.index(IMAGE_ID)
+
+
+def test_mixed_batch_chunked_through_images_matches_hf(llava, refs):
+    """16 tokens a step: every image's 25 placeholders span two or three
+    chunks; the encoder runs once per distinct image (case 4 reuses case 1's
+    output: one hit), and the prefix cache shares case 1's text blocks with
+    case 3 but never a block holding a different image; case 1 again hits
+    its image blocks too."""
+    with LLM(model=llava, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=8) as llm:
+        outs = llm.generate([_prompt(p, imgs) for p, imgs in CASES], GREEDY, use_tqdm=False)
+        hits = llm.get_metrics()["conveyor_encoder_cache_hits_total"]
+        again = llm.generate(_prompt(*CASES[1]), GREEDY, use_tqdm=False)[0]
+    _check(outs, refs)
+    _check([again], refs[1:2])
+    assert hits == 1
+    assert [o.prompt_token_ids.count(IMAGE_ID) for o in outs] == [0, IMAGE_TOKENS, 2 * IMAGE_TOKENS,
+                                                                  IMAGE_TOKENS, IMAGE_TOKENS]
+    lead = _image_offset(outs[1])
+    assert lead >= 32 and _image_offset(outs[3]) == lead
+    assert outs[3].num_cached_tokens == lead // 16 * 16  # the text blocks, not the image's
+    # The same text and image: every full block, its image's included.
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16 >= lead + IMAGE_TOKENS
+
+
+def test_preemption_recomputes_images(llava, refs):
+    """A KV pool of 12 blocks for five requests: some are preempted and
+    recompute their prompts, images included, from their cached encoder
+    outputs or afresh; the tokens stay transformers'."""
+    with LLM(model=llava, max_model_len=128, num_gpu_blocks=12, max_num_batched_tokens=64,
+             max_num_seqs=5, enable_prefix_caching=False) as llm:
+        outs = llm.generate([_prompt(p, imgs) for p, imgs in CASES], GREEDY, use_tqdm=False)
+        preempted = llm.engine.scheduler.num_preemptions
+    _check(outs, refs)
+    assert preempted > 0
+
+
+def _data_url(img) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_with_a_data_url_gives_generates_tokens(llava, refs):
+    """The parts are concatenated in order, the image as "<image>", then the
+    chat template; the same prompt through generate gives the same tokens."""
+    parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": _data_url(image(1))}},
+             {"type": "text", "text": " what the cat sees"}]
+    with LLM(model=llava, max_model_len=256) as llm:
+        chat = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Look: <image> what the cat sees"}])
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        gen = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image(1)}}, GREEDY,
+                           use_tqdm=False)[0]
+        plain = llm.chat([{"role": "user", "content": "The cat runs"}], GREEDY, use_tqdm=False)[0]
+    assert chat.prompt_token_ids == gen.prompt_token_ids
+    assert chat.outputs[0].token_ids == gen.outputs[0].token_ids
+    assert IMAGE_ID not in plain.prompt_token_ids and len(plain.outputs[0].token_ids) == TOKENS
