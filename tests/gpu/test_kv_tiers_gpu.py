@@ -68,7 +68,7 @@ def test_pinned_round_trip_and_corruption():
     caches = [torch.randn(6, 2, 16, 2, 64, device="cuda") for _ in range(3)]
     bpb = sum(c[0].numel() * c.element_size() for c in caches)
     w = TierConnectorWorker(TierSpec(16, bpb, 2, 0, None, "", 5.0), caches)
-    assert w.host is not None and w.host.is_pinned()
+    assert w.host is not None and w.host.is_pinned() and w.side is not None  # copies on a side stream
     want = [c[1].clone() for c in caches]
     w.start_load_kv(KVConnectorMetadata(cpu_saves=[BlockSave(b"k", 1, 0)]))
     w.start_load_kv(KVConnectorMetadata(loads=[TierLoad(1, "r", [b"k"], [TIER_CPU], [0], [4])]))
@@ -81,3 +81,22 @@ def test_pinned_round_trip_and_corruption():
     out = w.get_output()
     assert out is not None and out.invalid_block_ids == [5]
     assert all(torch.equal(c[5], x) for c, x in zip(caches, before))
+
+
+def test_side_stream_saves_land_before_they_are_read():
+    """A save's blocks are gathered before the forward may overwrite them; its
+    host row is named only after the copy (next step); a load of a slot saved
+    in the same step is recomputed, never read half-written."""
+    caches = [torch.randn(8, 2, 16, 2, 64, device="cuda") for _ in range(2)]
+    bpb = sum(c[0].numel() * c.element_size() for c in caches)
+    w = TierConnectorWorker(TierSpec(16, bpb, 4, 0, None, "", 5.0), caches)
+    want = [c[1].clone() for c in caches]
+    w.start_load_kv(KVConnectorMetadata(cpu_saves=[BlockSave(b"a", 1, 0)]))
+    for c in caches:  # the "forward" overwrites the saved block at once
+        c[1].zero_()
+    w.start_load_kv(KVConnectorMetadata(cpu_saves=[BlockSave(b"b", 2, 1)],
+                                        loads=[TierLoad(1, "r", [b"a"], [TIER_CPU], [0], [6]),
+                                               TierLoad(2, "r", [b"b"], [TIER_CPU], [1], [7])]))
+    out = w.get_output()
+    assert out is not None and sorted(out.finished_loads) == [1, 2] and out.invalid_block_ids == [7]
+    assert all(torch.equal(c[6], x) for c, x in zip(caches, want))

@@ -32,10 +32,11 @@ class BlockCodec:
         for cache, view in zip(self.caches, self._views(rows)):
             view.copy_(cache.index_select(0, idx))
 
-    def scatter(self, rows: torch.Tensor, block_ids: list[int]) -> None:
-        """Pool block block_ids[i] = rows[i]."""
+    def scatter(self, rows: torch.Tensor, block_ids: list[int], non_blocking: bool = False) -> None:
+        """Pool block block_ids[i] = rows[i] (non_blocking: rows are pinned and
+        stay untouched until the current stream has run the copy)."""
         if not self.caches:
             return
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.caches[0].device)
         for cache, view in zip(self.caches, self._views(rows)):
-            cache.index_copy_(0, idx, view.to(cache.device))
+            cache.index_copy_(0, idx, view.to(cache.device, non_blocking=non_blocking))

@@ -33,6 +33,7 @@ from conveyor.engine.kv_connector.spec import TierSpec
 from conveyor.workers.kv_connector.base import KVConnectorWorker
 from conveyor.workers.kv_connector.block_io import BlockCodec
 from conveyor.workers.kv_connector.disk_io import DiskIO
+from conveyor.workers.kv_connector.gpu_streams import SideStream
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,16 @@ class TierConnectorWorker(KVConnectorWorker):
         self.disk = (DiskIO(rank_folder(spec.disk_folder, rank, world_size), spec.model_id, nbytes)
                      if spec.disk_folder is not None else None)
         self.nbytes = nbytes
+        # CUDA: host-tier copies run on a side stream (gpu_streams.py); None on the CPU.
+        self.side = SideStream(kv_caches[0].device) if pin else None
         self._disk_loads: list[_DiskLoad] = []
         self._out = KVConnectorOutput()
 
     # ---- the step ------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        if self.side is not None:  # last step's host saves: summed before anything reads a slot
+            self._seal_saves(self.side.finish_saves())
         if meta is not None:
             for d in meta.demotes:
                 self._guard([d.key], self._demote, d)
@@ -85,6 +90,8 @@ class TierConnectorWorker(KVConnectorWorker):
                 self._guard([s.key for s in meta.cpu_saves], self._cpu_saves, meta.cpu_saves)
             for ld in meta.loads:
                 self._start_load(ld)
+        if self.side is not None:
+            self.side.before_forward()  # the forward waits for loads and save reads, not for D2H
         if self._disk_loads:
             self._finish_disk_loads()
 
@@ -108,6 +115,8 @@ class TierConnectorWorker(KVConnectorWorker):
         self._finish_disk_loads()
 
     def close(self) -> None:
+        if self.side is not None:
+            self._seal_saves(self.side.finish_saves())
         if self.disk is not None:
             self.disk.close()
 
@@ -146,9 +155,17 @@ class TierConnectorWorker(KVConnectorWorker):
         slots = [s.slot for s in saves]
         for s in saves:
             self.slot_key[s.slot] = None  # invalid until written and summed
+        if self.side is not None:  # checked and summed at the next step's start
+            self.side.save(self.codec, [s.block_id for s in saves], self.host, saves)
+            return
         rows = self.codec.new_rows(len(saves))
         self.codec.gather([s.block_id for s in saves], rows)
         self.host[torch.tensor(slots, dtype=torch.long)] = rows
+        self._seal_saves(saves)
+
+    def _seal_saves(self, saves: list[BlockSave]) -> None:
+        """The host rows of these saves hold their blocks now: name and sum them."""
+        assert self.host is not None  # cpu saves come only with a host tier
         for s in saves:  # a slot saved twice in one step ends with the last save
             self.slot_key[s.slot] = s.key
             self.slot_crc[s.slot] = _crc(self.host[s.slot])
@@ -182,7 +199,10 @@ class TierConnectorWorker(KVConnectorWorker):
         if self.slot_key[slot] != ld.keys[i] or _crc(row) != self.slot_crc[slot]:
             log.warning("KV host tier: slot %d failed its check; block recomputed", slot)
             return False
-        self.codec.scatter(row, [ld.block_ids[i]])
+        if self.side is not None:
+            self.side.load(self.codec, row, ld.block_ids[i])
+        else:
+            self.codec.scatter(row, [ld.block_ids[i]])
         self._out.transfer_bytes += self.nbytes
         return True
 
