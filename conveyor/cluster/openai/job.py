@@ -46,6 +46,8 @@ class Job:
     drop_output: bool = False
     # Per prompt index, once they arrive: the prompt logprobs (echo + logprobs).
     prompt_logprobs: dict[int, list[dict[int, float] | None]] = field(default_factory=dict)
+    # Chat image_url parts, loaded (one prompt): sent with it as multi_modal_data.
+    images: list[Any] = field(default_factory=list)
 
     @property
     def n(self) -> int:

@@ -182,7 +182,8 @@ class ImageURL(StrictModel):
 
 
 class ImageURLPart(StrictModel):
-    """An image content part; the served models take text only (for now), so
+    """An image content part: a vision-language model's server loads it and
+    puts the placeholder text in its place (images.py); for a text-only model
     `render_messages` refuses it with a 400 naming that, before any fetch."""
     type: Literal["image_url"]
     image_url: ImageURL

@@ -29,6 +29,7 @@ from conveyor.cluster.openai import bodies as B
 from conveyor.cluster.openai import errors as E
 from conveyor.cluster.openai import protocol as P
 from conveyor.cluster.openai import request_prep as RP
+from conveyor.cluster.openai.images import split_images
 from conveyor.cluster.openai.job import EventStream, Job, Reply, RequestMeta
 from conveyor.cluster.openai.metrics import ServeMetrics
 from conveyor.cluster.openai.responses import ResponseBuilder
@@ -42,6 +43,7 @@ from conveyor.engine.frontend.output_processor import RequestOutput
 from conveyor.engine.frontend.prepare import ContextLengthError
 from conveyor.engine.frontend.tokenizer import DEFAULT_CHAT_TEMPLATE
 from conveyor.engine.lora import LoRARequest
+from conveyor.engine.multimodal.chat import media_policy
 from conveyor.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("conveyor.serve")
@@ -188,10 +190,12 @@ class OpenAIServer:
         over-long request is a 400 context_length_exceeded."""
         self._check_alive()
         prompt_param = "prompt" if job.kind == "completion" else "messages"
-        for eid, ids, sp in zip(job.engine_ids, job.prompts, job.params):
+        for i, (eid, ids, sp) in enumerate(zip(job.engine_ids, job.prompts, job.params)):
+            prompt: Any = {"prompt_token_ids": ids, "multi_modal_data": {"image": job.images}} if job.images else ids
             try:
-                job.prepared.append(self.llm.prepare(ids, sp, eid, job.req.priority,
+                job.prepared.append(self.llm.prepare(prompt, sp, eid, job.req.priority,
                                                      lora_request=job.lora))
+                job.prompts[i] = job.prepared[-1].prompt_token_ids  # images expanded: what usage counts
             except EngineDeadError:
                 raise E.engine_unavailable() from None
             except ContextLengthError as e:
@@ -268,8 +272,10 @@ class OpenAIServer:
                          self.llm.frontend.validate_structured_outputs,
                          self.config.structured_outputs.allow_additional_properties)
         sp = self._params(req, P.chat_max_tokens(req)[0], plan)
+        req, images = split_images(req, self.llm.frontend.image_placeholder(), media_policy(self.config),
+                                   self.config.multimodal.limit_per_prompt)
         job = self._new_job("chat", meta, req, [self.chat_prompt(req)], sp)
-        job.tools, job.lora = plan and ToolSession(plan), lora
+        job.tools, job.lora, job.images = plan and ToolSession(plan), lora, images
         return self._ready(job, meta)
 
     def models(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from conveyor.engine.frontend.clients import make_core_client
 from conveyor.engine.frontend.expert_counters import ExpertCounters
 from conveyor.engine.frontend.kv_tier_counters import KVTierCounters
 from conveyor.engine.frontend.output_processor import CompletionOutput, RequestOutput, RequestState, resumed_requests
-from conveyor.engine.frontend.prepare import Frontend, PreparedRequest
+from conveyor.engine.frontend.prepare import Frontend, PreparedRequest, Prompt
 from conveyor.engine.lora import LoRARequest
 from conveyor.engine.sampling_params import SamplingFields
 from conveyor.engine.spec_decode.metrics import SpecDecodeCounters
@@ -226,7 +226,7 @@ class AsyncLLM:
             self.reserve_ids([rid])
         self._reserved.discard(rid)
 
-    def prepare(self, prompt: str | list[int], sp: SamplingFields,
+    def prepare(self, prompt: Prompt, sp: SamplingFields,
                 request_id: str | None = None, priority: int = 0,
                 lora_request: LoRARequest | None = None) -> PreparedRequest:
         """Tokenize and check the engine's limits; raises ValueError (nothing

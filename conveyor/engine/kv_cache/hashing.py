@@ -39,8 +39,9 @@ class BlockHasher:
         while start + bs <= len(tokens):
             parent = hashes[-1] if hashes else None
             extra = _first_block_extra(request) if start == 0 else None
-            if request.mm_features:
-                extra = mm_block_extra(extra, request.mm_features, start, start + bs)
+            mm = getattr(request, "mm_features", None)  # stand-ins of a Request may lack it
+            if mm:
+                extra = mm_block_extra(extra, mm, start, start + bs)
             hashes.append(hash_block(parent, tokens[start:start + bs], extra))
             start += bs
 

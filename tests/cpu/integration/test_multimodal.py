@@ -110,3 +110,113 @@ def test_chat_with_a_data_url_gives_generates_tokens(llava, refs):
     assert chat.prompt_token_ids == gen.prompt_token_ids
     assert chat.outputs[0].token_ids == gen.outputs[0].token_ids
     assert IMAGE_ID not in plain.prompt_token_ids and len(plain.outputs[0].token_ids) == TOKENS
+
+
+def _png_claiming(width: int, height: int) -> str:
+    """A data URL of a 1x1 PNG whose header (CRC fixed) claims width x height."""
+    import struct
+    import zlib
+
+    buf = io.BytesIO()
+    image(0, (1, 1)).save(buf, format="PNG")
+    data = bytearray(buf.getvalue())
+    ihdr = data.index(b"IHDR")
+    data[ihdr + 4:ihdr + 12] = struct.pack(">II", width, height)
+    data[ihdr + 17:ihdr + 21] = struct.pack(">I", zlib.crc32(bytes(data[ihdr:ihdr + 17])))
+    return "data:image/png;base64," + base64.b64encode(bytes(data)).decode()
+
+
+def _bmp_url() -> str:
+    buf = io.BytesIO()
+    image(0, (4, 4)).save(buf, format="BMP")
+    return "data:image/bmp;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+BAD_HTTP = [  # (image urls, words of the 400's message)
+    (["data:image/png;base64,aGVsbG8gd29ybGQ="], "could not be decoded"),
+    ([_png_claiming(100_000, 100_000)], "pixels"),
+    ([_data_url(image(1))] * 5, "the limit is 4"),
+    (["https://example.com/cat.png"], "allowed_media_domains"),
+    ([_bmp_url()], "BMP"),
+    ([_data_url(image(1))] * 2, "3 image placeholder"),  # "<image>" also typed as text: 3 for 2
+]
+
+
+@pytest.fixture(scope="module")
+def api(llava):
+    from asgi_utils import in_process_api
+
+    yield from in_process_api(llava, 256)
+
+
+def test_http_chat_with_a_data_url_matches_hf_and_bad_images_are_400s(api, llava):
+    """The openai client sends an image_url part (data: URL): transformers'
+    tokens for the same rendered prompt come back. Each bad image is a 400
+    naming the problem; /health stays 200 and the next request answers."""
+    from asgi_utils import openai_client, run_on
+
+    loop, app, llm = api
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Look: <image> what the cat sees"}])
+    assert text.startswith("<s>")
+    ref, _ = hf_generate(llava, text[len("<s>"):], [image(1)], TOKENS)  # the processor adds <s> itself
+    parts = [{"type": "text", "text": "Look: "}, _image_part(_data_url(image(1))),
+             {"type": "text", "text": " what the cat sees"}]
+
+    async def ask(client):
+        r = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                                 max_tokens=TOKENS, temperature=0.0, extra_body={"ignore_eos": True})
+        return r.choices[0].message.content, r.usage.prompt_tokens
+
+    async def go(c):
+        first = await ask(openai_client(c))
+        refused = []
+        for urls, words in BAD_HTTP:
+            content = [{"type": "text", "text": "a <image> b"}] if "placeholder" in words else []
+            content += [_image_part(u) for u in urls]
+            r = await c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                                           "messages": [{"role": "user", "content": content}]})
+            refused.append((r.status_code, r.json()["error"]["message"]))
+        health = (await c.get("/health")).status_code
+        return first, refused, health, await ask(openai_client(c))
+
+    first, refused, health, again = run_on(loop, app, go)
+    assert first[0] == llm.tokenizer.decode(ref) and again == first
+    assert first[1] == len(llm.tokenizer.encode(text, add_special_tokens=False)) + IMAGE_TOKENS - 1
+    for (status, message), (_, words) in zip(refused, BAD_HTTP):
+        assert status == 400 and words in message, (status, message, words)
+    assert health == 200
+
+
+def test_offline_bad_images_are_refused_naming_the_problem(llava, tiny_llama):
+    """Each a ValueError before anything is queued (HTTP 400 at the server)."""
+    from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.prepare import Frontend
+
+    sp = SamplingParams(max_tokens=2)
+    fe = Frontend(build_config(model=llava, limit_per_prompt=2, max_image_pixels=64 * 64), 520)
+    bad = [
+        ({"prompt": "<image> <image> <image>", "multi_modal_data": {"image": [image(1)] * 3}}, "the limit is 2"),
+        ({"prompt": "<image> and <image>", "multi_modal_data": {"image": image(1)}}, "2 image placeholder"),
+        ({"prompt": "<image>", "multi_modal_data": {"image": image(1, (100, 50))}}, "max_image_pixels"),
+        ({"prompt": "<image>", "multi_modal_data": {"image": b"\x89PNG"}}, "PIL.Image"),
+        ({"prompt": "<image>", "multi_modal_data": {"video": [image(1)]}}, "only 'image'"),
+    ]
+    for prompt, words in bad:
+        with pytest.raises(ValueError, match=words):
+            fe.prepare(prompt, sp, "r")
+    for url, words in [("https://example.com/a.png", "allowed_media_domains"),
+                       ("data:image/png;base64,aGk=", "could not be decoded")]:
+        with pytest.raises(ValueError, match=words):
+            fe.chat_prompt([{"role": "user", "content": [_image_part(url)]}])
+    small = Frontend(build_config(model=llava, max_num_encoder_input_tokens=16), 520)
+    with pytest.raises(ValueError, match="25 encoder rows"):
+        small.prepare({"prompt": "<image>", "multi_modal_data": {"image": image(1)}}, sp, "r")
+    text_only = Frontend(build_config(model=tiny_llama), 512)
+    with pytest.raises(ValueError, match="takes text only"):
+        text_only.prepare({"prompt": "a", "multi_modal_data": {"image": image(1)}}, sp, "r")
+    with pytest.raises(ValueError, match="takes text only"):
+        text_only.chat_prompt([{"role": "user", "content": [_image_part(_data_url(image(1)))]}])
