@@ -220,3 +220,12 @@ def test_offline_bad_images_are_refused_naming_the_problem(llava, tiny_llama):
         text_only.prepare({"prompt": "a", "multi_modal_data": {"image": image(1)}}, sp, "r")
     with pytest.raises(ValueError, match="takes text only"):
         text_only.chat_prompt([{"role": "user", "content": [_image_part(_data_url(image(1)))]}])
+
+
+def test_tp2_matches_hf(llava, refs):
+    """Two ranks (executor mp): the tower's heads and MLP and the projector
+    split like the decoder's; every rank encodes the same pixels."""
+    with LLM(model=llava, max_model_len=256, max_num_batched_tokens=32, tensor_parallel_size=2,
+             executor="mp") as llm:
+        outs = llm.generate([_prompt(p, imgs) for p, imgs in CASES], GREEDY, use_tqdm=False)
+    _check(outs, refs)
