@@ -181,10 +181,18 @@ def test_http_chat_with_a_data_url_matches_hf_and_bad_images_are_400s(api, llava
                                                            "messages": [{"role": "user", "content": content}]})
             refused.append((r.status_code, r.json()["error"]["message"]))
         health = (await c.get("/health")).status_code
-        return first, refused, health, await ask(openai_client(c))
+        resp = await c.post("/v1/responses", json={"model": "tiny", "max_output_tokens": TOKENS, "temperature": 0.0,
+                                                   "store": False, "input": [{"role": "user", "content": [
+                                                       {"type": "input_text", "text": "Look: "},
+                                                       {"type": "input_image", "image_url": _data_url(image(1))},
+                                                       {"type": "input_text", "text": " what the cat sees"}]}]})
+        return first, refused, health, await ask(openai_client(c)), resp.json()
 
-    first, refused, health, again = run_on(loop, app, go)
+    first, refused, health, again, resp = run_on(loop, app, go)
     assert first[0] == llm.tokenizer.decode(ref) and again == first
+    # The Responses API's input_image: the same prompt (no ignore_eos there: its text may stop at EOS).
+    assert resp["usage"]["input_tokens"] == first[1]
+    assert first[0].startswith(resp["output"][0]["content"][0]["text"]) and resp["usage"]["output_tokens"] > 0
     assert first[1] == len(llm.tokenizer.encode(text, add_special_tokens=False)) + IMAGE_TOKENS - 1
     for (status, message), (_, words) in zip(refused, BAD_HTTP):
         assert status == 400 and words in message, (status, message, words)

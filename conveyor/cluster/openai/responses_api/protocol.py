@@ -67,6 +67,26 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(out)
 
 
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content for the chat request: its text, or, when it holds
+    input_image parts, chat parts in order (images as image_url parts, which
+    the chat path checks, loads and refuses like any other)."""
+    if not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise E.bad_request(f"{where}.content[{j}]: input_image needs image_url (a data: or "
+                                    "http(s) URL; file_id is not supported)", "input", "unsupported_parameter")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], f"{where}.content[{j}]")})
+    return parts
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input -> chat messages (consecutive calls join one assistant turn)."""
     if isinstance(items, str):
@@ -79,7 +99,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise E.bad_request(f"{where}.role must be user, system, developer or assistant", "input")
-            msgs.append({"role": role, "content": _text_of(item.get("content"), where)})
+            msgs.append({"role": role, "content": _content_of(item.get("content"), where)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
