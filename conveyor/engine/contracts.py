@@ -12,7 +12,7 @@ import msgspec
 import numpy as np
 
 from conveyor.engine.dp.router.events import KVEvents
-from conveyor.engine.kv_connector.metadata import KVConnectorMetadata, KVConnectorOutput
+from conveyor.engine.kv_connector.metadata import KVConnectorMetadata, KVConnectorOutput, KVTransfer
 
 # SamplingFields, not SamplingParams: decoding a message trusts the checks
 # that ran once at the edge (see conveyor/engine/sampling_params.py).
@@ -86,6 +86,11 @@ class EngineCoreRequest(RequestFields, kw_only=True, array_like=True, gc=False):
     session: str | None = None
     # Images, in prompt order, each with its placeholder range (multimodal/features.py).
     mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
+    # KV another engine wrote for this request (P/D, a move, a peer pull).
+    kv_transfer: KVTransfer | None = None
+    # Keep this request's blocks in the shared KV folder this long after it
+    # finishes (a prefill leg's lease, for the decode engine to read them).
+    kv_lease_s: float = 0.0
 
 
 class NewRequestData(msgspec.Struct, array_like=True, gc=False):
@@ -282,6 +287,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     kv_transfer_bytes: int = 0
     kv_transfer_failures: int = 0
     kv_tier_blocks: dict[str, int] = msgspec.field(default_factory=dict)
+    # Prompt positions computed (not reused from any cache), cumulative.
+    num_prompt_tokens_computed: int = 0
     # Images whose encoder output was found cached (not recomputed) since the last stats.
     encoder_cache_hits: int = 0
 

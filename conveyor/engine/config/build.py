@@ -255,6 +255,24 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
     _validate_lora(cfg, source, over)
     _validate_scaling(cfg, source, over)
     _validate_kv_tiers(cfg, source, over)
+    _validate_disaggregation(cfg, source, over)
+
+
+def _validate_disaggregation(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
+    """P/D: at least one engine of each role, a shared KV folder, fixed roles."""
+    p, cc, sv = cfg.parallel, cfg.cache, cfg.serve
+    if p.prefill_engines == 0:
+        return
+    if p.prefill_engines >= p.data_parallel_size:
+        raise _fail(source, "parallel.prefill_engines", f"0, or an int < parallel.data_parallel_size "
+                    f"({p.data_parallel_size}): at least one engine must decode", p.prefill_engines, over)
+    if not (cc.offload_disk_path and cc.offload_disk_gb > 0):
+        raise _fail(source, "cache.offload_disk_path", "a directory every engine shares (with "
+                    "cache.offload_disk_gb > 0) when parallel.prefill_engines > 0: prefill engines hand "
+                    "the KV over through it (tmpfs such as /dev/shm on one host)", cc.offload_disk_path, over)
+    if (sv.max_engines or p.data_parallel_size) != (sv.min_engines or p.data_parallel_size):
+        raise _fail(source, "serve.max_engines", "serve.min_engines with parallel.prefill_engines > 0 "
+                    "(engine roles are fixed: P/D does not autoscale)", sv.max_engines, over)
 
 
 def _validate_kv_tiers(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:

@@ -59,6 +59,11 @@ class ParallelConfig(msgspec.Struct, **_FROZEN):
     # (serve.router); each has its own TP x PP worker group.
     data_parallel_size: Annotated[int, int_in(1, 1024, kwarg=True, flag=True,
                                               help="engine replicas behind one frontend and the router")] = 1
+    # Prefill/decode disaggregation (docs/disaggregation.md): engines 0..P-1
+    # compute prompts, the others decode; the KV moves through the shared KV
+    # folder (cache.offload_disk_path). 0: every engine does both.
+    prefill_engines: Annotated[int, int_in(0, 1023, kwarg=True, flag=True,
+                                           help="engines that only prefill (P/D; 0: off)")] = 0
     # Where the workers run (uniproc: this process; mp: child processes; ray:
     # Ray actors). Where the engine core runs is engine_actor's to say.
     executor: Annotated[str, one_of(EXECUTORS, kwarg=True, flag=True)] = "uniproc"
@@ -157,6 +162,9 @@ class CacheConfig(msgspec.Struct, **_FROZEN):
                                                 help="disk KV tier in GiB (0: off)")] = 0.0
     # A request waiting for tier KV longer than this recomputes its prefix instead.
     kv_load_timeout_s: Annotated[float, finite_in(0.001, 3600.0, kwarg=True)] = 30.0
+    # How long a prefill engine keeps a finished prompt's blocks in the shared
+    # KV folder for the decode engine (P/D), and a decode engine waits for them.
+    kv_lease_s: Annotated[float, finite_in(0.01, 3600.0, kwarg=True)] = 10.0
 
 
 class ServeConfig(msgspec.Struct, **_FROZEN):

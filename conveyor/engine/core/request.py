@@ -6,6 +6,7 @@ from typing import Any
 import msgspec
 
 from conveyor.engine.contracts import EngineCoreRequest, FinishReason, PromptLogprobs, RequestFields, RequestStatus
+from conveyor.engine.kv_connector.metadata import KVTransfer
 from conveyor.engine.lora import LoRARequest
 from conveyor.engine.multimodal.features import MultiModalFeature
 from conveyor.engine.sampling_params import resolved_max_tokens
@@ -40,6 +41,8 @@ class Request(RequestFields, kw_only=True, gc=False):
     prompt_logprobs: PromptLogprobs | None = None
     # Images in prompt order (placeholder ranges sorted, disjoint).
     mm_features: list[MultiModalFeature] = msgspec.field(default_factory=list)
+    kv_transfer: KVTransfer | None = None  # EngineCoreRequest's: KV another engine wrote
+    kv_lease_s: float = 0.0
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> Request:
@@ -55,7 +58,12 @@ class Request(RequestFields, kw_only=True, gc=False):
                    priority=req.priority, cache_salt=req.cache_salt, max_tokens=max_tokens,
                    all_token_ids=prompt + outputs, output_token_ids=outputs,
                    lora_request=req.lora_request,
-                   prompt_logprobs=plp, mm_features=list(req.mm_features))
+                   prompt_logprobs=plp, mm_features=list(req.mm_features),
+                   kv_transfer=req.kv_transfer, kv_lease_s=req.kv_lease_s)
+
+    def prompt_positions(self, n: int) -> int:
+        """Of the next n positions to compute, how many are the prompt's."""
+        return max(0, min(len(self.prompt_token_ids), self.num_computed_tokens + n) - self.num_computed_tokens)
 
     @property
     def num_tokens(self) -> int:

@@ -89,6 +89,7 @@ class Scheduler:
         self.remote_kv = (RemoteKVWaits(connector, cc.kv_load_timeout_s)
                           if connector is not None else None)
         self.kv_reused: Counter[str] = Counter()  # tokens reused per source since the last stats
+        self.prompt_tokens_computed = 0  # cumulative: prompt positions computed, not reused
         self._hook_connector()
         self.encoder = EncoderCacheManager(config.multimodal.encoder_cache_tokens,
                                            sc.max_num_encoder_input_tokens)
@@ -391,6 +392,7 @@ class Scheduler:
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         requests = self.requests
         for rid, n in out.num_scheduled_tokens.items():
+            self.prompt_tokens_computed += requests[rid].prompt_positions(n)
             requests[rid].num_computed_tokens += n
         self.finished_req_ids = set()
         if self.async_scheduling:
@@ -488,7 +490,7 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage, prefix_cache_stats=pcs,
             num_preemptions=self.num_preemptions, num_generation_tokens=num_generated,
             recovery=self.recovery_stats, moe_routed_tokens=self._take_expert_tokens(),
-            encoder_cache_hits=self.encoder.take_hits(),
+            encoder_cache_hits=self.encoder.take_hits(), num_prompt_tokens_computed=self.prompt_tokens_computed,
             **kv_stats(self.connector, self.remote_kv, self.kv_reused),
             **(lora_stats(self.max_loras, self.running, self.waiting) if self.max_loras else {}),
             **structured_stats(self.structured_output_manager), **(self.spec.take_stats() if self.spec is not None else {}))

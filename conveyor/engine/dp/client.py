@@ -33,6 +33,8 @@ from typing import Any
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest
 from conveyor.engine.core_client import CoreClient, FleetAdmin, MetricRow, OutputHandler
+from conveyor.engine.dp.admin_view import engine_rows, fleet_metric_rows
+from conveyor.engine.dp.disagg import PDFlow, PDSettings
 from conveyor.engine.dp.fleet import EngineState, Fleet, Vacant
 from conveyor.engine.dp.migration_log import MigrationLog
 from conveyor.engine.dp.mover import MoveCause, Mover
@@ -69,6 +71,9 @@ class DataParallelClient:
         self.mover = Mover(self._lock, self._emit, self._place, self.migrations)
         self.paces = PacedDrains(self.mover.book, self._live.get, self.mover.in_flight, self._move_paced)
         self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
+        p, cc = config.parallel, config.cache
+        self.pd = PDFlow(self, PDSettings(p.prefill_engines, self.kv_info.block_size, cc.kv_lease_s,
+                                          cc.kv_load_timeout_s)) if p.prefill_engines else None
         for i, c in enumerate(self.fleet.clients):
             c.hand_over_losses(self._on_lost(i), self._on_back(i))
         self.scaler = FleetScaler(self)
@@ -135,6 +140,8 @@ class DataParallelClient:
         request's late outputs from its old engine are dropped); the book
         counts them before the frontend sees them."""
         live = self._live
+        if outs.outputs and self.pd is not None:
+            self.pd.intercept(i, outs)  # prefill legs' outputs stop here
         if outs.outputs:
             outs.outputs = [o for o in outs.outputs if live.get(o.request_id) == i]
             now = time.monotonic()
@@ -152,6 +159,8 @@ class DataParallelClient:
         with self._lock:
             self.mover.book.add(request, time.monotonic())
             try:
+                if self.pd is not None and self.pd.add(request, self._hashes(request)):
+                    return  # its prefill leg runs; decode follows
                 self._place(request)
             except BaseException:
                 self.mover.book.drop([request.request_id])
@@ -163,15 +172,15 @@ class DataParallelClient:
         Sending under the lock: a drain or loss that moves it can never be
         overtaken by this add (it would run twice)."""
         toks, lr = request.prompt_token_ids + request.output_token_ids, request.lora_request
-        hashes = block_hashes_of(toks, self.kv_info.block_size, request.cache_salt,
-                                 lr.lora_int_id if lr is not None else None) if self._hash else []
+        hashes = self._hashes(request)
         max_tokens = resolved_max_tokens(request.sampling_params, len(request.prompt_token_ids),
                                          self.config.max_model_len) - len(request.output_token_ids)
+        only = self.pd.decoders() if self.pd is not None else None  # P/D: requests decode there
         while True:
-            if not self.fleet.any_up():
+            if not self.fleet.any_up() or (only is not None and not set(only) & set(self.fleet.up())):
                 raise EngineDeadError("no engine is up to take the request")
             d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), request.session,
-                                  lr.lora_name if lr is not None else None)
+                                  lr.lora_name if lr is not None else None, only=only)
             self._live[request.request_id] = d.engine
             try:
                 self.fleet.client(d.engine).add_request(request)
@@ -181,9 +190,19 @@ class DataParallelClient:
                 self.router.finish(request.request_id)
                 self._lose(d.engine, f"engine {d.engine}: {e}", dead=True)
 
+    def _hashes(self, request: EngineCoreRequest) -> list[bytes]:
+        """The block hashes the engines will compute for its tokens (when the router reads them)."""
+        if not self._hash:
+            return []
+        lr = request.lora_request
+        return block_hashes_of(request.prompt_token_ids + request.output_token_ids, self.kv_info.block_size,
+                               request.cache_salt, lr.lora_int_id if lr is not None else None)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
         with self._lock:
+            if self.pd is not None:
+                self.pd.abort(request_ids)
             self.mover.end(request_ids)
             for rid in request_ids:
                 e = self._live.pop(rid, None)
@@ -230,6 +249,8 @@ class DataParallelClient:
         log.warning("%s; moving its %d requests to the other engines", why,
                     sum(1 for e in self._live.values() if e == i))
         self._move_off(i, "lost")
+        if self.pd is not None:  # its prefill legs: decode recomputes those prompts
+            self.pd.engine_lost(i)
         return True
 
     def _move_off(self, i: int, cause: MoveCause, ids: list[str] | None = None) -> int:
@@ -369,39 +390,13 @@ class DataParallelClient:
         return self.fleet.in_service()
 
     def engines(self) -> list[dict[str, Any]]:
-        """Each engine's slot, state and process ids (admin view; tests pick a victim here)."""
-        out: list[dict[str, Any]] = []
-        for i, slot in enumerate(list(self.fleet.slots)):
-            st = slot.stats
-            info: dict[str, Any] = {"engine": i, "state": slot.state.value, "kv_cache_usage": (
-                st.kv_cache_usage if st is not None else 0.0), "requests": (
-                st.num_running_reqs + st.num_waiting_reqs if st is not None else 0)}
-            if slot.state in (UP, DRAINED):
-                info["worker_pids"] = slot.client.worker_pids()
-                pid = slot.client.engine_pid()
-                if pid is not None:
-                    info["actor_pid"] = pid
-            out.append(info)
-        return out
+        """Each engine's slot, state, role and process ids (admin view; tests pick a victim here)."""
+        return engine_rows(self.fleet, self.pd.role if self.pd is not None else None)
 
     def metric_rows(self) -> list[MetricRow]:
-        """Per-engine series, each with an `engine` label: prefix-cache
-        queries and hits in tokens, the router's decisions by policy and
-        reason, its index size in blocks, migrations off each engine by
-        cause, and tokens each engine prefilled again for requests migrated
-        to it (conveyor/engine/dp/migration_log.py)."""
-        rows: list[MetricRow] = []
+        """Per-engine series (conveyor/engine/dp/admin_view.py)."""
         with self._lock:
-            for e, slot in enumerate(self.fleet.slots):
-                lab = {"engine": str(e)}
-                rows += [("prefix_cache_queries", "counter", lab, slot.prefix_queries),
-                         ("prefix_cache_hits", "counter", lab, slot.prefix_hits),
-                         ("router_index_blocks", "gauge", lab, self.router.index_size(e))]
-            for (policy, reason, e), n in sorted(self.router.decisions.items()):
-                rows.append(("router_decisions", "counter",
-                             {"engine": str(e), "policy": policy, "reason": reason}, n))
-            rows += self.migrations.rows()
-        return rows
+            return fleet_metric_rows(self.fleet, self.router, self.migrations)
 
     # ---- slots (the FleetScaler's mechanism) ------------------------------------------
 
@@ -482,6 +477,8 @@ class DataParallelClient:
 
     def shutdown(self) -> None:
         self.scaler.stop()
+        if self.pd is not None:
+            self.pd.stop()
         owner = self.fleet.ray_owner()
         # Last first, and the client that started Ray after all.
         order = [i for i in reversed(range(len(self.fleet))) if i != owner] + ([owner] if owner is not None else [])

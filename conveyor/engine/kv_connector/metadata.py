@@ -16,7 +16,19 @@ import msgspec
 
 TIER_CPU = 0
 TIER_DISK = 1
-TIER_NAMES = ("cpu", "disk")
+TIER_REMOTE = 2  # another engine's files in the shared KV folder (named by the request's KVTransfer)
+TIER_NAMES = ("cpu", "disk", "remote")
+TRANSFER_SOURCES = ("prefill", "migration", "peer")
+
+
+class KVTransfer(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """KV another engine of the same model wrote for a request into the shared
+    KV folder (`cache.offload_disk_path`): the first num_blocks full blocks of
+    its tokens. A block that is missing (after waiting up to wait_s for it to
+    land), torn or foreign fails its check and is recomputed, never used."""
+    source: str  # one of TRANSFER_SOURCES (the reuse counter's label)
+    num_blocks: int
+    wait_s: float = 0.0
 
 
 class BlockSave(msgspec.Struct, array_like=True, gc=False):
@@ -34,6 +46,7 @@ class TierLoad(msgspec.Struct, array_like=True, gc=False):
     tiers: list[int]
     slots: list[int]
     block_ids: list[int]
+    wait_s: float = 0.0  # remote blocks may still be landing: a missing file is retried this long
 
 
 class KVConnectorMetadata(msgspec.Struct, array_like=True, gc=False):

@@ -10,6 +10,7 @@ This side owns the index of both tiers; the worker side
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -21,6 +22,7 @@ from conveyor.engine.kv_connector.metadata import (
     TIER_CPU,
     TIER_DISK,
     TIER_NAMES,
+    TIER_REMOTE,
     BlockSave,
     KVConnectorMetadata,
     KVConnectorOutput,
@@ -45,6 +47,7 @@ class _Load:
     block_ids: list[int]
     tiers: list[int]
     disk_keys: list[bytes]  # pinned on disk until the load finishes
+    source: str = ""  # the remote blocks' KVTransfer.source
 
 
 class TierConnectorScheduler(KVConnectorScheduler):
@@ -58,6 +61,8 @@ class TierConnectorScheduler(KVConnectorScheduler):
         # Requests whose tier load was given up: they recompute, never retry a tier.
         self._no_tier: set[str] = set()
         self._stats = TierStats()
+        # Leases (prefill legs): (until, keys) held on disk for another engine to read.
+        self._leases: list[tuple[float, list[bytes]]] = []
         self.events: TierEvents | None = None
         for index, other in ((self.cpu, self.disk), (self.disk, self.cpu)):
             index.on_add = lambda key, other=other: self._tier_changed(key, other, True)
@@ -94,19 +99,30 @@ class TierConnectorScheduler(KVConnectorScheduler):
             return TIER_DISK
         return -1
 
+    def _tier_of(self, request: Request, i: int, key: bytes) -> int:
+        """Where block i of the request loads from: a tier of this engine, else
+        another engine's file that its KVTransfer names, else -1."""
+        tier = self._loadable_tier(key)
+        xf = request.kv_transfer
+        if tier < 0 and xf is not None and i < xf.num_blocks and self.spec.disk_folder is not None:
+            return TIER_REMOTE
+        return tier
+
     def get_num_new_matched_tokens(self, request: Request, num_local_computed: int) -> tuple[int, bool]:
         if request.request_id in self._no_tier or request.prompt_logprobs is not None:
             return 0, False
         bs = self.spec.block_size
         n = 0
+        start = num_local_computed // bs
         # Capped like a local hit: the last token is computed to produce logits.
-        for key in request.block_hashes[num_local_computed // bs:(request.num_tokens - 1) // bs]:
-            tier = self._loadable_tier(key)
+        for i, key in enumerate(request.block_hashes[start:(request.num_tokens - 1) // bs], start):
+            tier = self._tier_of(request, i, key)
             if tier < 0:
                 break
-            # Kept until the step is built: allocating the load's blocks evicts
-            # pool blocks into the tiers, which must not push these out.
-            (self.cpu if tier == TIER_CPU else self.disk).pinned.add(key)
+            if tier != TIER_REMOTE:
+                # Kept until the step is built: allocating the load's blocks evicts
+                # pool blocks into the tiers, which must not push these out.
+                (self.cpu if tier == TIER_CPU else self.disk).pinned.add(key)
             n += 1
         return n * bs, n > 0
 
@@ -115,24 +131,28 @@ class TierConnectorScheduler(KVConnectorScheduler):
         bs = self.spec.block_size
         start = request.num_computed_tokens // bs
         keys = request.block_hashes[start:start + num_external_tokens // bs]
-        load = TierLoad(self._next_load_id, request.request_id, [], [], [], [])
+        xf = request.kv_transfer
+        load = TierLoad(self._next_load_id, request.request_id, [], [], [], [],
+                        wait_s=xf.wait_s if xf is not None else 0.0)
         self._next_load_id += 1
         disk_keys = []
-        for key in keys:
-            tier = self._loadable_tier(key)
+        for i, key in enumerate(keys, start):
+            tier = self._tier_of(request, i, key)
             if tier < 0:  # cannot happen while lookups pin; the load just ends here
                 break
-            index = self.cpu if tier == TIER_CPU else self.disk
-            index.touch(key)
             load.keys.append(key)
-            load.block_ids.append(block_ids[start + len(load.tiers)])
+            load.block_ids.append(block_ids[i])
             load.tiers.append(tier)
-            load.slots.append(index.entries[key].slot if tier == TIER_CPU else -1)
-            if tier == TIER_DISK:
+            load.slots.append(self.cpu.entries[key].slot if tier == TIER_CPU else -1)
+            if tier == TIER_CPU:
+                self.cpu.touch(key)
+            elif tier == TIER_DISK:
+                self.disk.touch(key)
                 disk_keys.append(key)
                 self.disk.held[key] += 1  # read over several steps
         self._meta.loads.append(load)
-        self._loads[load.load_id] = _Load(request.request_id, load.keys, load.block_ids, load.tiers, disk_keys)
+        self._loads[load.load_id] = _Load(request.request_id, load.keys, load.block_ids, load.tiers, disk_keys,
+                                          xf.source if xf is not None else "")
         return load.load_id
 
     def give_up_load(self, load_id: int, request_id: str) -> None:
@@ -167,6 +187,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
             self._meta.disk_saves.append(BlockSave(key, block_id, -1))
 
     def _disk_insert(self, key: bytes, ready: bool) -> bool:
+        self._end_leases()
         placed = self.disk.insert(key, ready)
         if placed is None:
             return False
@@ -185,13 +206,35 @@ class TierConnectorScheduler(KVConnectorScheduler):
         """block_ids: the request's computed (hashed) blocks, in order. They
         go to disk now (copied at the next step's start, before any reuse)."""
         self._no_tier.discard(request.request_id)
-        if self.disk.capacity:
-            for key, block_id in zip(request.block_hashes, block_ids):
-                if key in self.disk:
-                    self.disk.touch(key)
-                else:
-                    self._disk_save(block_id, key)
+        if not self.disk.capacity:
+            return False, None
+        xf = request.kv_transfer
+        theirs = xf.num_blocks if xf is not None else 0  # another engine wrote (and owns) these
+        for key, block_id in list(zip(request.block_hashes, block_ids))[theirs:]:
+            if key in self.disk:
+                self.disk.touch(key)
+            else:
+                self._disk_save(block_id, key)
+        if request.kv_lease_s > 0:  # a prefill leg: its blocks stay for the decode engine
+            keys = [k for k in request.block_hashes[:len(block_ids)] if k in self.disk]
+            for key in keys:
+                self.disk.held[key] += 1
+            self._leases.append((time.monotonic() + request.kv_lease_s, keys))
         return False, None
+
+    def _end_leases(self) -> None:
+        now = time.monotonic()
+        if not self._leases or self._leases[0][0] > now:
+            return
+        keep = []
+        for until, keys in self._leases:
+            if until > now:
+                keep.append((until, keys))
+                continue
+            for key in keys:
+                if key in self.disk:
+                    self.disk.release(key)
+        self._leases = keep
 
     # ---- the step ------------------------------------------------------------------
 
@@ -199,6 +242,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
         return not self._meta.empty()
 
     def build_connector_meta(self) -> KVConnectorMetadata | None:
+        self._end_leases()
         meta, self._meta = self._meta, KVConnectorMetadata()
         self.cpu.pinned.clear()  # the worker reads host slots at this step's start
         self.disk.pinned.clear()
@@ -229,7 +273,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
                 self._drop_bad(ld.keys[n], ld.tiers[n])
             by_source: dict[str, int] = {}
             for tier in ld.tiers[:n]:
-                name = TIER_NAMES[tier]
+                name = ld.source if tier == TIER_REMOTE else TIER_NAMES[tier]
                 by_source[name] = by_source.get(name, 0) + self.spec.block_size
             results.append(LoadResult(load_id, ld.req_id, n * self.spec.block_size, by_source))
         return results
@@ -238,7 +282,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
         """A block that failed its load is not offered again (a retry would fail the same way)."""
         if tier == TIER_CPU:
             self.cpu.remove(key)
-        elif self.disk.remove(key) >= 0:
+        elif tier == TIER_DISK and self.disk.remove(key) >= 0:
             self._meta.disk_deletes.append(key)
 
     def reset(self, lost_workers: bool) -> None:
@@ -250,6 +294,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
         self._no_tier.clear()
         self.disk.pinned.clear()
         self.disk.held.clear()
+        self._leases.clear()
         if lost_workers:
             for key in [k for k, e in self.disk.entries.items() if not e.ready]:
                 self.disk.remove(key)

@@ -4,6 +4,7 @@ conveyor/engine/kv_connector/disk_format.py."""
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,12 +32,21 @@ class DiskIO:
     def delete(self, key: bytes) -> None:
         self._writer.submit(disk_format.block_path(self.folder, key).unlink, missing_ok=True)
 
-    def read(self, key: bytes) -> Future[bytes | None]:
-        """The verified payload, or None (missing, torn, corrupted, foreign)."""
-        return self._reader.submit(self._read, key)
+    def read(self, key: bytes, wait_s: float = 0.0) -> Future[bytes | None]:
+        """The verified payload, or None (missing, torn, corrupted, foreign).
+        wait_s: another engine may still be writing it; a missing file is
+        looked for again until then (a file appears whole: written, then renamed)."""
+        # One deadline from now: a load's reads queued behind each other share it.
+        return self._reader.submit(self._read, key, time.monotonic() + wait_s)
 
-    def _read(self, key: bytes) -> bytes | None:
+    def _read(self, key: bytes, until: float) -> bytes | None:
         data = disk_format.read(self.folder, key)
+        if data is None and time.monotonic() < until:
+            pause = 0.0005
+            while data is None and time.monotonic() < until:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+                data = disk_format.read(self.folder, key)
         return None if data is None else disk_format.decode(data, key, self.model_id, self.nbytes)
 
     def finished_writes(self) -> tuple[list[bytes], list[bytes]]:

@@ -178,8 +178,8 @@ class TierConnectorWorker(KVConnectorWorker):
         pending = _DiskLoad(ld, reads, time.monotonic() + self.spec.load_timeout_s)
         for i, tier in enumerate(ld.tiers):
             try:
-                if tier != TIER_CPU:
-                    reads[i] = self._disk().read(ld.keys[i])
+                if tier != TIER_CPU:  # this engine's disk tier, or another engine's files
+                    reads[i] = self._disk().read(ld.keys[i], ld.wait_s)
                 elif not self._load_host(ld, i):
                     pending.invalid.append(ld.block_ids[i])
             except Exception as e:  # noqa: BLE001 - fails this load's blocks only

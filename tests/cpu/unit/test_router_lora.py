@@ -109,7 +109,7 @@ def test_data_parallel_client_routes_on_the_adapter_and_its_hashes() -> None:
     dp.router.adapter_loaded(1, "ad")
     seen: list[tuple] = []
     route = dp.router.route
-    dp.router.route = lambda *a: seen.append(a) or route(*a)  # type: ignore[method-assign]
+    dp.router.route = lambda *a, **kw: seen.append(a) or route(*a, **kw)  # type: ignore[method-assign]
     dp.add_request(EngineCoreRequest(request_id="r", prompt_token_ids=toks, sampling_params=SamplingParams(
         max_tokens=4), arrival_time=0.0, priority=0, eos_token_id=None, lora_request=lr))
     assert engines[1].added_ids == ["r"]

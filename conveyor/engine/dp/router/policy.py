@@ -131,6 +131,9 @@ class Router:
         self._rng = random.Random(settings.seed)
         self._rr = 0
         self._all_mask = (1 << num_engines) - 1
+        # The engines one route() call may pick (live, and in its `only`).
+        self._ok = self.live
+        self._ok_bits = self._all_mask
         self.decisions: dict[tuple[str, str, int], int] = {}
         # Per engine: the adapters it holds, least recently routed first.
         self._adapters: list[OrderedDict[str, None]] = [OrderedDict() for _ in range(num_engines)]
@@ -194,9 +197,19 @@ class Router:
     # ---- decisions -----------------------------------------------------------------
 
     def route(self, request_id: str, hashes: list[bytes], num_tokens: int, max_tokens: int = 0,
-              session: str | None = None, adapter: str | None = None) -> Decision:
+              session: str | None = None, adapter: str | None = None,
+              only: list[int] | None = None) -> Decision:
         """Pick an engine and count the request on it now (before any other decision).
-        `adapter`: the request's LoRA adapter name (None: the base model)."""
+        `adapter`: the request's LoRA adapter name (None: the base model);
+        `only`: the engines it may go to (P/D roles; None: any live one)."""
+        self._ok, self._ok_bits = self.live, self._all_mask
+        if only is not None:
+            allowed = np.zeros(self.n, dtype=bool)
+            allowed[[e for e in only if e < self.n]] = True
+            self._ok = self.live & allowed
+            self._ok_bits = self._all_mask & sum(1 << e for e in only)
+            if not self._ok.any():
+                raise ValueError(f"no live engine among {only}")
         p = self.s.policy
         if p == "kv_aware":
             d = self._kv_aware(hashes, num_tokens, max_tokens, session, adapter)
@@ -262,7 +275,7 @@ class Router:
 
     def _kv_aware(self, hashes: list[bytes], num_tokens: int, max_tokens: int,
                   session: str | None, adapter: str | None) -> Decision:
-        cached, score = self._matches(hashes, num_tokens, self._all_mask)
+        cached, score = self._matches(hashes, num_tokens, self._ok_bits)
         uncached = np.full(self.n, float(num_tokens))
         for e, t in score.items():
             uncached[e] -= t
@@ -273,7 +286,7 @@ class Router:
         if adapter is not None:
             holds = np.array([adapter in held for held in self._adapters])
             cost[~holds] += self.s.adapter_load_tokens
-        cost[~self.live] = np.inf
+        cost[~self._ok] = np.inf
         e = self._argmin(cost)
         end = self._held_tokens(uncached + max_tokens)
         if end[e] > self._spill_bound(uncached + max_tokens):
@@ -288,7 +301,7 @@ class Router:
     def _session(self, hashes: list[bytes], num_tokens: int, max_tokens: int,
                  session: str | None) -> Decision:
         e = self._sessions.get(session) if session is not None else None
-        if e is not None and self.live[e]:
+        if e is not None and self._ok[e]:
             cached = self._cached_on(e, hashes, num_tokens)
             work = np.full(self.n, float(num_tokens - cached + max_tokens))
             if self._held_tokens(work)[e] <= self._spill_bound(work):
@@ -297,7 +310,7 @@ class Router:
         return Decision(e, "fallback", self._cached_on(e, hashes, num_tokens))
 
     def _by_load(self, policy: str) -> int:
-        live = np.flatnonzero(self.live)
+        live = np.flatnonzero(self._ok)
         if policy == "round_robin":
             self._rr += 1
             return int(live[self._rr % len(live)])
@@ -305,7 +318,7 @@ class Router:
             a, b = self._rng.sample(range(len(live)), 2)
             ea, eb = int(live[a]), int(live[b])
             return ea if self.load_tokens[ea] <= self.load_tokens[eb] else eb
-        load = np.where(self.live, self.load_tokens, np.inf)
+        load = np.where(self._ok, self.load_tokens, np.inf)
         return self._argmin(load)
 
     def _argmin(self, cost: np.ndarray) -> int:
@@ -322,7 +335,7 @@ class Router:
         n_in = int(self.inflight.sum())
         if n_in > 0:
             return float(self.load_tokens.sum()) / n_in
-        live = work[self.live]
+        live = work[self._ok]
         return float(live.mean()) if len(live) else 0.0
 
     def _held_tokens(self, work: np.ndarray) -> np.ndarray:
@@ -335,7 +348,7 @@ class Router:
     def _spill_bound(self, work: np.ndarray) -> float:
         """spill_ratio x the mean held over live engines + spill_slack mean requests."""
         per_req = self._per_request(work)
-        held = np.maximum(self.load_tokens, self.reported * per_req)[self.live]
+        held = np.maximum(self.load_tokens, self.reported * per_req)[self._ok]
         return (self.s.spill_ratio * float(held.mean()) if len(held) else 0.0) + self.s.spill_slack * per_req
 
     def _remember_session(self, session: str, e: int) -> None:

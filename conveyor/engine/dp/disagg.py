@@ -1,0 +1,241 @@
+"""Prefill/decode disaggregation on the data-parallel engines (docs/disaggregation.md).
+
+With parallel.prefill_engines = P, engines 0..P-1 prefill and the others
+decode. A new request's prompt runs first as a *prefill leg* on a prefill
+engine: a request of its own (id + LEG_SUFFIX, max_tokens 1, greedy) whose
+output nobody sees; its blocks are written to the shared KV folder
+(cache.offload_disk_path) when it finishes and leased there for
+cache.kv_lease_s (`kv_lease_s` on the leg). Then the request itself goes to a
+decode engine with a KVTransfer naming the prompt's full blocks: the decode
+engine loads them (waiting for files still landing), checks each and
+recomputes what fails, computes the prompt's last token and samples every
+output token itself, so its tokens are exactly a colocated run's (greedy,
+seeded, structured, n > 1: nothing of the leg's sampling is kept).
+
+Failure: a leg whose engine is lost, whose finish is an error, or that has
+not finished by its deadline (cache.kv_load_timeout_s) sends the request to
+decode without a transfer (it recomputes the prompt); its leg is aborted
+where the engine still lives. An abort ends both legs. Every leg ends
+exactly once: finished, failed, expired or aborted.
+
+The owner (DataParallelClient) holds its lock around every method here.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+
+from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from conveyor.engine.dp.fleet import Fleet
+from conveyor.engine.dp.mover import Mover
+from conveyor.engine.dp.router.policy import Router
+from conveyor.engine.errors import EngineDeadError
+from conveyor.engine.kv_connector.metadata import KVTransfer
+from conveyor.engine.sampling_params import SamplingFields
+
+log = logging.getLogger(__name__)
+
+LEG_SUFFIX = "#prefill"
+LEG_SAMPLING = SamplingFields(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+@dataclass(frozen=True)
+class PDSettings:
+    prefill_engines: int
+    block_size: int
+    lease_s: float  # the prefill engine keeps the leg's blocks this long
+    deadline_s: float  # a leg not finished by then: decode recomputes
+
+    def is_prefill(self, engine: int) -> bool:
+        return engine < self.prefill_engines
+
+
+@dataclass
+class _Leg:
+    request: EngineCoreRequest  # the request itself, as the frontend sent it
+    engine: int
+    deadline: float
+
+
+class PrefillLegs:
+    def __init__(self, s: PDSettings) -> None:
+        self.s = s
+        self._legs: dict[str, _Leg] = {}  # leg id -> its leg
+        self.num_failed = 0  # legs that ended without a transfer (lost, error, late)
+
+    def __len__(self) -> int:
+        return len(self._legs)
+
+    def wants_leg(self, request: EngineCoreRequest) -> bool:
+        """A fresh request with at least one full block to hand over (a request
+        that already has tokens, or asks for prompt logprobs, decodes directly)."""
+        return (not request.output_token_ids and request.sampling_params.prompt_logprobs is None
+                and (len(request.prompt_token_ids) - 1) // self.s.block_size >= 1)
+
+    def start(self, request: EngineCoreRequest, engine: int, now: float) -> EngineCoreRequest:
+        """The leg to send to prefill engine `engine`."""
+        leg = msgspec.structs.replace(request, request_id=request.request_id + LEG_SUFFIX,
+                                      sampling_params=LEG_SAMPLING, session=None,
+                                      kv_lease_s=self.s.lease_s, kv_transfer=None)
+        self._legs[leg.request_id] = _Leg(request, engine, now + self.s.deadline_s)
+        return leg
+
+    def engine_of(self, leg_id: str) -> int | None:
+        leg = self._legs.get(leg_id)
+        return leg.engine if leg is not None else None
+
+    def finish(self, leg_id: str, ok: bool) -> EngineCoreRequest:
+        """The leg ended on its engine: the request for decode (with the
+        transfer when the prompt's blocks were written)."""
+        leg = self._legs.pop(leg_id)
+        return self._for_decode(leg.request, ok)
+
+    def _for_decode(self, request: EngineCoreRequest, ok: bool) -> EngineCoreRequest:
+        if not ok:
+            self.num_failed += 1
+            return request
+        n = len(request.prompt_token_ids) // self.s.block_size
+        xf = KVTransfer("prefill", n, wait_s=min(self.s.lease_s, self.s.deadline_s))
+        return msgspec.structs.replace(request, kv_transfer=xf)
+
+    def on_engine(self, engine: int) -> list[str]:
+        return [lid for lid, leg in self._legs.items() if leg.engine == engine]
+
+    def fail(self, leg_id: str) -> EngineCoreRequest:
+        """Its engine is lost (or it ran late): decode recomputes the prompt."""
+        leg = self._legs.pop(leg_id)
+        return self._for_decode(leg.request, False)
+
+    def expired(self, now: float) -> list[str]:
+        return [lid for lid, leg in self._legs.items() if leg.deadline <= now]
+
+    def next_deadline(self) -> float | None:
+        return min((leg.deadline for leg in self._legs.values()), default=None)
+
+    def abort(self, request_ids: list[str]) -> list[tuple[int, str]]:
+        """The requests end: (engine, leg id) of their legs, to abort there."""
+        out = []
+        for rid in request_ids:
+            lid = rid + LEG_SUFFIX
+            leg = self._legs.pop(lid, None)
+            if leg is not None:
+                out.append((leg.engine, lid))
+        return out
+
+
+class PDFlow:
+    """The data-parallel client's P/D mechanism: starts legs, takes their
+    outputs out of the stream, sends each request on to decode, and expires
+    legs past their deadline (a watchdog thread, under the client's lock)."""
+
+    def __init__(self, client: DPClientParts, s: PDSettings) -> None:
+        self.c = client
+        self.legs = PrefillLegs(s)
+        self.s = s
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._watchdog, name="conveyor-pd-legs", daemon=True)
+        self._watch.start()
+
+    def role(self, engine: int) -> str:
+        return "prefill" if self.s.is_prefill(engine) else "decode"
+
+    def decoders(self) -> list[int]:
+        return [e for e in range(len(self.c.fleet)) if not self.s.is_prefill(e)]
+
+    def add(self, request: EngineCoreRequest, hashes: list[bytes]) -> bool:
+        """Start the request's prefill leg; False: it goes straight to decode."""
+        if not self.legs.wants_leg(request):
+            return False
+        up = [e for e in self.c.fleet.up() if self.s.is_prefill(e)]
+        if not up:
+            return False  # no prefill engine: the decode engines prefill too
+        lr = request.lora_request
+        lid = request.request_id + LEG_SUFFIX
+        d = self.c.router.route(lid, hashes, len(request.prompt_token_ids), 1, None,
+                                lr.lora_name if lr is not None else None, only=up)
+        leg = self.legs.start(request, d.engine, time.monotonic())
+        try:
+            self.c.fleet.client(d.engine).add_request(leg)
+        except EngineDeadError:
+            self.legs.fail(lid)
+            self.c.router.finish(lid)
+            return False
+        return True
+
+    def intercept(self, engine: int, outs: EngineCoreOutputs) -> None:
+        """Take the legs' outputs out of engine's outputs; a finished leg sends its request to decode."""
+        keep = []
+        for o in outs.outputs:
+            if not o.request_id.endswith(LEG_SUFFIX):
+                keep.append(o)
+            elif o.finished and self.legs.engine_of(o.request_id) == engine:
+                self.c.router.finish(o.request_id)
+                ok = o.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+                self._to_decode(self.legs.finish(o.request_id, ok))
+        outs.outputs = keep
+
+    def engine_lost(self, engine: int) -> None:
+        for lid in self.legs.on_engine(engine):
+            self.c.router.finish(lid)
+            self._to_decode(self.legs.fail(lid))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for e, lid in self.legs.abort(request_ids):
+            self.c.router.finish(lid)
+            if not self.c.fleet.state(e).gone:
+                self.c.fleet.client(e).abort_requests([lid])
+
+    def _expire(self, lid: str) -> None:
+        e = self.legs.engine_of(lid)
+        self.c.router.finish(lid)
+        request = self.legs.fail(lid)
+        log.warning("prefill leg of %s on engine %s not finished within %.1f s; decode recomputes it",
+                    request.request_id, e, self.s.deadline_s)
+        if e is not None and not self.c.fleet.state(e).gone:
+            self.c.fleet.client(e).abort_requests([lid])
+        self._to_decode(request)
+
+    def _to_decode(self, request: EngineCoreRequest) -> None:
+        try:
+            self.c._place(request)
+        except EngineDeadError as e:  # no decode engine up: the request ends with the error
+            self.c.mover.book.drop([request.request_id])
+            self.c._emit(EngineCoreOutputs([EngineCoreOutput(request.request_id, [],
+                                                             finish_reason=FinishReason.ERROR)],
+                                           engine_error=None))
+            log.error("request %s: no decode engine to take it: %s", request.request_id, e)
+
+    def expire(self, now: float) -> int:
+        """End the legs past their deadline at `now` (under the client's lock)."""
+        late = self.legs.expired(now)
+        for lid in late:
+            self._expire(lid)
+        return len(late)
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(self._pause()):
+            with self.c._lock:
+                self.expire(time.monotonic())
+
+    def _pause(self) -> float:
+        nxt = self.legs.next_deadline()
+        return 0.5 if nxt is None else min(max(nxt - time.monotonic(), 0.005), 0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class DPClientParts(Protocol):
+    """What PDFlow uses of the DataParallelClient (conveyor/engine/dp/client.py)."""
+    fleet: Fleet
+    router: Router
+    mover: Mover
+    _lock: threading.Lock
+
+    def _place(self, request: EngineCoreRequest) -> int: ...
+    def _emit(self, outs: EngineCoreOutputs) -> None: ...
