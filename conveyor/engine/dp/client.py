@@ -34,7 +34,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest
 from conveyor.engine.core_client import CoreClient, FleetAdmin, MetricRow, OutputHandler
 from conveyor.engine.dp.admin_view import engine_rows, fleet_metric_rows
-from conveyor.engine.dp.disagg import PDFlow, PDSettings
+from conveyor.engine.dp.disagg import PDFlow, PDSettings, carry_kv
 from conveyor.engine.dp.fleet import EngineState, Fleet, Vacant
 from conveyor.engine.dp.migration_log import MigrationLog
 from conveyor.engine.dp.mover import MoveCause, Mover
@@ -68,10 +68,13 @@ class DataParallelClient:
         self._live: dict[str, int] = {}  # request id -> the engine that owns it now
         self.dead = DeadFlag()  # the frontend's record (AsyncLLM shares it)
         self.migrations = MigrationLog(len(self.fleet))
-        self.mover = Mover(self._lock, self._emit, self._place, self.migrations)
+        cc = config.cache
+        shared_kv = cc.enable_prefix_caching and bool(cc.offload_disk_path) and cc.offload_disk_gb > 0
+        self.mover = Mover(self._lock, self._emit, self._place, self.migrations, carry_kv(
+            self.kv_info.block_size, min(cc.kv_lease_s, cc.kv_load_timeout_s)) if shared_kv else None)
         self.paces = PacedDrains(self.mover.book, self._live.get, self.mover.in_flight, self._move_paced)
         self._idle: dict[int, threading.Event] = {}  # drained engine -> set once it holds nothing
-        p, cc = config.parallel, config.cache
+        p = config.parallel
         self.pd = PDFlow(self, PDSettings(p.prefill_engines, self.kv_info.block_size, cc.kv_lease_s,
                                           cc.kv_load_timeout_s)) if p.prefill_engines else None
         for i, c in enumerate(self.fleet.clients):

@@ -32,7 +32,7 @@ import msgspec
 
 from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from conveyor.engine.dp.fleet import Fleet
-from conveyor.engine.dp.mover import Mover
+from conveyor.engine.dp.mover import Ask, Carry, Mover
 from conveyor.engine.dp.router.policy import Router
 from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.kv_connector.metadata import KVTransfer
@@ -126,6 +126,20 @@ class PrefillLegs:
             if leg is not None:
                 out.append((leg.engine, lid))
         return out
+
+
+def carry_kv(block_size: int, wait_s: float) -> Carry:
+    """A drained engine's request moves with its KV: its old engine wrote the
+    computed blocks to the shared KV folder when the move aborted it there;
+    the new engine loads them and computes at most the last partial block.
+    Only a request that delivered a token has its whole context computed (a
+    waiting one recomputes); a lost engine's memory is gone: exact re-prefill."""
+    def carry(request: EngineCoreRequest, ask: Ask) -> EngineCoreRequest:
+        if ask.cause != "drain" or not request.output_token_ids:
+            return request
+        n = (len(request.prompt_token_ids) + len(request.output_token_ids) - 1) // block_size
+        return msgspec.structs.replace(request, kv_transfer=KVTransfer("migration", n, wait_s=wait_s))
+    return carry
 
 
 class PDFlow:

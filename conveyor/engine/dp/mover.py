@@ -51,6 +51,11 @@ class Ask:
     cause: MoveCause
 
 
+# carry(request, ask) -> the request as its new engine gets it (with the KV
+# its old engine left in the shared KV folder, when there is one).
+Carry = Callable[[EngineCoreRequest, Ask], EngineCoreRequest]
+
+
 class MoveBook:
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
@@ -92,8 +97,9 @@ class Mover:
     answered while no engine was up: parked)."""
 
     def __init__(self, lock: threading.Lock, emit: Callable[[EngineCoreOutputs], None],
-                 place: Place, migrations: MigrationLog) -> None:
+                 place: Place, migrations: MigrationLog, carry: Carry | None = None) -> None:
         self._lock, self._emit, self._place, self._migrations = lock, emit, place, migrations
+        self._carry = carry
         self.book = MoveBook()
         self._asks: dict[int, Ask] = {}
         self.moving: dict[str, int] = {}  # request id -> the tag of the ask that moves it
@@ -126,6 +132,8 @@ class Mover:
 
     def _complete_one(self, r: EngineCoreRequest, ask: Ask) -> None:
         last = self.book.last_delivery(r.request_id) or time.monotonic()
+        if self._carry is not None:
+            r = self._carry(r, ask)
         try:
             dst = self._place(r)
         except EngineDeadError:  # no engine up now: it goes on once one is

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 import pytest
 from llm_utils import random_prompts
@@ -83,3 +85,43 @@ def test_killed_prefill_worker_costs_no_request(tiny_llama, colocated, tmp_path,
         assert _outputs(llm) == colocated
         assert (dp.pd.legs.num_failed > 0) == (restarts == 0)
         assert dp.engines()[0]["state"] == ("dead" if restarts == 0 else "up")
+
+
+def test_drain_moves_the_kv_with_the_requests(tiny_llama, tmp_path):
+    """Drain one of two engines with 16 long streams in flight: the moved
+    requests load the blocks their old engine left in the shared KV folder
+    and compute at most their last partial block again; tokens unchanged."""
+    prompts = random_prompts(16, 60, 100, seed=8)
+    sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    with LLM(model=tiny_llama, max_model_len=256) as llm:
+        ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+    with LLM(model=tiny_llama, max_model_len=256, data_parallel_size=2, router="round_robin",
+             offload_disk_path=str(tmp_path / "kv"), offload_disk_gb=0.05) as llm:
+        dp = llm.engine.client  # type: ignore[attr-defined]
+        moved: list[int] = []
+
+        def drain_once_all_stream() -> None:  # every request has tokens out: mid-decode
+            first: dict[str, int] = {}
+            while True:
+                with dp._lock:
+                    ctx = {r: dp.mover.book.context(r) for r in dp._live}
+                for r, n in ctx.items():
+                    first.setdefault(r, n)
+                if len(first) == 16 and all(ctx.get(r, n + 1) > n for r, n in first.items()):
+                    break
+                time.sleep(0.002)
+            moved.append(dp.drain(0))
+
+        t = threading.Thread(target=drain_once_all_stream)
+        t.start()
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+        t.join()
+        m = llm.get_metrics()
+    assert got == ref
+    assert moved[0] >= 6, moved  # about half the streams were on engine 0
+    # Tokens the new engine computed again for the moved requests (context - cached):
+    # at most the last partial block each; before, the whole context (~100 each).
+    again = m['conveyor:migration_reprefill_tokens_total{engine="1"}']
+    assert again <= 16 * moved[0], (again, moved)
+    assert m['conveyor_kv_reused_tokens_total{source="migration"}'] >= 60 * moved[0]
+    assert m.get("conveyor_kv_transfer_failures_total", 0) == 0
