@@ -63,16 +63,23 @@ _NESTED: dict[str, tuple[dict[str, Any], str]] = {
     "llava": ({"image_token_index": 32000, "projector_hidden_act": "gelu",
                "vision_feature_select_strategy": "default", "vision_feature_layer": -2,
                "multimodal_projector_bias": True, "image_seq_length": 576}, "llama"),
+    "qwen2_5_vl": ({"image_token_id": 151655, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                    "vocab_size": 152064}, "qwen2"),
 }
 
 
 def _lift_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     own, text_type = _NESTED[str(raw.get("model_type"))]
     text = dict(raw.get("text_config") or {})
-    text_type = str(text.get("model_type", text_type))
+    if text.get("model_type") in _FAMILIES:
+        text_type = str(text["model_type"])
     top = {k: v for k, v in raw.items() if k != "text_config"}
-    return {**_COMMON, **_FAMILIES.get(text_type, {}), **text, **own, **top,
-            "text_model_type": text_type}
+    out = {**_COMMON, **_FAMILIES[text_type], **own, **text, **top, "text_model_type": text_type}
+    for key in ("rope_parameters", "rope_scaling"):  # M-RoPE's bands rotate with the default frequencies
+        rope = out.get(key)
+        if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "mrope":
+            out[key] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "default"}
+    return out
 
 
 class HFConfig:

@@ -4,8 +4,8 @@ _gather_mm_embeddings).
 The encoder cache maps mm_hash -> that image's encoder output [length,
 hidden]; it changes only as the SchedulerOutput says: entries named in
 `free_encoder_mm_hashes` go first, then the images of
-`scheduled_encoder_inputs` are encoded (each distinct image once, images of
-one pixel shape in one batch). The forward's input embeddings are the token
+`scheduled_encoder_inputs` are encoded (each distinct image once, by the
+model's encode_images). The forward's input embeddings are the token
 embeddings with each scheduled placeholder position replaced by its row of
 the image's output, so a prefill chunk that cuts through an image reads the
 rows of its part and the next chunk reads the rest from the cache.
@@ -19,6 +19,7 @@ import torch
 
 from conveyor.engine.contracts import SchedulerOutput
 from conveyor.engine.multimodal.features import MultiModalFeature
+from conveyor.workers.mrope import mrope_positions
 
 if TYPE_CHECKING:
     from conveyor.workers.input_batch import CachedRequestState
@@ -35,6 +36,9 @@ class EncoderRunner:
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.cache: dict[str, torch.Tensor] = {}
+        # M-RoPE models: each image request's prompt positions [3, P] and delta.
+        self.merge = model.vision.merge if getattr(model, "uses_mrope", False) else 0
+        self._mrope: dict[str, tuple[np.ndarray, int]] = {}
 
     def free(self, mm_hashes: list[str]) -> None:
         for h in mm_hashes:
@@ -48,17 +52,15 @@ class EncoderRunner:
                 f = requests[rid].mm_features[i]
                 if f.mm_hash not in self.cache:
                     todo[f.mm_hash] = f
-        by_shape: dict[tuple[int, ...], list[MultiModalFeature]] = {}
-        for f in todo.values():
-            by_shape.setdefault(tuple(f.shape), []).append(f)
-        for group in by_shape.values():
-            pixels = torch.stack([pixels_of(f, self.dtype, self.device) for f in group])
-            out = self.model.embed_images(pixels)
-            for f, rows in zip(group, out):
-                if rows.shape[0] != f.length:
-                    raise RuntimeError(f"image {f.mm_hash[:12]}: the encoder gave {rows.shape[0]} rows "
-                                       f"for {f.length} placeholder tokens")
-                self.cache[f.mm_hash] = rows
+        if not todo:
+            return
+        feats = list(todo.values())
+        out = self.model.encode_images([pixels_of(f, self.dtype, self.device) for f in feats], feats)
+        for f, rows in zip(feats, out):
+            if rows.shape[0] != f.length:
+                raise RuntimeError(f"image {f.mm_hash[:12]}: the encoder gave {rows.shape[0]} rows "
+                                   f"for {f.length} placeholder tokens")
+            self.cache[f.mm_hash] = rows
 
     def gather(self, states: list[CachedRequestState], num_computed: np.ndarray, num_sched: np.ndarray,
                query_start: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -81,6 +83,33 @@ class EncoderRunner:
         if not rows:
             return None
         return torch.from_numpy(np.concatenate(index)).to(self.device), torch.cat(rows)
+
+    def forget(self, req_id: str) -> None:
+        self._mrope.pop(req_id, None)
+
+    def mrope(self, states: list[CachedRequestState], num_computed: np.ndarray, num_sched: np.ndarray,
+              query_start: np.ndarray, positions: np.ndarray) -> torch.Tensor | None:
+        """[3, T] positions of an M-RoPE model's step: a text row's (p, p, p);
+        an image request's prompt positions from its table, later tokens at
+        index + delta. None when no row has an image (the plain positions are
+        the same)."""
+        if not self.merge or not any(st.mm_features for st in states):
+            return None
+        out = np.broadcast_to(positions.astype(np.int64), (3, len(positions))).copy()
+        for row, st in enumerate(states):
+            if not st.mm_features:
+                continue
+            if st.req_id not in self._mrope:
+                self._mrope[st.req_id] = mrope_positions(len(st.prompt_token_ids), st.mm_features, self.merge)
+            table, delta = self._mrope[st.req_id]
+            a, q0 = int(num_computed[row]), int(query_start[row])
+            b, n_prompt = a + int(num_sched[row]), table.shape[1]
+            if a < n_prompt:
+                out[:, q0:q0 + min(b, n_prompt) - a] = table[:, a:min(b, n_prompt)]
+            if b > n_prompt:
+                first = max(a, n_prompt)
+                out[:, q0 + first - a:q0 + b - a] = np.arange(first, b) + delta
+        return torch.from_numpy(out).to(self.device)
 
     def inputs_embeds(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
                       req_ids: list[str], num_computed: np.ndarray, num_sched: np.ndarray,

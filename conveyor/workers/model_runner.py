@@ -202,6 +202,8 @@ class ModelRunner:
             self.mm.free(so.free_encoder_mm_hashes)
         for rid in sorted(so.finished_req_ids):
             self.requests.pop(rid, None)
+            if self.mm is not None:
+                self.mm.forget(rid)
             self._prompt_logprobs_reqs.discard(rid)
             batch.remove_request(rid)
         cached = so.scheduled_cached_reqs
@@ -306,13 +308,13 @@ class ModelRunner:
         # Graphs are refused under PP, so only a last stage replays one.
         # A layerwise KV connector's hooks are not in the captured graphs: eager then.
         layerwise = self.kv_connector is not None and self.kv_connector.layerwise
-        embeds = self._mm_embeds(so, p, num_sched, req_ids) if self.mm is not None else None
+        embeds, mpos = self._mm_inputs(so, p, num_sched, req_ids) if self.mm is not None else (None, None)
         out = (self._graph_step(p, so) if self.graphs is not None and self.lora is None and not layerwise
-               and embeds is None else None)
+               and embeds is None and mpos is None else None)
         if out is None:
             meta = self._attn_metadata(p)
             input_ids = torch.from_numpy(p.input_ids).to(self.device)
-            positions = torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
+            positions = mpos if mpos is not None else torch.from_numpy(p.positions.astype(np.int64)).to(self.device)
             conn = self.kv_connector if layerwise else None
             with set_forward_context(meta, self.attn_backend, conn), set_lora_mapping(lora_mapping):
                 hidden = self.model(input_ids, positions, intermediate_tensors, embeds)
@@ -337,15 +339,18 @@ class ModelRunner:
         self._pending = _PendingSample(logits, req_ids, samples, spec, plp)
         return None
 
-    def _mm_embeds(self, so: SchedulerOutput, p: PreparedInputs, num_sched: np.ndarray,
-                   req_ids: list[str]) -> torch.Tensor | None:
-        """Input embeddings with the step's image rows in place (encoding the
-        scheduled images first); None when no image token is in the step."""
+    def _mm_inputs(self, so: SchedulerOutput, p: PreparedInputs, num_sched: np.ndarray,
+                   req_ids: list[str]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(input embeddings with the step's image rows in place, encoding the
+        scheduled images first; M-RoPE [3, T] positions), each None when the
+        step needs none."""
         assert self.mm is not None
-        rows = np.arange(len(req_ids))
+        computed = self.input_batch.num_computed_tokens[np.arange(len(req_ids))]
         input_ids = torch.from_numpy(p.input_ids).to(self.device)
-        return self.mm.inputs_embeds(so, self.requests, req_ids, self.input_batch.num_computed_tokens[rows],
-                                     num_sched, p.query_start_loc, input_ids)
+        embeds = self.mm.inputs_embeds(so, self.requests, req_ids, computed, num_sched, p.query_start_loc,
+                                       input_ids)
+        states = [self.requests[r] for r in req_ids]
+        return embeds, self.mm.mrope(states, computed, num_sched, p.query_start_loc, p.positions)
 
     def _graph_step(self, p: PreparedInputs, so: SchedulerOutput) -> torch.Tensor | None:
         """Replay a captured graph for a decode-only step (one token per row,

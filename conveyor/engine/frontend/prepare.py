@@ -154,10 +154,11 @@ class Frontend:
         return {"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else ids
 
     def image_placeholder(self) -> str | None:
-        """The text of the model's image placeholder token; None: text only."""
+        """The text an image part becomes (LLaVA: "<image>"; Qwen2.5-VL:
+        "<|vision_start|><|image_pad|><|vision_end|>"); None: text only."""
         if self.images is None or self.tokenizer is None:
             return None
-        return str(self.tokenizer.convert_ids_to_tokens(self.images.image_token_id))
+        return "".join(str(self.tokenizer.convert_ids_to_tokens(i)) for i in self.images.placeholder_ids)
 
     def _expand_images(self, ids: list[int], images: list) -> tuple[list[int], list[MultiModalFeature]]:
         if self.images is None:

@@ -20,6 +20,8 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True, gc=False):
     data: bytes  # the processed pixels, C order
     shape: list[int]
     dtype: str = "float32"
+    # Qwen2.5-VL: the image's (t, h, w) in patches (its pixels are patch rows).
+    grid_thw: list[int] | None = None
 
     @property
     def end(self) -> int:

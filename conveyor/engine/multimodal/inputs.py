@@ -6,8 +6,9 @@ runs the checkpoint's own transformers image processor (resize, rescale,
 normalise: the pixels transformers would give the model), one image at a
 time, so images of any size mix. Every placeholder token of the prompt
 becomes as many tokens as the image has encoder rows (LLaVA: patches, less
-the CLS position with the "default" strategy), as transformers' processor
-expands it. Refusals are `MultiModalInputError`s (HTTP 400) naming the
+the CLS position with the "default" strategy; Qwen2.5-VL: the image's patch
+grid over spatial_merge_size^2, its grid sent along), as transformers'
+processor expands it. Refusals are `MultiModalInputError`s (HTTP 400) naming the
 problem. Callers run this off the event loop and off the engine's step
 thread (the server's prep pool; LLM.generate's own thread).
 """
@@ -29,7 +30,8 @@ class MultiModalInputError(ValueError):
 
 
 # model_type -> (the key of the placeholder token id in config.json, its default)
-_FAMILIES: dict[str, tuple[str, int]] = {"llava": ("image_token_index", 32000)}
+_FAMILIES: dict[str, tuple[str, int]] = {"llava": ("image_token_index", 32000),
+                                         "qwen2_5_vl": ("image_token_id", 151655)}
 
 
 def split_prompt(prompt: Any) -> tuple[Any, list[Any]]:
@@ -62,6 +64,12 @@ class ImageInputs:
         vision = hf.get("vision_config") or {}
         self.patch_size = int(vision.get("patch_size", 32))
         self.keep_cls = hf.get("vision_feature_select_strategy", "default") == "full"
+        # Qwen2.5-VL: patch rows with a grid, merge^2 patches a token; the
+        # placeholder sits between its vision start and end tokens.
+        self.merge = int(vision.get("spatial_merge_size", 2)) if hf["model_type"] == "qwen2_5_vl" else 0
+        self.placeholder_ids = ([int(hf.get("vision_start_token_id", 151652)), self.image_token_id,
+                                 int(hf.get("vision_end_token_id", 151653))] if self.merge
+                                else [self.image_token_id])
         mm = config.multimodal
         self.limit = mm.limit_per_prompt
         self.max_pixels = mm.max_image_pixels
@@ -121,16 +129,22 @@ class ImageInputs:
         rgb = image if image.mode == "RGB" else image.convert("RGB")
         t0 = time.perf_counter()
         try:
-            pixels = self.processor()(images=[rgb], return_tensors="np")["pixel_values"][0]
+            out = self.processor()(images=[rgb], return_tensors="np")
         except (ValueError, OSError) as e:
             raise MediaError(f"image could not be preprocessed: {e}") from e
         self.seconds += time.perf_counter() - t0
         self.count += 1
-        _, ph, pw = pixels.shape
-        rows = (ph // self.patch_size) * (pw // self.patch_size) + (1 if self.keep_cls else 0)
+        grid: list[int] | None = None
+        if self.merge:  # patch rows [t*h*w, C*T*P*P] and the grid
+            pixels, grid = out["pixel_values"], [int(x) for x in out["image_grid_thw"][0]]
+            rows = grid[0] * grid[1] * grid[2] // self.merge ** 2
+        else:
+            pixels = out["pixel_values"][0]
+            _, ph, pw = pixels.shape
+            rows = (ph // self.patch_size) * (pw // self.patch_size) + (1 if self.keep_cls else 0)
         if rows > self.max_rows:
             raise MultiModalInputError(f"an image takes {rows} encoder rows; the engine encodes at most "
                                        f"{self.max_rows} (scheduler.max_num_encoder_input_tokens, "
                                        "multimodal.encoder_cache_tokens)")
         return MultiModalFeature(mm_hash(rgb), offset, rows, pixels.astype("float32").tobytes(),
-                                 list(pixels.shape))
+                                 list(pixels.shape), grid_thw=grid)

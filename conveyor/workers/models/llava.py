@@ -84,5 +84,17 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         b, n, d = feats.shape
         return self.multi_modal_projector(feats.reshape(b * n, d)).view(b, n, -1)
 
+    def encode_images(self, pixels: list[torch.Tensor], features: list[Any]) -> list[torch.Tensor]:
+        """Each image's pixels -> its placeholder rows (images of one shape in one batch)."""
+        out: list[torch.Tensor | None] = [None] * len(pixels)
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for i, px in enumerate(pixels):
+            by_shape.setdefault(tuple(px.shape), []).append(i)
+        for idx in by_shape.values():
+            rows = self.embed_images(torch.stack([pixels[i] for i in idx]))
+            for i, r in zip(idx, rows):
+                out[i] = r
+        return [r for r in out if r is not None]
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -1,4 +1,4 @@
-"""LLaVA end to end (issue 46): greedy fp32 tokens equal transformers'
+"""LLaVA and Qwen2.5-VL end to end (issue 46): greedy fp32 tokens equal transformers'
 generate through its own LlavaProcessor (vLLM's top-5 rule at a
 divergence) on a tiny random checkpoint built here, with one image, two
 images of different sizes, a text-only prompt in the same batch, prefill
@@ -12,7 +12,17 @@ import io
 
 import pytest
 from llm_utils import close_or_why, engine_top5
-from mm_utils import IMAGE_ID, IMAGE_TOKENS, hf_generate, image, make_tiny_llava
+from mm_utils import (
+    IMAGE_ID,
+    IMAGE_TOKENS,
+    QWEN_IMAGE_ID,
+    QWEN_PLACEHOLDER,
+    hf_generate,
+    hf_generate_qwen,
+    image,
+    make_tiny_llava,
+    make_tiny_qwen_vl,
+)
 
 from conveyor.engine import LLM, SamplingParams
 
@@ -111,6 +121,48 @@ def test_chat_with_a_data_url_gives_generates_tokens(llava, refs):
     assert chat.outputs[0].token_ids == gen.outputs[0].token_ids
     assert IMAGE_ID not in plain.prompt_token_ids and len(plain.outputs[0].token_ids) == TOKENS
 
+
+# ---- Qwen2.5-VL: window attention, 2D rotary, the patch merger, M-RoPE -------------------------
+
+QWEN_CASES = [  # images of different sizes get different grids, so different token counts
+    ("The cat runs to the garden today.", []),
+    (f"{LEAD} {QWEN_PLACEHOLDER} what the cat sees", [image(1, (30, 20))]),
+    (f"{QWEN_PLACEHOLDER} and {QWEN_PLACEHOLDER}: which is the dog?", [image(2, (20, 20)), image(3, (40, 28))]),
+    (f"{LEAD} {QWEN_PLACEHOLDER} what the cat sees", [image(4, (24, 36))]),  # case 1's text, another image
+    (f"A small bird eats {QWEN_PLACEHOLDER} the ball", [image(1, (30, 20))]),  # case 1's image, another text
+]
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(tmp_path_factory) -> str:
+    return make_tiny_qwen_vl(str(tmp_path_factory.mktemp("qwen_vl") / "m"))
+
+
+def test_qwen2_5_vl_matches_hf_chunked_preempted_and_tp2(qwen_vl):
+    """M-RoPE positions across chunks that cut through images (16 tokens a
+    step), decode tokens after the images (index + delta), a prefix-cache hit
+    on text blocks only; then a small KV pool (preemption) and TP=2."""
+    refs = [hf_generate_qwen(qwen_vl, p, imgs, TOKENS) for p, imgs in QWEN_CASES]
+    prompts = [_prompt(p, imgs) for p, imgs in QWEN_CASES]
+    with LLM(model=qwen_vl, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=8) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        hits = llm.get_metrics()["conveyor_encoder_cache_hits_total"]
+    _check(outs, refs)
+    assert hits == 1
+    assert [o.prompt_token_ids.count(QWEN_IMAGE_ID) for o in outs] == [0, 40, 25 + 70, 54, 40]
+    lead = outs[1].prompt_token_ids.index(QWEN_IMAGE_ID)
+    assert outs[3].num_cached_tokens == lead // 16 * 16
+    with LLM(model=qwen_vl, max_model_len=128, num_gpu_blocks=16, max_num_batched_tokens=128,
+             max_num_seqs=5, enable_prefix_caching=False) as llm:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        preempted = llm.engine.scheduler.num_preemptions
+    _check(outs, refs)
+    assert preempted > 0
+    with LLM(model=qwen_vl, max_model_len=256, tensor_parallel_size=2, executor="mp") as llm:
+        _check(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
+
+
+# ---- over HTTP (an in-process engine for the rest of the module: the last tests) -------------
 
 def _png_claiming(width: int, height: int) -> str:
     """A data URL of a 1x1 PNG whose header (CRC fixed) claims width x height."""
