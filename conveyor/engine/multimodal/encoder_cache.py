@@ -37,6 +37,9 @@ class EncoderCacheManager:
         self.freeable: OrderedDict[str, None] = OrderedDict()  # cached, unreferenced; oldest first
         self.freed: list[str] = []  # evicted since the last SchedulerOutput
         self.hits = 0  # since the last take_hits()
+        # Hits of requests fitted this step whose KV is not yet allocated: they
+        # count at commit (a request that waits is fitted, and would count, again).
+        self._pending_hits: dict[str, int] = {}
 
     # ---- one step's plan -------------------------------------------------------
 
@@ -51,12 +54,15 @@ class EncoderCacheManager:
             return num_new
         to_run, num_new, plan.encoder_budget = self._fit(request, num_computed, num_new,
                                                          plan.encoder_budget)
+        if self._pending_hits.get(request.request_id) == 0:
+            del self._pending_hits[request.request_id]
         if to_run:
             plan.encoder_pending[request.request_id] = to_run
         return num_new
 
     def commit(self, request: Request, plan: StepPlan) -> None:
         """The request got its KV blocks: its pending images are computed this step."""
+        self.hits += self._pending_hits.pop(request.request_id, 0)
         to_run = plan.encoder_pending.pop(request.request_id, None)
         if to_run:
             self.allocate(request, to_run)
@@ -69,6 +75,7 @@ class EncoderCacheManager:
         rows = 0
         end = num_computed + num_new
         rid = request.request_id
+        self._pending_hits[rid] = 0
         for i, f in enumerate(request.mm_features):
             if f.offset >= end:
                 break
@@ -78,7 +85,7 @@ class EncoderCacheManager:
             if refs is not None:
                 if rid not in refs:
                     self._reference(f.mm_hash, rid)
-                    self.hits += 1
+                    self._pending_hits[rid] += 1
                 continue
             if any(request.mm_features[j].mm_hash == f.mm_hash for j in to_run):
                 continue  # the same image twice in one prompt: computed once
@@ -127,7 +134,8 @@ class EncoderCacheManager:
             self._release(f.mm_hash, request.request_id)
 
     def free(self, request: Request) -> None:
-        """The request finished or was preempted: it references nothing."""
+        """The request finished, was preempted or waits: it references nothing."""
+        self._pending_hits.pop(request.request_id, None)
         for f in request.mm_features:
             self._release(f.mm_hash, request.request_id)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from conveyor.engine.multimodal.features import MultiModalFeature
+from conveyor.parallel import state
 from conveyor.workers.layers.rotary import RotaryEmbedding, rope_params_from_config
 from conveyor.workers.models.llama import LlamaForCausalLM
 from conveyor.workers.models.qwen2 import Qwen2Attention
@@ -73,6 +74,9 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype,
                  pp_layer_partition: list[int] | None = None, expert_parallel: bool = False) -> None:
+        if state.pp_size() > 1:  # later stages would need the [3, T] positions too
+            raise ValueError("Qwen2.5-VL with pipeline parallelism is not supported (M-RoPE positions "
+                             "reach the first stage only); use tensor parallelism")
         super().__init__(hf_config, dtype, pp_layer_partition, expert_parallel)
         self.vision = QwenVisionConfig(getattr(hf_config, "vision_config", None))
         self.image_token_id = int(hf_config.image_token_id)

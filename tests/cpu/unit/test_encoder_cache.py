@@ -40,10 +40,14 @@ def test_budget_cuts_the_chunk_before_an_image_and_a_cached_one_is_a_hit():
     assert mgr.fit(a, 20, 44, plan) == 44 and plan.encoder_pending == {"a": [1]}
     mgr.commit(a, plan)
     assert mgr.take_hits() == 0
-    # Another request with image x: referenced, not computed (a hit).
+    # Another request with image x: referenced, not computed. It waits (no KV
+    # blocks) and is fitted again: one hit, counted when it runs.
     b = _req("b", [("x", 0, 25)])
     plan = StepPlan(token_budget=64, encoder_budget=30)
     assert mgr.fit(b, 0, 64, plan) == 64 and not plan.encoder_pending
+    mgr.free(b)
+    assert mgr.fit(b, 0, 64, plan) == 64 and mgr.take_hits() == 0
+    mgr.commit(b, plan)
     assert mgr.take_hits() == 1 and mgr.cached["x"] == {"a", "b"}
 
 
@@ -70,7 +74,9 @@ def test_unreferenced_outputs_stay_until_their_room_is_needed_oldest_first():
     assert list(mgr.freeable) == ["x", "y"] and mgr.num_free == 10
     again = _req("c", [("y", 0, 25)])
     plan = StepPlan(token_budget=64, encoder_budget=100)
-    assert mgr.fit(again, 0, 64, plan) == 64 and mgr.take_hits() == 1  # y comes back from the cache
+    assert mgr.fit(again, 0, 64, plan) == 64  # y comes back from the cache
+    mgr.commit(again, plan)
+    assert mgr.take_hits() == 1
     new = _req("d", [("z", 0, 25)])
     mgr.fit(new, 0, 64, plan)
     mgr.commit(new, plan)
