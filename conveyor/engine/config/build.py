@@ -261,6 +261,10 @@ def _validate(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
 def _validate_disaggregation(cfg: EngineConfig, source: str, over: dict[str, Any]) -> None:
     """P/D: at least one engine of each role, a shared KV folder, fixed roles."""
     p, cc, sv = cfg.parallel, cfg.cache, cfg.serve
+    if cc.peer_fetch and not (cc.offload_disk_path and cc.offload_disk_gb > 0 and cc.enable_prefix_caching):
+        raise _fail(source, "cache.peer_fetch", "false without a shared KV folder (cache.offload_disk_path "
+                    "with cache.offload_disk_gb > 0, and prefix caching): engines pull prefixes through it",
+                    cc.peer_fetch, over)
     if p.prefill_engines == 0:
         return
     if p.prefill_engines >= p.data_parallel_size:

@@ -165,6 +165,13 @@ class CacheConfig(msgspec.Struct, **_FROZEN):
     # How long a prefill engine keeps a finished prompt's blocks in the shared
     # KV folder for the decode engine (P/D), and a decode engine waits for them.
     kv_lease_s: Annotated[float, finite_in(0.01, 3600.0, kwarg=True)] = 10.0
+    # Data parallel with a shared KV folder: a request routed to an engine
+    # while another holds a longer prefix loads the difference from the folder
+    # (its blocks are there once that engine finished or evicted them), when
+    # the difference is at least peer_fetch_min_tokens (bench/peer_fetch.py
+    # measures where a load starts to beat a recompute).
+    peer_fetch: Annotated[bool, knob("bool", kwarg=True, flag=True)] = False
+    peer_fetch_min_tokens: Annotated[int, int_in(1, 1 << 20, kwarg=True)] = 32
 
 
 class ServeConfig(msgspec.Struct, **_FROZEN):

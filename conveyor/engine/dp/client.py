@@ -34,7 +34,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest
 from conveyor.engine.core_client import CoreClient, FleetAdmin, MetricRow, OutputHandler
 from conveyor.engine.dp.admin_view import engine_rows, fleet_metric_rows
-from conveyor.engine.dp.disagg import PDFlow, PDSettings, carry_kv
+from conveyor.engine.dp.disagg import PDFlow, PDSettings, carry_kv, peer_pull
 from conveyor.engine.dp.fleet import EngineState, Fleet, Vacant
 from conveyor.engine.dp.migration_log import MigrationLog
 from conveyor.engine.dp.mover import MoveCause, Mover
@@ -63,12 +63,14 @@ class DataParallelClient:
         self.kv_info = self.fleet.client(0).kv_info
         self.router = Router(RouterSettings(policy=config.serve.router, block_size=self.kv_info.block_size,
                                             seed=config.model.seed), len(self.fleet))
-        self._hash = config.cache.enable_prefix_caching and config.serve.router in ("kv_aware", "session")
+        cc = config.cache
+        self._hash = cc.enable_prefix_caching and (config.serve.router in ("kv_aware", "session") or cc.peer_fetch)
+        self._peer = peer_pull(self.router, self.kv_info.block_size, cc.peer_fetch_min_tokens,
+                               min(1.0, cc.kv_load_timeout_s)) if cc.peer_fetch else None
         self._lock = threading.Lock()
         self._live: dict[str, int] = {}  # request id -> the engine that owns it now
         self.dead = DeadFlag()  # the frontend's record (AsyncLLM shares it)
         self.migrations = MigrationLog(len(self.fleet))
-        cc = config.cache
         shared_kv = cc.enable_prefix_caching and bool(cc.offload_disk_path) and cc.offload_disk_gb > 0
         self.mover = Mover(self._lock, self._emit, self._place, self.migrations, carry_kv(
             self.kv_info.block_size, min(cc.kv_lease_s, cc.kv_load_timeout_s)) if shared_kv else None)
@@ -185,6 +187,8 @@ class DataParallelClient:
             d = self.router.route(request.request_id, hashes, len(toks), max(max_tokens, 0), request.session,
                                   lr.lora_name if lr is not None else None, only=only)
             self._live[request.request_id] = d.engine
+            if self._peer is not None:  # another engine holds more of it: load that from the folder
+                request = self._peer(request, hashes, d)
             try:
                 self.fleet.client(d.engine).add_request(request)
                 return d.engine

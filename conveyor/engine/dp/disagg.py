@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,7 +34,7 @@ import msgspec
 from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from conveyor.engine.dp.fleet import Fleet
 from conveyor.engine.dp.mover import Ask, Carry, Mover
-from conveyor.engine.dp.router.policy import Router
+from conveyor.engine.dp.router.policy import Decision, Router
 from conveyor.engine.errors import EngineDeadError
 from conveyor.engine.kv_connector.metadata import KVTransfer
 from conveyor.engine.sampling_params import SamplingFields
@@ -41,6 +42,8 @@ from conveyor.engine.sampling_params import SamplingFields
 log = logging.getLogger(__name__)
 
 LEG_SUFFIX = "#prefill"
+# pull(request, its block hashes, the router's decision) -> the request as sent
+PeerPull = Callable[[EngineCoreRequest, list[bytes], Decision], EngineCoreRequest]
 LEG_SAMPLING = SamplingFields(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
@@ -140,6 +143,23 @@ def carry_kv(block_size: int, wait_s: float) -> Carry:
         n = (len(request.prompt_token_ids) + len(request.output_token_ids) - 1) // block_size
         return msgspec.structs.replace(request, kv_transfer=KVTransfer("migration", n, wait_s=wait_s))
     return carry
+
+
+def peer_pull(router: Router, block_size: int, min_tokens: int, wait_s: float) -> PeerPull:
+    """cache.peer_fetch: when another engine's tiers hold at least min_tokens
+    more of the prompt than the chosen engine has, the request names those
+    blocks in the shared KV folder (a disk tier writes every finished
+    request's blocks there; one still being written is waited for up to
+    wait_s); a block that is not there fails its check and is recomputed."""
+    def pull(request: EngineCoreRequest, hashes: list[bytes], d: Decision) -> EngineCoreRequest:
+        if request.kv_transfer is not None or not hashes:
+            return request
+        n = len(request.prompt_token_ids) + len(request.output_token_ids)
+        best = router.best_in_tiers_elsewhere(hashes, n, d.engine)
+        if best - d.predicted_cached_tokens < min_tokens:
+            return request
+        return msgspec.structs.replace(request, kv_transfer=KVTransfer("peer", best // block_size, wait_s))
+    return pull
 
 
 class PDFlow:

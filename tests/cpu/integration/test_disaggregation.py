@@ -125,3 +125,28 @@ def test_drain_moves_the_kv_with_the_requests(tiny_llama, tmp_path):
     assert again <= 16 * moved[0], (again, moved)
     assert m['conveyor_kv_reused_tokens_total{source="migration"}'] >= 60 * moved[0]
     assert m.get("conveyor_kv_transfer_failures_total", 0) == 0
+
+
+def test_peer_fetch_pulls_a_prefix_another_engine_finished(tiny_llama, tmp_path):
+    """Round robin sends a conversation's second turn to the other engine:
+    with cache.peer_fetch it loads the first turn's blocks from the shared
+    folder instead of recomputing them; the tokens are the same either way."""
+    first = random_prompts(2, 100, 120, seed=9)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(peer: bool) -> tuple[list[list[int]], dict[str, float]]:
+        with LLM(model=tiny_llama, max_model_len=256, data_parallel_size=2, router="round_robin",
+                 offload_disk_path=str(tmp_path / ("peer" if peer else "off")), offload_disk_gb=0.05,
+                 peer_fetch=peer, peer_fetch_min_tokens=32) as llm:
+            outs = [list(o.outputs[0].token_ids) for o in llm.generate(first, sp, use_tqdm=False)]
+            # Reversed: round robin then sends each second turn to the other engine.
+            second = [p + o + [5, 6, 7] for p, o in zip(first, outs)][::-1]
+            outs += [list(o.outputs[0].token_ids) for o in llm.generate(second, sp, use_tqdm=False)]
+            return outs, llm.get_metrics()
+
+    off, m_off = run(False)
+    on, m_on = run(True)
+    assert on == off
+    assert m_off.get('conveyor_kv_reused_tokens_total{source="peer"}', 0) == 0
+    assert m_on['conveyor_kv_reused_tokens_total{source="peer"}'] >= 2 * 96
+    assert m_on.get("conveyor_kv_transfer_failures_total", 0) == 0

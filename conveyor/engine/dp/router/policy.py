@@ -273,6 +273,13 @@ class Router:
                 score[e] = local + w * (total - local)
         return cached, score
 
+    def best_in_tiers_elsewhere(self, hashes: list[bytes], num_tokens: int, engine: int) -> int:
+        """The longest prefix of this prompt, in tokens, another live engine
+        holds in its tiers (with a disk tier: its finished requests' blocks,
+        written or being written to the shared KV folder)."""
+        blocks = self.tiers.match(hashes, self._all_mask & ~(1 << engine))
+        return self._cached_tokens(max(blocks.values(), default=0), num_tokens)
+
     def _kv_aware(self, hashes: list[bytes], num_tokens: int, max_tokens: int,
                   session: str | None, adapter: str | None) -> Decision:
         cached, score = self._matches(hashes, num_tokens, self._ok_bits)
