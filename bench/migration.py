@@ -24,6 +24,8 @@ stream --max-tokens long (ignore_eos).
 
 --no-paced: parallel.paced_drain off (every request moves at once); by
 default the paced move (waves of at most the longest moved context).
+--move-kv: the engines share a KV folder (the disk tier's path), so a moved
+request loads the blocks its old engine left there instead of re-prefilling.
 
   .venv/bin/python bench/migration.py                 # 64 streams
   .venv/bin/python bench/migration.py --streams 16 --max-tokens 64
@@ -113,8 +115,9 @@ async def main_async(a: argparse.Namespace) -> dict:
     from conveyor.engine.frontend.async_client import AsyncLLM
 
     path = model_dir("30m_v512", os.path.join(a.model_dir, "llama30m_v512"))
+    kv = dict(offload_disk_path=tempfile.mkdtemp(prefix="conveyor-move-kv-"), offload_disk_gb=1.0) if a.move_kv else {}
     cfg = build_config(model=path, max_model_len=1024, data_parallel_size=2, max_num_seqs=a.streams,
-                       num_gpu_blocks=a.streams * 24, **{"parallel.paced_drain": a.paced})
+                       num_gpu_blocks=a.streams * 24, **{"parallel.paced_drain": a.paced}, **kv)
     t0 = time.monotonic()
     llm = AsyncLLM(cfg)
     start_s = (time.monotonic() - t0) / 2
@@ -158,7 +161,7 @@ async def main_async(a: argparse.Namespace) -> dict:
         "goal_bound_ms": round(bound * 1e3, 1),
         "goal_met": max_gap <= bound,
         "stayed_streams_largest_gap_during_drain_ms": round(stayed_gap * 1e3, 1),
-        "paced_drain": a.paced,
+        "paced_drain": a.paced, "move_kv": a.move_kv,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }
 
@@ -172,6 +175,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paced", action=argparse.BooleanOptionalAction, default=True,
                    help="parallel.paced_drain: move in waves (default); off: all at once")
+    p.add_argument("--move-kv", action="store_true", help="share a KV folder: moves carry their KV")
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "conveyor-bench-models"))
     a = p.parse_args()
     res = asyncio.run(main_async(a))
