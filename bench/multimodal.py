@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""Images through the encoder stage (docs/multimodal.md), offline, on a
+random-weight LLaVA-shaped checkpoint built here: a CLIP tower of --vision-layers
+layers over 224x224 images in 14-pixel patches (256 tokens an image), the
+projector, and a Llama decoder of --layers layers.
+
+Workloads (--requests requests, each a random text, one 640x480 image, more
+text; greedy, --output tokens, ignore_eos):
+  - distinct: every request its own image: the encoder runs once per request;
+  - repeated: one image in every request (different texts): the encoder runs
+    once, every other request hits the encoder cache.
+Reported per workload: wall time, images/s, output tokens/s, encoder-cache
+hits, and the frontend's preprocessing time per image (the checkpoint's
+transformers image processor, the content hash and the copy). The tokens of
+the repeated run are compared with one request run alone (they must be equal).
+vLLM's CPU build is compared when it is installed (--peer); it is not on the
+CI machine.
+
+Usage:
+  .venv/bin/python bench/multimodal.py --quick
+  .venv/bin/python bench/multimodal.py --json bench/out/multimodal.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+IMAGE_ID = 8000
+
+
+def build(path: str, layers: int, vision_layers: int) -> str:
+    import torch
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig
+    from transformers import LlavaForConditionalGeneration as HF
+
+    vision = CLIPVisionConfig(hidden_size=384, intermediate_size=1536, num_hidden_layers=vision_layers,
+                              num_attention_heads=6, image_size=224, patch_size=14, projection_dim=384)
+    text = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=layers, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=64, vocab_size=8192, max_position_embeddings=2048,
+                       bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05)
+    torch.manual_seed(0)
+    HF(LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_ID)).save_pretrained(path)
+    CLIPImageProcessorPil(size={"shortest_edge": 224},
+                          crop_size={"height": 224, "width": 224}).save_pretrained(path)
+    return path
+
+
+def images(n: int, seed: int) -> list[Any]:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    return [Image.fromarray((rng.rand(480, 640, 3) * 255).astype(np.uint8)) for _ in range(n)]
+
+
+def prompts(n: int, imgs: list[Any], seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        ids = [rng.randrange(3, 7999) for _ in range(32)] + [IMAGE_ID] + [rng.randrange(3, 7999) for _ in range(16)]
+        out.append({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs[i % len(imgs)]}})
+    return out
+
+
+def run(llm: Any, batch: list[dict[str, Any]], output: int) -> dict[str, Any]:
+    from conveyor import SamplingParams
+
+    sp = SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True)
+    pre = llm.frontend.images
+    s0, c0 = pre.seconds, pre.count
+    h0 = llm.get_metrics()["conveyor_encoder_cache_hits_total"]
+    t = time.perf_counter()
+    outs = llm.generate(batch, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    return {"wall_s": round(wall, 3), "images_per_s": round(len(batch) / wall, 2),
+            "output_tok_per_s": round(len(batch) * output / wall, 1),
+            "encoder_cache_hits": int(llm.get_metrics()["conveyor_encoder_cache_hits_total"] - h0),
+            "preprocess_ms_per_image": round((pre.seconds - s0) / max(pre.count - c0, 1) * 1e3, 2),
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vision-layers", type=int, default=6)
+    ap.add_argument("--quick", action="store_true", help="4 requests, 8 tokens, 2+2 layers")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.output, args.layers, args.vision_layers = 4, 8, 2, 2
+    from conveyor import LLM
+
+    with tempfile.TemporaryDirectory() as d:
+        path = build(os.path.join(d, "llava"), args.layers, args.vision_layers)
+        with LLM(model=path, max_model_len=1024, enable_prefix_caching=False) as llm:
+            run(llm, prompts(2, images(2, 9), 9), 2)  # warm-up: kernels, the processor
+            results = {"distinct": run(llm, prompts(args.requests, images(args.requests, 1), 1), args.output),
+                       "repeated": run(llm, prompts(args.requests, images(1, 2), 2), args.output)}
+            alone = run(llm, prompts(args.requests, images(1, 2), 2)[-1:], args.output)
+    assert results["repeated"]["tokens"][-1] == alone["tokens"][0], "a cached image changed the tokens"
+    for r in results.values():
+        r.pop("tokens")
+    results["config"] = vars(args)
+    try:
+        import vllm  # noqa: F401
+        results["peer"] = "vLLM is installed, but this script has no peer run yet"
+    except ImportError:
+        results["peer"] = "vLLM is not installed on this machine: no peer row"
+    print(json.dumps(results, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
