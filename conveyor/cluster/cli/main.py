@@ -3,7 +3,7 @@
     conveyor serve CONFIG [--port 8001 ...]           OpenAI API on Ray Serve (blocks)
     conveyor generate CONFIG --prompt "Hello" [...]   offline generation, prints the text
     conveyor batch --config CONFIG --input in.jsonl --output out.jsonl
-    conveyor bench {scheduler,offline,offline-compare,serve,attention,spec,serve-compare,migration} [ARGS...]
+    conveyor bench {scheduler,offline,offline-compare,serve,attention,spec,serve-compare,migration,disagg,peer-fetch} [ARGS...]
     conveyor config validate CONFIG [CONFIG...]
     conveyor drain --url URL --engine I [--undrain]  move a data-parallel engine's requests off it
     conveyor scale --url URL (--engines N | --reload) scale the engines, or roll out the changed config
@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[3]  # the checkout (bench/ is not in the
 BENCHES = {"scheduler": "bench/scheduler.py", "offline": "bench/offline_throughput.py",
            "serve": "bench/serve_load.py", "attention": "bench/attention.py",
            "spec": "bench/spec_decode.py", "serve-compare": "bench/serve_compare.py",
-           "offline-compare": "bench/compare_vllm.py", "migration": "bench/migration.py"}
+           "offline-compare": "bench/compare_vllm.py", "migration": "bench/migration.py",
+           "disagg": "bench/disagg.py", "peer-fetch": "bench/peer_fetch.py"}
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 
