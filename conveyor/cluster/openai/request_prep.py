@@ -28,6 +28,8 @@ def heavy(req: Any) -> bool:
     chars = 0
     for m in getattr(req, "messages", None) or ():
         c = m.content
+        if not isinstance(c, str) and any(getattr(p, "type", "") == "image_url" for p in c or ()):
+            return True  # decoding and preprocessing an image never runs on the event loop
         chars += len(c) if isinstance(c, str) else sum(len(getattr(p, "text", "")) for p in c or ())
     return chars >= INLINE_CHARS
 

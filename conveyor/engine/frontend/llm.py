@@ -101,15 +101,15 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoRARequest | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """One conversation of OpenAI-shaped messages (or a list of them)
-        through the model's chat template; text and image_url parts (data:
-        URLs; http(s) from multimodal.allowed_media_domains)."""
+        through the model's chat template (vLLM's LLM.chat); text and
+        image_url parts (data: URLs; http(s) from multimodal.allowed_media_domains)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[Prompt] = [self.frontend.chat_prompt(c, add_generation_prompt, chat_template)  # type: ignore[arg-type]
                                  for c in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _make_requests(self, prompt: Prompt, sp: SamplingParams, priority: int = 0,
                        lora_request: LoRARequest | None = None

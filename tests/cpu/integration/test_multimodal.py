@@ -205,13 +205,26 @@ def api(llava):
     yield from in_process_api(llava, 256)
 
 
-def test_http_chat_with_a_data_url_matches_hf_and_bad_images_are_400s(api, llava):
+def test_http_chat_with_a_data_url_matches_hf_and_bad_images_are_400s(api, llava, monkeypatch):
     """The openai client sends an image_url part (data: URL): transformers'
-    tokens for the same rendered prompt come back. Each bad image is a 400
-    naming the problem; /health stays 200 and the next request answers."""
+    tokens for the same rendered prompt come back, the image loaded on the
+    prep pool, never on the event loop. Each bad image is a 400 naming the
+    problem; /health stays 200 and the next request answers."""
+    import threading
+
     from asgi_utils import openai_client, run_on
 
+    import conveyor.cluster.openai.images as images_mod
+
     loop, app, llm = api
+    threads = []
+
+    def recording_load(url, policy):
+        threads.append(threading.get_ident())
+        return load_image(url, policy)
+
+    load_image = images_mod.load_image
+    monkeypatch.setattr(images_mod, "load_image", recording_load)
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Look: <image> what the cat sees"}])
     assert text.startswith("<s>")
     ref, _ = hf_generate(llava, text[len("<s>"):], [image(1)], TOKENS)  # the processor adds <s> itself
@@ -249,6 +262,7 @@ def test_http_chat_with_a_data_url_matches_hf_and_bad_images_are_400s(api, llava
     for (status, message), (_, words) in zip(refused, BAD_HTTP):
         assert status == 400 and words in message, (status, message, words)
     assert health == 200
+    assert threads and threading.get_ident() not in threads  # the loop runs in this thread
 
 
 def test_offline_bad_images_are_refused_naming_the_problem(llava, tiny_llama):
