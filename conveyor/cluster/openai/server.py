@@ -89,6 +89,8 @@ class OpenAIServer:
         AsyncLLM starts lazily on the first generate(); until then its health
         check fails, which would make Serve kill a fresh replica."""
         self.llm.start()
+        if self.llm.frontend.images is not None:  # load the image processor before the first image asks
+            self.prep_pool.submit(self.llm.frontend.images.processor)
 
     # ---- validation ---------------------------------------------------------------
 
