@@ -27,7 +27,7 @@ _SLOW_FILES = {
     "test_cli.py": 67, "test_node_loss.py": 50, "test_kernels.py": 45, "test_openapi_fuzz.py": 40,
     "test_serve_recovery.py": 40, "test_recovery_visibility.py": 40, "test_structured_outputs.py": 40,
     "test_clients.py": 40, "test_llm.py": 40, "test_spec_decode.py": 30, "test_async_scheduling.py": 30,
-    "test_lora.py": 30, "test_migration.py": 25, "test_autoscale.py": 20,
+    "test_lora.py": 30, "test_migration.py": 25, "test_multimodal.py": 25, "test_autoscale.py": 20,
 }
 
 
