@@ -100,6 +100,8 @@ class Frontend:
         self._invalid_specs: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> the error
         self._specs_lock = threading.Lock()
         self.images = ImageInputs.for_model(config)  # None: the model takes text only
+        if self.images is not None and config.lora.enable:
+            raise ValueError("lora.enable: LoRA adapters on a vision-language model are not supported yet")
 
     def prepare(self, prompt: Prompt, sp: SamplingFields, request_id: str,
                 priority: int = 0, id_suffix: str = "",

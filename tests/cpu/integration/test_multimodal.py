@@ -162,6 +162,44 @@ def test_qwen2_5_vl_matches_hf_chunked_preempted_and_tp2(qwen_vl):
         _check(llm.generate(prompts, GREEDY, use_tqdm=False), refs)
 
 
+def test_hub_layout_checkpoint_loads_the_same_weights(llava, tmp_path):
+    """The Hub's llava-hf checkpoints name the tower "vision_tower.vision_model."
+    (and transformers 5 "model.vision_tower.", "model.language_model."):
+    every spelling fills the same parameters. LoRA on a vision-language model
+    is refused at start, naming it."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from conveyor.engine.config import build_config
+    from conveyor.engine.frontend.prepare import Frontend
+    from conveyor.parallel import state
+    from conveyor.workers.model_loader import load_hf_config, load_model
+
+    tensors = load_file(f"{llava}/model.safetensors")
+    renames = [("vision_tower.", "vision_tower.vision_model."), ("language_model.model.", "model.language_model."),
+               ("multi_modal_projector.", "model.multi_modal_projector.")]
+    hub = str(tmp_path / "hub")
+    shutil.copytree(llava, hub)
+    moved = {}
+    for k, v in tensors.items():
+        for old, new in renames:
+            if k.startswith(old):
+                k = new + k[len(old):]
+                break
+        moved[k] = v
+    save_file(moved, f"{hub}/model.safetensors", metadata={"format": "pt"})
+    state.init_distributed(1, 0, 1, 1, f"file://{tmp_path / 'dist'}")
+    try:
+        a, b = (dict(load_model(p, load_hf_config(p), torch.float32, "cpu").named_parameters()) for p in (llava, hub))
+    finally:
+        state.destroy_distributed()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="LoRA adapters on a vision-language model"):
+        Frontend(build_config(model=llava, enable_lora=True), 520)
+
+
 # ---- over HTTP (an in-process engine for the rest of the module: the last tests) -------------
 
 def _png_claiming(width: int, height: int) -> str:
@@ -303,3 +341,4 @@ def test_tp2_matches_hf(llava, refs):
              executor="mp") as llm:
         outs = llm.generate([_prompt(p, imgs) for p, imgs in CASES], GREEDY, use_tqdm=False)
     _check(outs, refs)
+
