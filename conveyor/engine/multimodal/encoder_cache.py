@@ -90,7 +90,9 @@ class EncoderCacheManager:
             if any(request.mm_features[j].mm_hash == f.mm_hash for j in to_run):
                 continue  # the same image twice in one prompt: computed once
             if f.length > budget or not self._make_room(rows + f.length):
-                return to_run, f.offset - num_computed, budget
+                # Stop before the image; one whose start is computed already
+                # (a prefix-cache hit ending inside it) stops the request.
+                return to_run, max(f.offset - num_computed, 0), budget
             to_run.append(i)
             rows += f.length
             budget -= f.length
@@ -127,11 +129,15 @@ class EncoderCacheManager:
     # ---- letting go ------------------------------------------------------------
 
     def release_passed(self, request: Request) -> None:
-        """Drop the request's references to images its computed prefix has passed."""
+        """Drop the request's references to images its computed prefix has
+        passed (an image that comes again later in the prompt stays)."""
+        n = request.num_computed_tokens
+        ahead = {f.mm_hash for f in request.mm_features if f.end > n}
         for f in request.mm_features:
-            if f.end > request.num_computed_tokens:
+            if f.end > n:
                 break
-            self._release(f.mm_hash, request.request_id)
+            if f.mm_hash not in ahead:
+                self._release(f.mm_hash, request.request_id)
 
     def free(self, request: Request) -> None:
         """The request finished, was preempted or waits: it references nothing."""

@@ -112,3 +112,27 @@ def test_block_hashes_carry_the_images_that_meet_each_block():
     assert one.block_hashes[0] == other.block_hashes[0] == text.block_hashes[0]  # text only
     assert all(a != b for a, b in zip(one.block_hashes[1:], other.block_hashes[1:]))
     assert one.block_hashes[1] != text.block_hashes[1]
+
+
+def test_a_prefix_hit_inside_an_image_that_cannot_run_waits():
+    """The prefix cache computed [0, 32) of an image at [20, 45): the image
+    must be encoded for the rest; with no room this step the request gets 0
+    tokens (never a negative count)."""
+    mgr = EncoderCacheManager(cache_size=100, compute_budget=10)
+    r = _req("r", [("x", 20, 25)])
+    plan = StepPlan(token_budget=64, encoder_budget=10)
+    assert mgr.fit(r, 32, 32, plan) == 0 and not plan.encoder_pending
+
+
+def test_an_image_twice_in_a_prompt_is_kept_until_its_last_place_passes():
+    mgr = EncoderCacheManager(cache_size=100, compute_budget=100)
+    r = _req("r", [("x", 4, 25), ("x", 40, 25)], n=80)
+    plan = StepPlan(token_budget=80, encoder_budget=100)
+    assert mgr.fit(r, 0, 80, plan) == 80 and plan.encoder_pending == {"r": [0]}  # computed once
+    mgr.commit(r, plan)
+    r.num_computed_tokens = 50  # past the first place, inside the second
+    mgr.release_passed(r)
+    assert mgr.cached["x"] == {"r"} and not mgr.freeable
+    r.num_computed_tokens = 80
+    mgr.release_passed(r)
+    assert list(mgr.freeable) == ["x"]
