@@ -111,13 +111,12 @@ class EncoderRunner:
                 out[:, q0 + first - a:q0 + b - a] = np.arange(first, b) + delta
         return torch.from_numpy(out).to(self.device)
 
-    def inputs_embeds(self, so: SchedulerOutput, requests: dict[str, CachedRequestState],
+    def inputs_embeds(self, requests: dict[str, CachedRequestState],
                       req_ids: list[str], num_computed: np.ndarray, num_sched: np.ndarray,
                       query_start: np.ndarray, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """The step's input embeddings with image rows in place; None when
-        no placeholder token is scheduled (the model embeds the ids itself)."""
-        if so.scheduled_encoder_inputs:
-            self.execute(so, requests)
+        """The step's input embeddings with image rows in place (the images
+        were encoded as the diff was applied); None when no placeholder token
+        is scheduled (the model embeds the ids itself)."""
         got = self.gather([requests[r] for r in req_ids], num_computed, num_sched, query_start)
         if got is None:
             return None

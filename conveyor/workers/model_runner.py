@@ -236,6 +236,8 @@ class ModelRunner:
         for st in to_add:
             batch.add_request(st)
         batch.condense()
+        if self.mm is not None and so.scheduled_encoder_inputs:  # part of the diff, even in a step
+            self.mm.execute(so, self.requests)                   # whose tokens were all preempted
         for rid, drafts in so.scheduled_spec_decode_tokens.items():
             batch.set_draft_tokens(batch.req_id_to_index[rid], drafts)
 
@@ -308,7 +310,7 @@ class ModelRunner:
         # Graphs are refused under PP, so only a last stage replays one.
         # A layerwise KV connector's hooks are not in the captured graphs: eager then.
         layerwise = self.kv_connector is not None and self.kv_connector.layerwise
-        embeds, mpos = self._mm_inputs(so, p, num_sched, req_ids) if self.mm is not None else (None, None)
+        embeds, mpos = self._mm_inputs(p, num_sched, req_ids) if self.mm is not None else (None, None)
         out = (self._graph_step(p, so) if self.graphs is not None and self.lora is None and not layerwise
                and embeds is None and mpos is None else None)
         if out is None:
@@ -339,16 +341,14 @@ class ModelRunner:
         self._pending = _PendingSample(logits, req_ids, samples, spec, plp)
         return None
 
-    def _mm_inputs(self, so: SchedulerOutput, p: PreparedInputs, num_sched: np.ndarray,
+    def _mm_inputs(self, p: PreparedInputs, num_sched: np.ndarray,
                    req_ids: list[str]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(input embeddings with the step's image rows in place, encoding the
-        scheduled images first; M-RoPE [3, T] positions), each None when the
-        step needs none."""
+        """(input embeddings with the step's image rows in place; M-RoPE
+        [3, T] positions), each None when the step needs none."""
         assert self.mm is not None
         computed = self.input_batch.num_computed_tokens[np.arange(len(req_ids))]
         input_ids = torch.from_numpy(p.input_ids).to(self.device)
-        embeds = self.mm.inputs_embeds(so, self.requests, req_ids, computed, num_sched, p.query_start_loc,
-                                       input_ids)
+        embeds = self.mm.inputs_embeds(self.requests, req_ids, computed, num_sched, p.query_start_loc, input_ids)
         states = [self.requests[r] for r in req_ids]
         return embeds, self.mm.mrope(states, computed, num_sched, p.query_start_loc, p.positions)
 
