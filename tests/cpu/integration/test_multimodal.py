@@ -144,10 +144,19 @@ def test_qwen2_5_vl_matches_hf_chunked_preempted_and_tp2(qwen_vl):
     on text blocks only; then a small KV pool (preemption) and TP=2."""
     refs = [hf_generate_qwen(qwen_vl, p, imgs, TOKENS) for p, imgs in QWEN_CASES]
     prompts = [_prompt(p, imgs) for p, imgs in QWEN_CASES]
+    parts = [{"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": _data_url(image(1, (30, 20)))}}]
     with LLM(model=qwen_vl, max_model_len=256, max_num_batched_tokens=16, max_num_seqs=8) as llm:
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         hits = llm.get_metrics()["conveyor_encoder_cache_hits_total"]
+        chat = llm.chat([{"role": "user", "content": parts}], GREEDY, use_tqdm=False)[0]
+        text = llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Look: {QWEN_PLACEHOLDER}"}])
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        gen = llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": image(1, (30, 20))}}, GREEDY,
+                           use_tqdm=False)[0]
     _check(outs, refs)
+    # llm.chat renders the image part as <|vision_start|><|image_pad|><|vision_end|>.
+    assert chat.prompt_token_ids == gen.prompt_token_ids and chat.prompt_token_ids.count(QWEN_IMAGE_ID) == 40
+    assert chat.outputs[0].token_ids == gen.outputs[0].token_ids
     assert hits == 1
     assert [o.prompt_token_ids.count(QWEN_IMAGE_ID) for o in outs] == [0, 40, 25 + 70, 54, 40]
     lead = outs[1].prompt_token_ids.index(QWEN_IMAGE_ID)
