@@ -13,8 +13,9 @@ Reported per workload: wall time, images/s, output tokens/s, encoder-cache
 hits, and the frontend's preprocessing time per image (the checkpoint's
 transformers image processor, the content hash and the copy). The tokens of
 the repeated run are compared with one request run alone (they must be equal).
-vLLM's CPU build is compared when it is installed (--peer); it is not on the
-CI machine.
+--served: the same two workloads over HTTP (one AsyncLLM behind uvicorn,
+bench/lib/launch.py), every request at once, each image a JPEG data: URL in a
+chat image_url part. vLLM's CPU build is not on the CI machine: no peer row.
 
 Usage:
   .venv/bin/python bench/multimodal.py --quick
@@ -33,7 +34,7 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-IMAGE_ID = 8000
+IMAGE_ID = 512  # "<image>", added to the tests' tiny tokenizer
 
 
 def build(path: str, layers: int, vision_layers: int) -> str:
@@ -50,6 +51,13 @@ def build(path: str, layers: int, vision_layers: int) -> str:
     HF(LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_ID)).save_pretrained(path)
     CLIPImageProcessorPil(size={"shortest_edge": 224},
                           crop_size={"height": 224, "width": 224}).save_pretrained(path)
+    from tokenizers import AddedToken
+
+    from conveyor.cluster.demo.model import build_tiny_tokenizer, save_tokenizer
+
+    tok = build_tiny_tokenizer(512)
+    tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
+    save_tokenizer(tok, path)
     return path
 
 
@@ -65,7 +73,7 @@ def prompts(n: int, imgs: list[Any], seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        ids = [rng.randrange(3, 7999) for _ in range(32)] + [IMAGE_ID] + [rng.randrange(3, 7999) for _ in range(16)]
+        ids = [rng.randrange(4, 512) for _ in range(32)] + [IMAGE_ID] + [rng.randrange(4, 512) for _ in range(16)]
         out.append({"prompt_token_ids": ids, "multi_modal_data": {"image": imgs[i % len(imgs)]}})
     return out
 
@@ -87,6 +95,56 @@ def run(llm: Any, batch: list[dict[str, Any]], output: int) -> dict[str, Any]:
             "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
+def served(path: str, reqs: int, output: int) -> dict[str, Any]:
+    import asyncio
+    import base64
+    import io
+
+    import httpx
+
+    from bench.lib import launch
+
+    def hits(base: str) -> int:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                       if ln.startswith("conveyor_encoder_cache_hits_total")))
+
+    def url(img: Any) -> str:
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=90)
+        return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    async def wave(base: str, urls: list[str]) -> float:
+        async with httpx.AsyncClient(timeout=600) as c:
+            def body(i: int) -> dict[str, Any]:
+                content = [{"type": "text", "text": f"Picture {i}: what runs in the garden?"},
+                           {"type": "image_url", "image_url": {"url": urls[i % len(urls)]}}]
+                return {"model": "llava", "max_tokens": output, "temperature": 0.0, "ignore_eos": True,
+                        "messages": [{"role": "user", "content": content}]}
+            t = time.perf_counter()
+            rs = await asyncio.gather(*(c.post(f"{base}/v1/chat/completions", json=body(i)) for i in range(reqs)))
+            wall = time.perf_counter() - t
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
+        return wall
+
+    server = launch.uvicorn_engine(path, 18731, {"model": {"max_model_len": 1024},
+                                                 "cache": {"enable_prefix_caching": False},
+                                                 "serve": {"served_model_name": "llava", "max_body_bytes": 8 << 20}})
+    out: dict[str, Any] = {}
+    try:
+        base = launch.start(server, os.path.join(REPO, "bench", "out"), 300)
+        asyncio.run(wave(base, [url(i) for i in images(2, 9)]))  # warm-up
+        for name, imgs in (("distinct", images(reqs, 1)), ("repeated", images(1, 2))):
+            h0 = hits(base)
+            wall = asyncio.run(wave(base, [url(i) for i in imgs]))
+            out[name] = {"wall_s": round(wall, 3), "images_per_s": round(reqs / wall, 2),
+                         "output_tok_per_s": round(reqs * output / wall, 1),
+                         "encoder_cache_hits": hits(base) - h0}
+    finally:
+        launch.stop(server)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -94,6 +152,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vision-layers", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="4 requests, 8 tokens, 2+2 layers")
+    ap.add_argument("--served", action="store_true", help="also over HTTP (uvicorn + AsyncLLM)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -107,9 +166,11 @@ def main() -> None:
             results = {"distinct": run(llm, prompts(args.requests, images(args.requests, 1), 1), args.output),
                        "repeated": run(llm, prompts(args.requests, images(1, 2), 2), args.output)}
             alone = run(llm, prompts(args.requests, images(1, 2), 2)[-1:], args.output)
+        if args.served:
+            results["served"] = served(path, args.requests, args.output)
     assert results["repeated"]["tokens"][-1] == alone["tokens"][0], "a cached image changed the tokens"
-    for r in results.values():
-        r.pop("tokens")
+    for key in ("distinct", "repeated"):
+        results[key].pop("tokens")
     results["config"] = vars(args)
     try:
         import vllm  # noqa: F401
