@@ -11,9 +11,11 @@ from conveyor.engine.dp.migration_log import MigrationLog
 from conveyor.engine.dp.router.policy import Router
 
 
-def engine_rows(fleet: Fleet, role: Callable[[int], str] | None) -> list[dict[str, Any]]:
+def engine_rows(fleet: Fleet, role: Callable[[int], str] | None,
+                legs: Callable[[int], int] | None = None) -> list[dict[str, Any]]:
     """Each engine's slot, state, role (prefill / decode with P/D, else both),
-    load and process ids."""
+    load (and with P/D its prefill legs in flight, counted as they are sent)
+    and process ids."""
     out: list[dict[str, Any]] = []
     for i, slot in enumerate(list(fleet.slots)):
         st = slot.stats
@@ -21,9 +23,15 @@ def engine_rows(fleet: Fleet, role: Callable[[int], str] | None) -> list[dict[st
             "engine": i, "state": slot.state.value, "role": role(i) if role is not None else "both",
             "kv_cache_usage": st.kv_cache_usage if st is not None else 0.0,
             "requests": st.num_running_reqs + st.num_waiting_reqs if st is not None else 0}
+        if legs is not None:
+            info["prefill_legs"] = legs(i)
         if slot.state in (EngineState.UP, EngineState.DRAINED):
-            info["worker_pids"] = slot.client.worker_pids()
-            pid = slot.client.engine_pid()
+            try:
+                info["worker_pids"] = slot.client.worker_pids()
+                pid = slot.client.engine_pid()
+            except Exception as e:  # noqa: BLE001 - a dead actor not yet noticed: the view still answers
+                info["unreachable"] = f"{type(e).__name__}: {str(e)[:200]}"
+                pid = None
             if pid is not None:
                 info["actor_pid"] = pid
         out.append(info)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import time
 
 import httpx
@@ -1047,6 +1048,72 @@ def test_32_streams_survive_engine_loss_and_drain(dp_url):
     for cause in ("drain", "lost"):
         assert sum(v for k, v in m.items() if k.startswith("conveyor:migrations_total{")
                    and 'engine="0"' in k and f'cause="{cause}"' in k) > 0, (cause, m)
+
+
+@pytest.fixture(scope="module")
+def pd_url(server, ckpt, tmp_path_factory):
+    """A P/D app: one prefill and one decode EngineCoreActor sharing a KV
+    folder, restart budget 0 (a killed engine stays dead)."""
+    from ray import serve
+
+    from conveyor.cluster.serve_app import build_app
+
+    tmp = tmp_path_factory.mktemp("pd")
+    cfg = _write_config(str(tmp / "pd.yaml"), ckpt, 1)
+    serve.run(build_app({"config": cfg, "name": "PD", "overrides": {
+        "data_parallel_size": 2, "prefill_engines": 1, "offload_disk_path": str(tmp / "kv"),
+        "offload_disk_gb": 0.05, "parallel.num_cpus_per_worker": 0.5, "executor": "mp",
+        "parallel.max_restarts": 0, "max_num_batched_tokens": 64}}),  # prefill legs last many steps
+        name="pd", route_prefix="/pd", blocking=False)
+    try:
+        yield f"{server}/pd"
+    finally:
+        serve.delete("pd")
+
+
+def test_pd_app_matches_one_engine_and_survives_its_prefill_actor_killed(server, pd_url):
+    """Issue 48 over HTTP: 16 streams with long prompts (greedy, seeded, n=2)
+    give the one-engine app's text on the P/D app, with the prompts' blocks
+    handed over; then SIGKILL of the prefill engine's EngineCoreActor while
+    its legs run: every stream still ends [DONE] with the same text."""
+    import signal
+
+    from migration_streams import diff, run_streams
+
+    def streams(salt: int) -> list[tuple[str, dict]]:
+        return [("/v1/completions", {
+            "prompt": [7 + (i * 31 + j * 17 + salt) % 400 for j in range(300 + 8 * i)], "max_tokens": 24,
+            "ignore_eos": True, "temperature": 0.0 if i % 3 == 0 else 0.8, "seed": 50 + i,
+            "n": 2 if i % 3 == 2 else 1, "logprobs": 0}) for i in range(16)]
+
+    pairs, fresh = streams(0), streams(1)  # fresh: prompts no engine has cached
+    ref = asyncio.run(run_streams(server, AUTH, pairs))
+    ref_fresh = asyncio.run(run_streams(server, AUTH, fresh))
+    assert diff(asyncio.run(run_streams(pd_url, AUTH, pairs)), ref) is None
+    engines = httpx.get(f"{pd_url}/admin/engines", headers=AUTH, timeout=60).json()["engines"]
+    assert [e["role"] for e in engines] == ["prefill", "decode"]
+    text = httpx.get(f"{pd_url}/metrics", headers=AUTH).text
+    assert re.search(r'conveyor_kv_reused_tokens_total\{[^}]*source="prefill"\} [1-9]', text), text
+
+    def decode_computed() -> float:
+        m = _metrics(pd_url)
+        return next(v for k, v in m.items() if k.startswith('conveyor:prompt_tokens_computed_total{engine="1"'))
+
+    async def kill_prefill(c: httpx.AsyncClient) -> None:
+        deadline = time.monotonic() + 60  # once legs are on their way to it
+        while not (await c.get("/admin/engines")).json()["engines"][0]["prefill_legs"]:
+            assert time.monotonic() < deadline, "no prefill leg was sent"
+            await asyncio.sleep(0.002)
+        os.kill(engines[0]["actor_pid"], signal.SIGKILL)
+
+    before = decode_computed()
+    assert diff(asyncio.run(run_streams(pd_url, AUTH, fresh, kill_prefill, at_once=True)), ref_fresh) is None
+    r = httpx.get(f"{pd_url}/admin/engines", headers=AUTH)
+    assert r.status_code == 200, r.text
+    states = [e["state"] for e in r.json()["engines"]]
+    assert states[0] in ("dead", "lost") and states[1] == "up", states
+    # Some prompts were never handed over: the decode engine computed them whole.
+    assert decode_computed() - before > 300, (before, decode_computed(), states)
 
 
 def _drain_over_http(url: str, post) -> None:
