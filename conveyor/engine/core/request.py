@@ -61,9 +61,11 @@ class Request(RequestFields, kw_only=True, gc=False):
                    prompt_logprobs=plp, mm_features=list(req.mm_features),
                    kv_transfer=req.kv_transfer, kv_lease_s=req.kv_lease_s)
 
-    def prompt_positions(self, n: int) -> int:
-        """Of the next n positions to compute, how many are the prompt's."""
-        return max(0, min(len(self.prompt_token_ids), self.num_computed_tokens + n) - self.num_computed_tokens)
+    def advance(self, n: int) -> int:
+        """n more positions are computed (scheduled); how many of them are the prompt's."""
+        start = self.num_computed_tokens
+        self.num_computed_tokens += n
+        return max(0, min(len(self.prompt_token_ids), start + n) - start)
 
     @property
     def num_tokens(self) -> int:

@@ -86,8 +86,7 @@ class Scheduler:
         self.async_scheduling = False
         # KV beyond the pool (conveyor/engine/kv_connector/): None = the pool alone.
         self.connector = connector
-        self.remote_kv = (RemoteKVWaits(connector, cc.kv_load_timeout_s)
-                          if connector is not None else None)
+        self.remote_kv = RemoteKVWaits(connector, cc.kv_load_timeout_s) if connector is not None else None
         self.kv_reused: Counter[str] = Counter()  # tokens reused per source since the last stats
         self.prompt_tokens_computed = 0  # cumulative: prompt positions computed, not reused
         self._hook_connector()
@@ -338,7 +337,9 @@ class Scheduler:
             if not self.enable_chunked_prefill and num_new > plan.token_budget:
                 break  # no overtaking: later, shorter prompts wait too
             num_new = self.encoder.fit(request, num_computed, min(num_new, plan.token_budget), plan)
-            if num_new == 0 or kv.allocate_slots(request, num_new, num_computed, hit_blocks) is None:
+            # Back from a KV load num_computed is the request's own already: only a hit's tokens are new.
+            if num_new == 0 or kv.allocate_slots(request, num_new, num_computed - request.num_computed_tokens,
+                                                 hit_blocks) is None:
                 self.encoder.free(request)
                 plan.encoder_pending.pop(request.request_id, None)
                 if num_new and self.remote_kv is not None and spill_held(self.waiting, kv):
@@ -392,8 +393,7 @@ class Scheduler:
     def _update_after_schedule(self, out: SchedulerOutput) -> None:
         requests = self.requests
         for rid, n in out.num_scheduled_tokens.items():
-            self.prompt_tokens_computed += requests[rid].prompt_positions(n)
-            requests[rid].num_computed_tokens += n
+            self.prompt_tokens_computed += requests[rid].advance(n)
         self.finished_req_ids = set()
         if self.async_scheduling:
             add_placeholders(requests, out)

@@ -63,6 +63,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
         self._stats = TierStats()
         # Leases (prefill legs): (until, keys) held on disk for another engine to read.
         self._leases: list[tuple[float, list[bytes]]] = []
+        self.clock: Callable[[], float] = time.monotonic  # leases' deadlines (tests set their own)
         self.events: TierEvents | None = None
         for index, other in ((self.cpu, self.disk), (self.disk, self.cpu)):
             index.on_add = lambda key, other=other: self._tier_changed(key, other, True)
@@ -219,11 +220,11 @@ class TierConnectorScheduler(KVConnectorScheduler):
             keys = [k for k in request.block_hashes[:len(block_ids)] if k in self.disk]
             for key in keys:
                 self.disk.held[key] += 1
-            self._leases.append((time.monotonic() + request.kv_lease_s, keys))
+            self._leases.append((self.clock() + request.kv_lease_s, keys))
         return False, None
 
     def _end_leases(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if not self._leases or self._leases[0][0] > now:
             return
         keep = []

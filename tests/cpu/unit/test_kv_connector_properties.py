@@ -5,19 +5,22 @@ into the host / disk tiers all the time) against a fake worker that keeps,
 per pool block, host slot and disk file, the block key its bytes really
 belong to. Loads succeed, fail (a bad checksum, a missing file), or come
 late (reported steps later, possibly after the request's deadline); saves
-fail; requests are aborted, preempted and time out. Checked:
+fail; requests are aborted, preempted and time out. Some requests carry a
+KVTransfer (another engine's blocks: P/D, a move, a peer pull) or lease
+their blocks on finishing (a prefill leg). Checked:
 - no step ever computes on a block whose bytes are not the block the
   scheduler counts as computed (no wrong KV, whatever the tier did);
 - every save reads a block that holds what its key says (only computed KV moves down);
 - block ref counts equal their holders (requests, parked requests, orphans);
 - at the end every admitted request finished exactly once, every block is
-  free, and nothing stays pinned, parked, orphaned or in flight.
+  free, and nothing stays pinned, parked, orphaned, leased or in flight.
 """
 from __future__ import annotations
 
 import os
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 from hypothesis import HealthCheck, Phase, settings
@@ -35,7 +38,14 @@ from sched_utils import EOS, fake_output, make_request, scripted_token
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import ModelRunnerOutput, RequestStatus, SchedulerOutput
 from conveyor.engine.core.scheduler import Scheduler
-from conveyor.engine.kv_connector.metadata import TIER_CPU, KVConnectorMetadata, KVConnectorOutput, TierLoad
+from conveyor.engine.kv_connector.metadata import (
+    TIER_CPU,
+    TIER_REMOTE,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransfer,
+    TierLoad,
+)
 from conveyor.engine.kv_connector.spec import TierSpec
 from conveyor.engine.kv_connector.tiers import TierConnectorScheduler
 
@@ -105,7 +115,9 @@ class FakeTierWorker:
     def _load(self, ld: TierLoad, ok: bool) -> None:
         self.out.finished_loads.append(ld.load_id)
         for key, tier, slot, block in zip(ld.keys, ld.tiers, ld.slots, ld.block_ids):
-            got = self.host.get(slot) if tier == TIER_CPU else self.disk.get(key)
+            # Another engine's file (TIER_REMOTE) holds what its key says; the fate fails it.
+            got = self.host.get(slot) if tier == TIER_CPU else key if tier == TIER_REMOTE else self.disk.get(key)
+            COVERAGE["remote_block"] += tier == TIER_REMOTE
             if not ok or got != key:  # the worker's checksum / header check
                 self.out.invalid_block_ids.append(block)
                 COVERAGE["invalid"] += 1
@@ -154,9 +166,10 @@ class ConnectorMachine(RuleBasedStateMachine):
                 "cache": {"block_size": bs, "enable_prefix_caching": True, "kv_load_timeout_s": TIMEOUT_S}}
         cfg = msgspec.convert(tree, EngineConfig)
         spec = TierSpec(block_size=bs, bytes_per_block=1, cpu_blocks=shape.cpu_blocks,
-                        disk_blocks=shape.disk_blocks, disk_folder=None, model_id="",
+                        disk_blocks=shape.disk_blocks, disk_folder=Path("/nonexistent/conveyor-kvp"), model_id="",
                         load_timeout_s=TIMEOUT_S)
         self.conn = TierConnectorScheduler(spec)
+        self.conn.clock = lambda: self.now
         self.s = Scheduler(cfg, shape.num_blocks, connector=self.conn)
         self.now = 0.0
         assert self.s.remote_kv is not None
@@ -169,12 +182,16 @@ class ConnectorMachine(RuleBasedStateMachine):
         self.limit = cap
 
     @rule(prefix=st.sampled_from(PREFIXES), suffix=st.lists(st.integers(2, 5), max_size=6),
-          max_tokens=st.integers(1, 8))
-    def add(self, prefix: list[int], suffix: list[int], max_tokens: int) -> None:
+          max_tokens=st.integers(1, 8), remote=st.sampled_from([0, 0, 1, 3]), lease=st.booleans())
+    def add(self, prefix: list[int], suffix: list[int], max_tokens: int, remote: int, lease: bool) -> None:
         prompt = ((prefix + suffix) or [3])[:self.limit - 1]
         rid = f"r{len(self.added)}"
-        self.s.add_request(make_request(rid, prompt, max_tokens=min(max_tokens, self.limit - len(prompt)),
-                                        arrival_time=float(len(self.added)), max_model_len=self.limit))
+        req = make_request(rid, prompt, max_tokens=min(max_tokens, self.limit - len(prompt)),
+                           arrival_time=float(len(self.added)), max_model_len=self.limit)
+        if remote:
+            req.kv_transfer = KVTransfer("prefill", remote)
+        req.kv_lease_s = 5.0 if lease else 0.0
+        self.s.add_request(req)
         self.added.append(rid)
 
     @precondition(lambda self: bool(self.s.requests))
@@ -229,6 +246,7 @@ class ConnectorMachine(RuleBasedStateMachine):
             assert p.request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             assert p.request not in self.s.running and rid not in {r.request_id for r in self.s.waiting}
         assert len(self.conn.cpu) <= self.shape.cpu_blocks and len(self.conn.disk) <= self.shape.disk_blocks
+        COVERAGE["leased"] += bool(self.conn._leases)
 
     # ---- the end --------------------------------------------------------------------
 
@@ -254,13 +272,15 @@ class ConnectorMachine(RuleBasedStateMachine):
                                  f"late {len(self.worker.late)}, free {self.s.kv_cache_manager.get_num_free_blocks()}, "
                                  f"pending {self.conn.has_pending()}")
         self.blocks_are_conserved()
+        self.now += 10.0  # past every lease; the next step ends them
+        self.s.schedule()
         rk = self.s.remote_kv
         assert rk is not None and not rk.parked and not rk.orphans
         assert not self.s.requests and self.finishes == Counter(self.added)
         pool = self.s.kv_cache_manager.block_pool
         assert pool.get_num_free_blocks() == self.shape.num_blocks - 1
         assert self.conn.num_inflight_loads == 0 and not self.conn.cpu.pinned and not self.conn.disk.pinned
-        assert not self.conn.disk.held
+        assert not self.conn.disk.held and not self.conn._leases
         COVERAGE["finished"] += len(self.added)
         COVERAGE["preemption"] += self.s.num_preemptions
         COVERAGE["timeouts"] += rk.total_timeouts
@@ -301,5 +321,21 @@ def test_scheduler_with_tier_connector_properties():
         max_examples=int(os.environ.get("KVP_EXAMPLES", "200")), stateful_step_count=50, deadline=None, database=None,
         derandomize=True, suppress_health_check=list(HealthCheck),
         phases=[p for p in Phase if p != Phase.shrink or SHRINK]))
-    for what in ("loaded_block", "invalid", "late", "timeouts", "abort_parked", "preemption", "finished"):
+    for what in ("loaded_block", "remote_block", "leased", "invalid", "late", "timeouts", "abort_parked", "preemption",
+                 "finished"):
         assert COVERAGE[what] > 0, (what, COVERAGE)
+
+
+def test_a_loaded_prefix_is_not_counted_twice():
+    """Found by the machine above: a request back from a load (2 tokens) whose
+    rest does not fit one step's budget (8 of 10) must hash only the blocks
+    the step computes. It hashed one block more (its load counted twice), a
+    block another request could then hit before its KV was written."""
+    m = ConnectorMachine()
+    m.setup(Shape(block_size=2, num_blocks=8, cpu_blocks=0, disk_blocks=0, budget=8, depth=1))
+    m.add(prefix=[30] * 12, suffix=[], max_tokens=1, remote=1, lease=False)
+    for _ in range(2):  # the load; then 8 tokens computed on top of it
+        m._step({"load": "ok", "save": "ok"}, False, lambda ids: set())
+        m._deliver(*m.in_flight.pop(0))
+    blocks = m.s.kv_cache_manager.req_to_blocks["r0"]
+    assert sum(b.block_hash is not None for b in blocks) == 5 and len(blocks) == 5
