@@ -203,7 +203,7 @@ class DataParallelClient:
             return []
         lr = request.lora_request
         return block_hashes_of(request.prompt_token_ids + request.output_token_ids, self.kv_info.block_size,
-                               request.cache_salt, lr.lora_int_id if lr is not None else None)
+                               request.cache_salt, lr.lora_int_id if lr is not None else None, request.mm_features)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}

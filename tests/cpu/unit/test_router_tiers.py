@@ -106,3 +106,24 @@ def test_a_key_moving_between_tiers_stays_announced(tmp_path) -> None:
 def test_tier_weight_is_bounded() -> None:
     with pytest.raises(ValueError, match="tier_weight"):
         RouterSettings(tier_weight=1.5)
+
+
+def test_router_hashes_images_as_the_engine_does() -> None:
+    """The same text behind two images: the router's hashes are the engine's
+    (BlockHasher), differ from the block the image's placeholders meet on, and
+    agree before it; so a prefix hit is never predicted across images."""
+    from types import SimpleNamespace
+
+    from conveyor.engine.kv_cache.hashing import BlockHasher
+    from conveyor.engine.multimodal.features import MultiModalFeature
+
+    tokens = _toks(3, 6 * BS)
+    img = [MultiModalFeature(h, 2 * BS + 5, 20, b"", [1]) for h in ("aa", "bb")]
+    routed = [block_hashes_of(tokens, BS, mm_features=[f]) for f in img]
+    for f, mine in zip(img, routed):
+        req = SimpleNamespace(all_token_ids=list(tokens), block_hashes=[], cache_salt=None,
+                              lora_request=None, mm_features=[f])
+        BlockHasher(BS).extend(req)
+        assert req.block_hashes == mine
+    assert routed[0][:2] == routed[1][:2] and routed[0][2] != routed[1][2]
+    assert routed[0][:2] == block_hashes_of(tokens, BS)[:2]

@@ -50,7 +50,8 @@ import numpy as np
 from conveyor.engine.config.sections import ROUTER_POLICIES
 from conveyor.engine.dp.router.events import KVEvents
 from conveyor.engine.dp.router.index import PrefixIndex
-from conveyor.engine.kv_cache.hashing import first_block_extra, hash_block
+from conveyor.engine.kv_cache.hashing import first_block_extra, hash_block, mm_block_extra
+from conveyor.engine.multimodal.features import MultiModalFeature
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +101,19 @@ class Decision:
 
 
 def block_hashes_of(token_ids: list[int], block_size: int, cache_salt: str | None = None,
-                    lora_int_id: int | None = None) -> list[bytes]:
+                    lora_int_id: int | None = None,
+                    mm_features: list[MultiModalFeature] | None = None) -> list[bytes]:
     """The hashes the engine will compute for these tokens' full blocks
-    (conveyor/engine/kv_cache/hashing.py's BlockHasher, same chain, same salt, same adapter)."""
+    (conveyor/engine/kv_cache/hashing.py's BlockHasher, same chain, same salt,
+    same adapter, the same images in the blocks their placeholders meet)."""
     out: list[bytes] = []
     parent: bytes | None = None
     first = first_block_extra(cache_salt, lora_int_id)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], first if start == 0 else None)
+        extra = first if start == 0 else None
+        if mm_features:
+            extra = mm_block_extra(extra, mm_features, start, start + block_size)
+        parent = hash_block(parent, token_ids[start:start + block_size], extra)
         out.append(parent)
     return out
 
