@@ -148,6 +148,10 @@ class EngineCore:
             except queue.Empty:
                 return
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            conn = self.scheduler.connector
+            if conn is not None:  # an abort of a finished prefill leg: its KV was taken, end its lease
+                for rid in ids:
+                    conn.release_lease(rid)
 
     def has_work(self) -> bool:
         self._process_aborts()

@@ -171,6 +171,8 @@ class PDFlow:
         self.c = client
         self.legs = PrefillLegs(s)
         self.s = s
+        # Handed over, lease not yet released: request id -> (prefill engine, leg id).
+        self._handed: dict[str, tuple[int, str]] = {}
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._watchdog, name="conveyor-pd-legs", daemon=True)
         self._watch.start()
@@ -207,18 +209,34 @@ class PDFlow:
         for o in outs.outputs:
             if not o.request_id.endswith(LEG_SUFFIX):
                 keep.append(o)
+                if o.request_id in self._handed and (o.new_token_ids or o.finished):
+                    self._release(o.request_id)  # decode computed on the KV: the lease may end
             elif o.finished and self.legs.engine_of(o.request_id) == engine:
                 self.c.router.finish(o.request_id)
                 ok = o.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
-                self._to_decode(self.legs.finish(o.request_id, ok))
+                request = self.legs.finish(o.request_id, ok)
+                if ok:
+                    self._handed[request.request_id] = (engine, o.request_id)
+                self._to_decode(request)
         outs.outputs = keep
 
+    def _release(self, request_id: str) -> None:
+        """Abort the finished leg on its engine: what ends its lease there."""
+        engine, lid = self._handed.pop(request_id)
+        if not self.c.fleet.state(engine).gone:
+            self.c.fleet.client(engine).abort_requests([lid])
+
     def engine_lost(self, engine: int) -> None:
+        for rid in [r for r, (e, _) in self._handed.items() if e == engine]:
+            del self._handed[rid]  # its leases went with it
         for lid in self.legs.on_engine(engine):
             self.c.router.finish(lid)
             self._to_decode(self.legs.fail(lid))
 
     def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if rid in self._handed:
+                self._release(rid)
         for e, lid in self.legs.abort(request_ids):
             self.c.router.finish(lid)
             if not self.c.fleet.state(e).gone:

@@ -81,6 +81,11 @@ class KVConnectorScheduler(ABC):
         """The prefix cache was reset (or the worker group, and with it the host tier, lost)."""
         return None  # optional hook: nothing to do by default
 
+    def release_lease(self, request_id: str) -> None:
+        """The blocks a finished request leased for another engine were taken
+        (P/D: the decode engine has them); they may go before the deadline."""
+        return None  # optional hook: a connector without leases has nothing to release
+
     def attach_events(self, events: Any) -> None:
         """The data-parallel router's event publisher: report what the connector holds."""
         return None  # optional hook: a connector that holds nothing reports nothing

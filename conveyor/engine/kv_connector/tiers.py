@@ -61,8 +61,8 @@ class TierConnectorScheduler(KVConnectorScheduler):
         # Requests whose tier load was given up: they recompute, never retry a tier.
         self._no_tier: set[str] = set()
         self._stats = TierStats()
-        # Leases (prefill legs): (until, keys) held on disk for another engine to read.
-        self._leases: list[tuple[float, list[bytes]]] = []
+        # Leases (prefill legs): request id -> (until, keys held on disk for another engine).
+        self._leases: dict[str, tuple[float, list[bytes]]] = {}
         self.clock: Callable[[], float] = time.monotonic  # leases' deadlines (tests set their own)
         self.events: TierEvents | None = None
         for index, other in ((self.cpu, self.disk), (self.disk, self.cpu)):
@@ -220,22 +220,20 @@ class TierConnectorScheduler(KVConnectorScheduler):
             keys = [k for k in request.block_hashes[:len(block_ids)] if k in self.disk]
             for key in keys:
                 self.disk.held[key] += 1
-            self._leases.append((self.clock() + request.kv_lease_s, keys))
+            self._leases[request.request_id] = (self.clock() + request.kv_lease_s, keys)
         return False, None
 
     def _end_leases(self) -> None:
-        now = self.clock()
-        if not self._leases or self._leases[0][0] > now:
-            return
-        keep = []
-        for until, keys in self._leases:
-            if until > now:
-                keep.append((until, keys))
-                continue
-            for key in keys:
-                if key in self.disk:
-                    self.disk.release(key)
-        self._leases = keep
+        if self._leases:
+            now = self.clock()
+            for rid in [r for r, (until, _) in self._leases.items() if until <= now]:
+                self.release_lease(rid)
+
+    def release_lease(self, request_id: str) -> None:
+        _, keys = self._leases.pop(request_id, (0.0, []))
+        for key in keys:
+            if key in self.disk:
+                self.disk.release(key)
 
     # ---- the step ------------------------------------------------------------------
 

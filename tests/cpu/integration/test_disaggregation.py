@@ -52,7 +52,14 @@ def test_pd_tokens_equal_one_colocated_engine(tiny_llama, colocated, tmp_path):
     with _pd(tiny_llama, str(tmp_path / "kv")) as llm:
         got = _outputs(llm)
         m = llm.get_metrics()
-        roles = [e["role"] for e in llm.engine.client.engines()]  # type: ignore[attr-defined]
+        dp = llm.engine.client  # type: ignore[attr-defined]
+        roles = [e["role"] for e in dp.engines()]
+        # Every lease ended once its request's decode had the KV (long before kv_lease_s).
+        prefill = dp.fleet.client(0).core.scheduler.connector
+        deadline = time.monotonic() + 5
+        while prefill._leases and time.monotonic() < deadline:
+            time.sleep(0.01)  # the leg aborts are applied on the prefill engine's thread
+        assert not prefill._leases and not dp.pd._handed
     assert got == colocated
     assert roles == ["prefill", "decode"]
     # Every prompt's full blocks came from the prefill engine; the decode engine

@@ -114,7 +114,7 @@ class PDMachine(RuleBasedStateMachine):
         for rid, e in list(self.dp._live.items()):
             _finish(self.engines[e], rid)
             self.ended.add(rid)
-        assert len(self.dp.pd.legs) == 0 and not self.dp._live
+        assert len(self.dp.pd.legs) == 0 and not self.dp._live and not self.dp.pd._handed
         assert self.dp.router.inflight.sum() == 0 and abs(self.dp.router.load_tokens.sum()) < 1e-6
         for rid in self.ids:
             assert self.finished.get(rid, 0) == 1 or rid in self.ended, rid
@@ -138,6 +138,9 @@ def test_short_prompts_and_no_prefill_engine_go_straight_to_decode() -> None:
     sent = engines[1].added[-1]
     assert sent.request_id == "long" and sent.kv_transfer is not None
     assert (sent.kv_transfer.source, sent.kv_transfer.num_blocks) == ("prefill", 3)
+    assert engines[0].aborted == []  # leased until decode has computed on the KV
+    engines[1].emit(EngineCoreOutputs(outputs=[EngineCoreOutput("long", [9])]))
+    assert engines[0].aborted == ["long" + LEG_SUFFIX]  # the finished leg's abort: its lease ends
     assert [e["role"] for e in dp.engines()] == ["prefill", "decode"]
     dp.shutdown()
 

@@ -181,3 +181,32 @@ def test_rank_merge_agrees_only_when_every_rank_did():
     m.note(KVConnectorMetadata(disk_saves=[BlockSave(b"x", 8)]))  # written again: counted afresh
     assert m.num_pending == 0
     assert m.merge([None, None]) is None
+
+
+def test_a_lease_ends_when_released_or_at_its_deadline(tmp_path):
+    """A prefill leg's blocks stay held on disk (not evictable) until the
+    decode engine has them (an abort of the finished leg) or the lease's
+    deadline, whichever comes first."""
+    from sched_utils import make_request
+
+    from conveyor.engine.kv_connector.tiers import TierConnectorScheduler
+
+    spec = TierSpec(block_size=4, bytes_per_block=8, cpu_blocks=0, disk_blocks=8, disk_folder=tmp_path / "kv",
+                    model_id="m", load_timeout_s=5.0)
+    conn = TierConnectorScheduler(spec)
+    now = [0.0]
+    conn.clock = lambda: now[0]
+    legs = []
+    for rid in ("a", "b"):
+        req = make_request(rid, list(range(1, 13)) if rid == "a" else list(range(20, 32)))
+        req.block_hashes = [bytes([ord(rid), i]) * 16 for i in range(3)]
+        req.kv_lease_s = 10.0
+        conn.request_finished(req, [1, 2, 3])
+        legs.append(req)
+    assert all(conn.disk.held[k] == 1 for r in legs for k in r.block_hashes)
+    conn.release_lease("a")  # decode has a's blocks
+    assert not any(k in conn.disk.held for k in legs[0].block_hashes)
+    assert all(conn.disk.held[k] == 1 for k in legs[1].block_hashes)
+    now[0] = 10.5
+    conn.build_connector_meta()  # b's deadline passed
+    assert not conn.disk.held and not conn._leases
