@@ -53,3 +53,8 @@ class ParamError(ValueError):
     def __reduce__(self) -> tuple[type[ParamError], tuple[str, str]]:
         # Pickled as (param, message): Ray and multiprocessing rebuild it whole.
         return ParamError, (self.param, str(self))
+
+
+class KVLayoutMismatchError(ValueError):
+    """An engine whose KV layout (model, dtype, block size, TP/PP) differs from
+    the engines it would hand KV to or take KV from (P/D, moves, peer pulls)."""

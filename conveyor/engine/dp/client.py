@@ -34,7 +34,7 @@ from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutputs, EngineCoreRequest
 from conveyor.engine.core_client import CoreClient, FleetAdmin, MetricRow, OutputHandler
 from conveyor.engine.dp.admin_view import engine_rows, fleet_metric_rows
-from conveyor.engine.dp.disagg import PDFlow, PDSettings, carry_kv, peer_pull
+from conveyor.engine.dp.disagg import PDFlow, PDSettings, carry_kv, check_kv_layout, checked_spawn, peer_pull
 from conveyor.engine.dp.fleet import EngineState, Fleet, Vacant
 from conveyor.engine.dp.migration_log import MigrationLog
 from conveyor.engine.dp.mover import MoveCause, Mover
@@ -57,13 +57,16 @@ class DataParallelClient:
         """spawn(config) makes one engine's client (also for replace and add);
         `fleet`: engines started already (else data_parallel_size from spawn)."""
         self.config = config
-        self.spawn = spawn
+        cc = config.cache
+        shared_kv = cc.enable_prefix_caching and bool(cc.offload_disk_path) and cc.offload_disk_gb > 0
+        # Engines that hand KV to each other keep one KV layout: a new one must match.
+        self._layout = check_kv_layout(config) if shared_kv else None
+        self.spawn = checked_spawn(self._layout, spawn) if self._layout is not None else spawn
         self.fleet = fleet if fleet is not None else Fleet.start(config, spawn)
         self._on_outputs: OutputHandler | None = None
         self.kv_info = self.fleet.client(0).kv_info
         self.router = Router(RouterSettings(policy=config.serve.router, block_size=self.kv_info.block_size,
                                             seed=config.model.seed), len(self.fleet))
-        cc = config.cache
         self._hash = cc.enable_prefix_caching and (config.serve.router in ("kv_aware", "session") or cc.peer_fetch)
         self._peer = peer_pull(self.router, self.kv_info.block_size, cc.peer_fetch_min_tokens,
                                min(1.0, cc.kv_load_timeout_s)) if cc.peer_fetch else None
@@ -71,7 +74,6 @@ class DataParallelClient:
         self._live: dict[str, int] = {}  # request id -> the engine that owns it now
         self.dead = DeadFlag()  # the frontend's record (AsyncLLM shares it)
         self.migrations = MigrationLog(len(self.fleet))
-        shared_kv = cc.enable_prefix_caching and bool(cc.offload_disk_path) and cc.offload_disk_gb > 0
         self.mover = Mover(self._lock, self._emit, self._place, self.migrations, carry_kv(
             self.kv_info.block_size, min(cc.kv_lease_s, cc.kv_load_timeout_s)) if shared_kv else None)
         self.paces = PacedDrains(self.mover.book, self._live.get, self.mover.in_flight, self._move_paced)
@@ -365,6 +367,8 @@ class DataParallelClient:
         drained first (its requests move, none is lost); a drained or dead
         one is shut down. Returns how many requests moved. While the new one
         starts the others serve everything; it takes requests once it runs."""
+        if config is not None and self._layout is not None:
+            self._layout(config)  # refused before the old engine is drained
         with self.scaler.lock:  # one fleet change at a time
             with self._lock:
                 self.fleet.check_index(engine)

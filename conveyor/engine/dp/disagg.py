@@ -27,19 +27,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import msgspec
 
+from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from conveyor.engine.dp.fleet import Fleet
 from conveyor.engine.dp.mover import Ask, Carry, Mover
 from conveyor.engine.dp.router.policy import Decision, Router
-from conveyor.engine.errors import EngineDeadError
+from conveyor.engine.errors import EngineDeadError, KVLayoutMismatchError
 from conveyor.engine.kv_connector.metadata import KVTransfer
 from conveyor.engine.sampling_params import SamplingFields
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 LEG_SUFFIX = "#prefill"
 # pull(request, its block hashes, the router's decision) -> the request as sent
@@ -160,6 +162,39 @@ def peer_pull(router: Router, block_size: int, min_tokens: int, wait_s: float) -
             return request
         return msgspec.structs.replace(request, kv_transfer=KVTransfer("peer", best // block_size, wait_s))
     return pull
+
+
+def kv_layout(config: EngineConfig) -> dict[str, object]:
+    """What must match for one engine to read another's blocks."""
+    m, p, c = config.model, config.parallel, config.cache
+    return {"model.path": m.path, "model.dtype": m.dtype, "model.quantization": m.quantization,
+            "cache.block_size": c.block_size, "parallel.tensor_parallel_size": p.tensor_parallel_size,
+            "parallel.pipeline_parallel_size": p.pipeline_parallel_size}
+
+
+def check_kv_layout(base: EngineConfig) -> Callable[[EngineConfig], None]:
+    """A check that refuses (KVLayoutMismatchError) an engine config whose KV
+    layout differs from the fleet's: engines sharing a KV folder hand blocks to
+    each other, so prefill and decode (and every engine a request may move to)
+    keep one TP/PP layout, dtype and block size."""
+    want = kv_layout(base)
+
+    def check(config: EngineConfig) -> None:
+        got = kv_layout(config)
+        diff = {k: (want[k], got[k]) for k in want if want[k] != got[k]}
+        if diff:
+            raise KVLayoutMismatchError(
+                "an engine sharing the KV folder must keep the fleet's KV layout; differs: "
+                + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items()))
+    return check
+
+
+def checked_spawn(check: Callable[[EngineConfig], None], spawn: Callable[[EngineConfig], T]
+                  ) -> Callable[[EngineConfig], T]:
+    def checked(config: EngineConfig) -> T:
+        check(config)  # before anything starts
+        return spawn(config)
+    return checked
 
 
 class PDFlow:

@@ -152,3 +152,18 @@ def test_short_prompts_and_no_prefill_engine_go_straight_to_decode() -> None:
 def test_pd_config_rules(over, key) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         build_config(**{**KW, "data_parallel_size": 2, **over})
+
+
+def test_an_engine_of_another_kv_layout_is_refused_before_anything_moves() -> None:
+    from conveyor.engine.errors import KVLayoutMismatchError
+
+    engines = [FakeEngineClient(block_size=BS) for _ in range(2)]
+    dp = fake_fleet(build_config(**{**KW, "data_parallel_size": 2}), engines, spawn=lambda c: FakeEngineClient())
+    dp.start(lambda outs: None)
+    for over in ({"tensor_parallel_size": 2}, {"block_size": 32}, {"dtype": "bfloat16"}):
+        with pytest.raises(KVLayoutMismatchError, match=next(iter(over))):
+            dp.replace_engine(1, build_config(**{**KW, "data_parallel_size": 2, **over}))
+        with pytest.raises(KVLayoutMismatchError):
+            dp.add_engine(build_config(**{**KW, "data_parallel_size": 2, **over}))
+    assert [e["state"] for e in dp.engines()] == ["up", "up"] and not engines[1].closed
+    dp.shutdown()
