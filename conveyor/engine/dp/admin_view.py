@@ -20,7 +20,8 @@ def engine_rows(fleet: Fleet, role: Callable[[int], str] | None,
     for i, slot in enumerate(list(fleet.slots)):
         st = slot.stats
         info: dict[str, Any] = {
-            "engine": i, "state": slot.state.value, "role": role(i) if role is not None else "both",
+            "engine": i, "incarnation": slot.incarnation, "state": slot.state.value,
+            "role": role(i) if role is not None else "both",
             "kv_cache_usage": st.kv_cache_usage if st is not None else 0.0,
             "requests": st.num_running_reqs + st.num_waiting_reqs if st is not None else 0}
         if legs is not None:

@@ -206,8 +206,9 @@ class PDFlow:
         self.c = client
         self.legs = PrefillLegs(s)
         self.s = s
-        # Handed over, lease not yet released: request id -> (prefill engine, leg id).
-        self._handed: dict[str, tuple[int, str]] = {}
+        # Handed over, lease not yet released: request id -> ((prefill engine, its
+        # incarnation), leg id); a lease of an engine since replaced went with it.
+        self._handed: dict[str, tuple[tuple[int, int], str]] = {}
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._watchdog, name="conveyor-pd-legs", daemon=True)
         self._watch.start()
@@ -251,18 +252,21 @@ class PDFlow:
                 ok = o.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
                 request = self.legs.finish(o.request_id, ok)
                 if ok:
-                    self._handed[request.request_id] = (engine, o.request_id)
+                    self._handed[request.request_id] = (self._identity(engine), o.request_id)
                 self._to_decode(request)
         outs.outputs = keep
 
+    def _identity(self, engine: int) -> tuple[int, int]:
+        return engine, self.c.fleet.slots[engine].incarnation
+
     def _release(self, request_id: str) -> None:
         """Abort the finished leg on its engine: what ends its lease there."""
-        engine, lid = self._handed.pop(request_id)
-        if not self.c.fleet.state(engine).gone:
-            self.c.fleet.client(engine).abort_requests([lid])
+        who, lid = self._handed.pop(request_id)
+        if self._identity(who[0]) == who and not self.c.fleet.state(who[0]).gone:
+            self.c.fleet.client(who[0]).abort_requests([lid])
 
     def engine_lost(self, engine: int) -> None:
-        for rid in [r for r, (e, _) in self._handed.items() if e == engine]:
+        for rid in [r for r, (who, _) in self._handed.items() if who[0] == engine]:
             del self._handed[rid]  # its leases went with it
         for lid in self.legs.on_engine(engine):
             self.c.router.finish(lid)

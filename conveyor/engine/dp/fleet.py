@@ -105,6 +105,8 @@ class Slot:
     stats: SchedulerStats | None = None  # its last report
     prefix_queries: int = 0  # prefix-cache lookups, in tokens, since it started
     prefix_hits: int = 0
+    # An engine is (slot, incarnation): a client put in the slot again is a new engine.
+    incarnation: int = 0
 
 
 @dataclass
@@ -167,6 +169,7 @@ class Fleet:
         if i == len(self.slots):
             self.slots.append(slot)
         else:
+            slot.incarnation = self.slots[i].incarnation + 1
             self.slots[i] = slot
 
     def ray_owner(self) -> int | None:
