@@ -33,7 +33,7 @@ import msgspec
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
-from conveyor.engine.dp.fleet import Fleet
+from conveyor.engine.dp.fleet import EngineState, Fleet
 from conveyor.engine.dp.mover import Ask, Carry, Mover
 from conveyor.engine.dp.router.policy import Decision, Router
 from conveyor.engine.errors import EngineDeadError, KVLayoutMismatchError
@@ -262,8 +262,19 @@ class PDFlow:
     def _release(self, request_id: str) -> None:
         """Abort the finished leg on its engine: what ends its lease there."""
         who, lid = self._handed.pop(request_id)
-        if self._identity(who[0]) == who and not self.c.fleet.state(who[0]).gone:
-            self.c.fleet.client(who[0]).abort_requests([lid])
+        if self._identity(who[0]) == who:
+            self._abort_leg(who[0], lid)
+
+    def _abort_leg(self, engine: int, lid: str) -> None:
+        """Tell a prefill engine to drop a leg. Called on output threads under
+        the client's lock, so it never raises: an engine that died meanwhile
+        took the leg (and its lease) with it, and its loss is handled apart."""
+        if self.c.fleet.state(engine) is not EngineState.UP:
+            return
+        try:
+            self.c.fleet.client(engine).abort_requests([lid])
+        except EngineDeadError as e:
+            log.info("prefill engine %d gone while dropping leg %s: %s", engine, lid, e)
 
     def engine_lost(self, engine: int) -> None:
         for rid in [r for r, (who, _) in self._handed.items() if who[0] == engine]:
@@ -278,8 +289,7 @@ class PDFlow:
                 self._release(rid)
         for e, lid in self.legs.abort(request_ids):
             self.c.router.finish(lid)
-            if not self.c.fleet.state(e).gone:
-                self.c.fleet.client(e).abort_requests([lid])
+            self._abort_leg(e, lid)
 
     def _expire(self, lid: str) -> None:
         e = self.legs.engine_of(lid)
@@ -287,8 +297,8 @@ class PDFlow:
         request = self.legs.fail(lid)
         log.warning("prefill leg of %s on engine %s not finished within %.1f s; decode recomputes it",
                     request.request_id, e, self.s.deadline_s)
-        if e is not None and not self.c.fleet.state(e).gone:
-            self.c.fleet.client(e).abort_requests([lid])
+        if e is not None:
+            self._abort_leg(e, lid)
         self._to_decode(request)
 
     def _to_decode(self, request: EngineCoreRequest) -> None:

@@ -1072,7 +1072,7 @@ def pd_url(server, ckpt, tmp_path_factory):
 
 
 def test_pd_app_matches_one_engine_and_survives_its_prefill_actor_killed(server, pd_url):
-    """Issue 48 over HTTP: 16 streams with long prompts (greedy, seeded, n=2)
+    """Issue 48 over HTTP: 16 streams with long prompts (greedy, seeded, n=2, JSON schema)
     give the one-engine app's text on the P/D app, with the prompts' blocks
     handed over; then SIGKILL of the prefill engine's EngineCoreActor while
     its legs run: every stream still ends [DONE] with the same text."""
@@ -1080,11 +1080,19 @@ def test_pd_app_matches_one_engine_and_survives_its_prefill_actor_killed(server,
 
     from migration_streams import diff, run_streams
 
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 22, 333]}}, "required": ["a"],
+              "additionalProperties": False}
+
     def streams(salt: int) -> list[tuple[str, dict]]:
-        return [("/v1/completions", {
+        plain = [("/v1/completions", {
             "prompt": [7 + (i * 31 + j * 17 + salt) % 400 for j in range(300 + 8 * i)], "max_tokens": 24,
             "ignore_eos": True, "temperature": 0.0 if i % 3 == 0 else 0.8, "seed": 50 + i,
-            "n": 2 if i % 3 == 2 else 1, "logprobs": 0}) for i in range(16)]
+            "n": 2 if i % 3 == 2 else 1, "logprobs": 0}) for i in range(14)]
+        words = " ".join(f"w{(k * 7 + salt) % 97}" for k in range(120))  # a long prompt: P/D hands it over
+        return plain + [("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": f"{words} {i}"}], "max_tokens": 40, "temperature": 0.8,
+            "seed": 70 + i, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
+            for i in range(2)]
 
     pairs, fresh = streams(0), streams(1)  # fresh: prompts no engine has cached
     ref = asyncio.run(run_streams(server, AUTH, pairs))

@@ -167,3 +167,26 @@ def test_an_engine_of_another_kv_layout_is_refused_before_anything_moves() -> No
             dp.add_engine(build_config(**{**KW, "data_parallel_size": 2, **over}))
     assert [e["state"] for e in dp.engines()] == ["up", "up"] and not engines[1].closed
     dp.shutdown()
+
+
+def test_a_prefill_engine_dead_but_not_yet_noticed_does_not_break_decode_outputs() -> None:
+    """Releasing a lease on a prefill engine whose actor just died raises in its
+    client; that must not escape into the decode engine's output thread (its
+    streams would hang): the output is delivered, the lease is simply gone."""
+    from conveyor.engine.errors import EngineDeadError
+
+    engines = [FakeEngineClient(block_size=BS) for _ in range(2)]
+    dp = fake_fleet(build_config(**{**KW, "data_parallel_size": 2}), engines)
+    got: list[EngineCoreOutputs] = []
+    dp.start(got.append)
+    dp.add_request(_req("long", 3 * BS + 1))
+    _finish(engines[0], "long" + LEG_SUFFIX)
+
+    def dead(ids: list[str]) -> None:
+        raise EngineDeadError("engine actor died")
+
+    engines[0].abort_requests = dead  # type: ignore[method-assign]
+    engines[1].emit(EngineCoreOutputs(outputs=[EngineCoreOutput("long", [9])]))
+    assert [o.request_id for outs in got for o in outs.outputs] == ["long"] and not dp.pd._handed
+    dp.abort_requests(["long"])
+    dp.shutdown()
