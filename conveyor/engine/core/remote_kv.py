@@ -34,6 +34,7 @@ class _Parked:
     load_id: int
     deadline: float
     prior_status: RequestStatus  # WAITING or PREEMPTED: how it is scheduled once back
+    since: float = 0.0  # when it was parked (its load's latency in the debug log)
 
 
 class RemoteKVWaits:
@@ -56,8 +57,8 @@ class RemoteKVWaits:
 
     def park(self, request: Request, load_id: int) -> None:
         assert request.request_id not in self.parked
-        self.parked[request.request_id] = _Parked(request, load_id, self.clock() + self.timeout_s,
-                                                  request.status)
+        now = self.clock()
+        self.parked[request.request_id] = _Parked(request, load_id, now + self.timeout_s, request.status, now)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def finish_loads(self, results: list[LoadResult], kv: KVCacheManager) -> list[Request]:
@@ -68,9 +69,10 @@ class RemoteKVWaits:
             if p is not None and p.load_id == r.load_id:
                 del self.parked[r.req_id]
                 req = p.request
-                log.debug("request %s: prefix %d tokens from the pool, %s from tiers, %d loaded "
-                          "tokens invalid (recomputed)", req.request_id, req.num_computed_tokens,
-                          r.by_source or "none", _asked(kv, req) - r.num_valid_tokens)
+                log.debug("request %s: prefix %d tokens from the pool, %s from tiers (%d bytes in "
+                          "%.1f ms), %d loaded tokens invalid (recomputed)", req.request_id,
+                          req.num_computed_tokens, r.by_source or "none", r.nbytes,
+                          1e3 * (self.clock() - p.since), _asked(kv, req) - r.num_valid_tokens)
                 req.num_computed_tokens += r.num_valid_tokens
                 if req.num_computed_tokens == 0:
                     # Nothing valid: a request that computed nothing holds no blocks

@@ -25,6 +25,7 @@ class LoadResult:
     req_id: str
     num_valid_tokens: int
     by_source: dict[str, int] = field(default_factory=dict)
+    nbytes: int = 0  # the valid blocks' bytes (all ranks)
 
 
 @dataclass

@@ -274,7 +274,8 @@ class TierConnectorScheduler(KVConnectorScheduler):
             for tier in ld.tiers[:n]:
                 name = ld.source if tier == TIER_REMOTE else TIER_NAMES[tier]
                 by_source[name] = by_source.get(name, 0) + self.spec.block_size
-            results.append(LoadResult(load_id, ld.req_id, n * self.spec.block_size, by_source))
+            results.append(LoadResult(load_id, ld.req_id, n * self.spec.block_size, by_source,
+                                      n * self.spec.bytes_per_block))
         return results
 
     def _drop_bad(self, key: bytes, tier: int) -> None:
