@@ -46,7 +46,11 @@ T = TypeVar("T")
 LEG_SUFFIX = "#prefill"
 # pull(request, its block hashes, the router's decision) -> the request as sent
 PeerPull = Callable[[EngineCoreRequest, list[bytes], Decision], EngineCoreRequest]
-LEG_SAMPLING = SamplingFields(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+def _leg_sampling() -> SamplingFields:
+    """A leg's: one greedy token (a fresh object each: an in-process engine owns what it is sent)."""
+    return SamplingFields(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
 @dataclass(frozen=True)
@@ -85,7 +89,7 @@ class PrefillLegs:
     def start(self, request: EngineCoreRequest, engine: int, now: float) -> EngineCoreRequest:
         """The leg to send to prefill engine `engine`."""
         leg = msgspec.structs.replace(request, request_id=request.request_id + LEG_SUFFIX,
-                                      sampling_params=LEG_SAMPLING, session=None,
+                                      sampling_params=_leg_sampling(), session=None,
                                       kv_lease_s=self.s.lease_s, kv_transfer=None)
         self._legs[leg.request_id] = _Leg(request, engine, now + self.s.deadline_s)
         return leg
