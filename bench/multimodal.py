@@ -15,7 +15,11 @@ transformers image processor, the content hash and the copy). The tokens of
 the repeated run are compared with one request run alone (they must be equal).
 --served: the same two workloads over HTTP (one AsyncLLM behind uvicorn,
 bench/lib/launch.py), every request at once, each image a JPEG data: URL in a
-chat image_url part. vLLM's CPU build is not on the CI machine: no peer row.
+chat image_url part. --hf: the distinct workload through transformers'
+LlavaForConditionalGeneration.generate on the same checkpoint (one batch, the
+image token expanded as its processor does), tokens compared: vLLM's CPU build
+cannot run LLaVA on these machines (its llava module imports torchvision, whose
+PyPI wheels do not load against the CPU torch), so transformers is the peer row.
 
 Usage:
   .venv/bin/python bench/multimodal.py --quick
@@ -145,6 +149,33 @@ def served(path: str, reqs: int, output: int) -> dict[str, Any]:
     return out
 
 
+def hf_peer(path: str, reqs: int, output: int) -> dict[str, Any]:
+    """The distinct workload in transformers (fp32, greedy, one batch): wall, rates, tokens."""
+    import torch
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(path, torch_dtype=torch.float32).eval()
+    proc = AutoImageProcessor.from_pretrained(path)
+    per_image = (model.config.vision_config.image_size // model.config.vision_config.patch_size) ** 2
+    batch = prompts(reqs, images(reqs, 1), 1)
+    ids = []
+    for b in batch:
+        at = b["prompt_token_ids"].index(IMAGE_ID)
+        toks = b["prompt_token_ids"]
+        ids.append(toks[:at] + [IMAGE_ID] * per_image + toks[at + 1:])
+    pixels = proc([b["multi_modal_data"]["image"] for b in batch], return_tensors="pt")["pixel_values"]
+    input_ids = torch.tensor(ids)
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids[:2], pixel_values=pixels[:2], max_new_tokens=2, do_sample=False)
+        t = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=pixels,
+                             max_new_tokens=output, min_new_tokens=output, do_sample=False)
+        wall = time.perf_counter() - t
+    return {"wall_s": round(wall, 3), "images_per_s": round(reqs / wall, 2),
+            "output_tok_per_s": round(reqs * output / wall, 1),
+            "tokens": [row[input_ids.shape[1]:].tolist() for row in out]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -153,6 +184,7 @@ def main() -> None:
     ap.add_argument("--vision-layers", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="4 requests, 8 tokens, 2+2 layers")
     ap.add_argument("--served", action="store_true", help="also over HTTP (uvicorn + AsyncLLM)")
+    ap.add_argument("--hf", action="store_true", help="transformers' generate on the distinct workload, the peer row")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -168,6 +200,12 @@ def main() -> None:
             alone = run(llm, prompts(args.requests, images(1, 2), 2)[-1:], args.output)
         if args.served:
             results["served"] = served(path, args.requests, args.output)
+        if args.hf:
+            hf = hf_peer(path, args.requests, args.output)
+            ours = results["distinct"]["tokens"]
+            hf["same_tokens"] = sum(list(a) == b for a, b in zip(ours, hf.pop("tokens")))
+            hf["conveyor_vs_transformers"] = round(results["distinct"]["images_per_s"] / hf["images_per_s"], 2)
+            results["transformers"] = hf
     assert results["repeated"]["tokens"][-1] == alone["tokens"][0], "a cached image changed the tokens"
     for key in ("distinct", "repeated"):
         results[key].pop("tokens")
