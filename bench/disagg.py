@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -34,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.lib.meta import run_meta  # noqa: E402
+from bench.lib.meta import emit_report, run_meta  # noqa: E402
 from bench.lib.models import model_dir  # noqa: E402
 from bench.lib.stats import percentile  # noqa: E402
 
@@ -118,11 +117,7 @@ def main() -> None:
         for r in rows:
             r["same_tokens_as_colocated"] = r.pop("tokens") == base
         report[name] = rows
-    print(json.dumps({k: v for k, v in report.items() if k != "meta"}, indent=2))
-    if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
+    emit_report(report, a.json)
 
 
 if __name__ == "__main__":

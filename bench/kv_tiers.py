@@ -31,7 +31,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -46,27 +45,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.lib.meta import run_meta  # noqa: E402
+from bench.lib.meta import emit_report, run_meta  # noqa: E402
 from bench.lib.models import model_dir  # noqa: E402
 from bench.lib.stats import percentile  # noqa: E402
+from bench.lib.ttft import TTFT, record_ttft  # noqa: E402
 from conveyor import LLM, SamplingParams  # noqa: E402
-from conveyor.engine.frontend import output_processor  # noqa: E402
-
-_TTFT: list[float] = []
-
-
-def _record_ttft() -> None:
-    """TTFT per request from the frontend's own record (arrival -> first token)."""
-    orig = output_processor.RequestState.process
-
-    def process(self: Any, o: Any) -> bool:
-        first = self.first_token_time is None and bool(o.new_token_ids)
-        out = orig(self, o)
-        if first:
-            _TTFT.append(self.first_token_time - self.arrival_time)
-        return out
-
-    output_processor.RequestState.process = process  # type: ignore[method-assign]
 
 
 @dataclass
@@ -100,7 +83,7 @@ def run_sessions(path: str, a: argparse.Namespace, unique: bool, **tier: Any) ->
     sp = SamplingParams(max_tokens=a.output, temperature=0.0, ignore_eos=True)
     res = Result()
     llm.generate([[5] * 32], sp, use_tqdm=False)  # warm-up
-    del _TTFT[:]
+    del TTFT[:]
     t0 = time.perf_counter()
     for _turn in range(a.turns):
         for s in range(a.sessions):
@@ -118,7 +101,7 @@ def run_sessions(path: str, a: argparse.Namespace, unique: bool, **tier: Any) ->
             seen[s] = len(prompt) + len(out) - 1  # the last sampled token's KV is not computed
             sessions[s] = prompt + out + [rng.randrange(4, 8000) for _ in range(a.question)]
     res.wall_s = time.perf_counter() - t0
-    res.ttft = list(_TTFT)
+    res.ttft = list(TTFT)
     res.metrics = llm.get_metrics()
     llm.shutdown()
     return res
@@ -155,9 +138,9 @@ def disk_restart(path: str, a: argparse.Namespace, folder: str) -> dict[str, Any
     for name, kw in (("recompute", {}), ("from_disk", disk)):
         llm = LLM(model=path, block_size=16, max_model_len=max_len, **kw)
         llm.generate([[5] * 32], sp, use_tqdm=False)
-        del _TTFT[:]
+        del TTFT[:]
         o = llm.generate([follow], sp, use_tqdm=False)[0]
-        out[name] = {"ttft_ms": round(1e3 * _TTFT[0], 1), "cached_tokens": o.num_cached_tokens,
+        out[name] = {"ttft_ms": round(1e3 * TTFT[0], 1), "cached_tokens": o.num_cached_tokens,
                      "tokens": list(o.outputs[0].token_ids)}
         llm.shutdown()
     out["share_from_disk"] = round(out["from_disk"]["cached_tokens"] / len(follow), 3)
@@ -187,7 +170,7 @@ def main() -> None:
     a.max_len = min(a.max_len, (a.pool_blocks - 1) * 16)  # one request must fit the pool
     if not 16 <= a.restart_prefix <= 8384:
         p.error("--restart-prefix must be in [16, 8384] (the model has 8448 positions)")
-    _record_ttft()
+    record_ttft()
     report: dict[str, Any] = {"meta": run_meta(args=vars(a))}
     if not a.only_restart:
         path = model_dir("30m")
@@ -201,12 +184,7 @@ def main() -> None:
         report["disk_restart"] = disk_restart(model_dir("30m8k"), a, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    text = json.dumps({k: v for k, v in report.items() if k != "meta"}, indent=2)
-    print(text)
-    if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
+    emit_report(report, a.json)
 
 
 if __name__ == "__main__":

@@ -17,37 +17,20 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
 import tempfile
-from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.lib.meta import run_meta  # noqa: E402
+from bench.lib.meta import emit_report, run_meta  # noqa: E402
 from bench.lib.models import model_dir  # noqa: E402
+from bench.lib.ttft import TTFT, record_ttft  # noqa: E402
 from conveyor import LLM, SamplingParams  # noqa: E402
-from conveyor.engine.frontend import output_processor  # noqa: E402
-
-_TTFT: list[float] = []
-
-
-def _record_ttft() -> None:
-    orig = output_processor.RequestState.process
-
-    def process(self: Any, o: Any) -> bool:
-        first = self.first_token_time is None and bool(o.new_token_ids)
-        out = orig(self, o)
-        if first:
-            _TTFT.append(self.first_token_time - self.arrival_time)
-        return out
-
-    output_processor.RequestState.process = process  # type: ignore[method-assign]
 
 
 def measure(path: str, peer: bool, lengths: list[int], reps: int) -> tuple[dict[int, float], list[list[int]]]:
@@ -64,9 +47,9 @@ def measure(path: str, peer: bool, lengths: list[int], reps: int) -> tuple[dict[
             for _ in range(reps):
                 prefix = [rng.randrange(4, 8000) for _ in range(n)]
                 llm.generate([prefix], sp, use_tqdm=False)  # one engine; the next request: the other
-                del _TTFT[:]
+                del TTFT[:]
                 o = llm.generate([prefix + [rng.randrange(4, 8000) for _ in range(16)]], sp, use_tqdm=False)[0]
-                seen.append(_TTFT[0])
+                seen.append(TTFT[0])
                 tokens.append(list(o.outputs[0].token_ids))
             ttft[n] = statistics.median(seen)
     return ttft, tokens
@@ -79,7 +62,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
-    _record_ttft()
+    record_ttft()
     path = model_dir("30m")
     off, tok_off = measure(path, False, lengths, a.reps)
     on, tok_on = measure(path, True, lengths, a.reps)
@@ -88,11 +71,7 @@ def main() -> None:
     crossover = next((r["prefix_tokens"] for r in rows if r["pull_vs_recompute"] < 1.0), None)
     report = {"meta": run_meta(args=vars(a)), "rows": rows, "crossover_tokens": crossover,
               "same_tokens": tok_on == tok_off}
-    print(json.dumps({k: v for k, v in report.items() if k != "meta"}, indent=2))
-    if a.json:
-        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=2)
+    emit_report(report, a.json)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ apart and compared later.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -35,6 +36,15 @@ def run_meta(**extra: Any) -> dict[str, Any]:
     return {"argv": sys.argv, "git": git_rev(), "platform": platform.platform(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "loadavg": list(os.getloadavg()),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **extra}
+
+
+def emit_report(report: dict[str, Any], path: str | None) -> None:
+    """Print a benchmark's results (without its "meta") and, with ``path``, write all of it as JSON."""
+    print(json.dumps({k: v for k, v in report.items() if k != "meta"}, indent=2))
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
 
 
 def _cpuinfo() -> dict[str, str]:
