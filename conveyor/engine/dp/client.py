@@ -403,8 +403,8 @@ class DataParallelClient:
     def engines(self) -> list[dict[str, Any]]:
         """Each engine's slot, state, role and process ids (admin view; tests pick a victim here)."""
         with self._lock:
-            legs = {e: len(self.pd.legs.on_engine(e)) for e in range(len(self.fleet))} if self.pd else None
-        return engine_rows(self.fleet, self.pd.role if self.pd else None, legs.__getitem__ if legs else None)
+            legs = self.pd.legs.per_engine() if self.pd else None
+        return engine_rows(self.fleet, self.pd.role if self.pd else None, legs.__getitem__ if legs is not None else None)
 
     def metric_rows(self) -> list[MetricRow]:
         """Per-engine series (conveyor/engine/dp/admin_view.py)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -99,12 +100,10 @@ class PrefillLegs:
         return leg.engine if leg is not None else None
 
     def finish(self, leg_id: str, ok: bool) -> EngineCoreRequest:
-        """The leg ended on its engine: the request for decode (with the
-        transfer when the prompt's blocks were written)."""
-        leg = self._legs.pop(leg_id)
-        return self._for_decode(leg.request, ok)
-
-    def _for_decode(self, request: EngineCoreRequest, ok: bool) -> EngineCoreRequest:
+        """The leg ended: the request for decode, with the transfer when the
+        prompt's blocks were written (ok), else as sent (its engine was lost,
+        it failed or ran late: decode recomputes the prompt)."""
+        request = self._legs.pop(leg_id).request
         if not ok:
             self.num_failed += 1
             return request
@@ -115,10 +114,9 @@ class PrefillLegs:
     def on_engine(self, engine: int) -> list[str]:
         return [lid for lid, leg in self._legs.items() if leg.engine == engine]
 
-    def fail(self, leg_id: str) -> EngineCoreRequest:
-        """Its engine is lost (or it ran late): decode recomputes the prompt."""
-        leg = self._legs.pop(leg_id)
-        return self._for_decode(leg.request, False)
+    def per_engine(self) -> Counter[int]:
+        """Legs in flight per prefill engine."""
+        return Counter(leg.engine for leg in self._legs.values())
 
     def expired(self, now: float) -> list[str]:
         return [lid for lid, leg in self._legs.items() if leg.deadline <= now]
@@ -238,7 +236,7 @@ class PDFlow:
         try:
             self.c.fleet.client(d.engine).add_request(leg)
         except EngineDeadError:
-            self.legs.fail(lid)
+            self.legs.finish(lid, ok=False)
             self.c.router.finish(lid)
             return False
         return True
@@ -285,7 +283,7 @@ class PDFlow:
             del self._handed[rid]  # its leases went with it
         for lid in self.legs.on_engine(engine):
             self.c.router.finish(lid)
-            self._to_decode(self.legs.fail(lid))
+            self._to_decode(self.legs.finish(lid, ok=False))
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -298,7 +296,7 @@ class PDFlow:
     def _expire(self, lid: str) -> None:
         e = self.legs.engine_of(lid)
         self.c.router.finish(lid)
-        request = self.legs.fail(lid)
+        request = self.legs.finish(lid, ok=False)
         log.warning("prefill leg of %s on engine %s not finished within %.1f s; decode recomputes it",
                     request.request_id, e, self.s.deadline_s)
         if e is not None:
