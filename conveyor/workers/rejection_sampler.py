@@ -43,6 +43,7 @@ from conveyor.workers.sampler import (
     position_seed,
     process_logits,
     random_probs,
+    row_argmax,
 )
 
 
@@ -126,7 +127,7 @@ def _verify_rows(x: torch.Tensor, meta: SamplingMetadata, rows: list[_DraftRow],
     accept = torch.zeros(n, dtype=torch.bool, device=x.device)
     token = torch.zeros(n, dtype=torch.int64, device=x.device)
     if not meta.all_random:
-        g = x.argmax(dim=-1)
+        g = row_argmax(x)
         accept, token = has_draft & (draft_tok == g), g
     if meta.all_greedy:
         return accept, token
@@ -136,7 +137,7 @@ def _verify_rows(x: torch.Tensor, meta: SamplingMetadata, rows: list[_DraftRow],
     r_accept = has_draft & (u * probs.sum(dim=-1) < p_draft)
     # Rejected: the residual (p - onehot(d))+ is p with d removed.
     residual = probs.scatter(1, safe, torch.where(has_draft, 0.0, p_draft).unsqueeze(1))
-    r_token = (residual / q).argmax(dim=-1)
+    r_token = row_argmax(residual / q)
     if meta.all_random:
         return r_accept, r_token
     assert meta.greedy_mask is not None
@@ -162,7 +163,7 @@ def _verify_argmax(logits: torch.Tensor, layout: SpecLayout) -> list[list[int]]:
     """Greedy verification without the per-row metadata: accept while each
     draft equals its row's argmax, then that row's argmax (the plain
     Sampler's argmax of the same fp32 logits)."""
-    g = logits.float().argmax(dim=-1).tolist()
+    g = row_argmax(logits.float()).tolist()
     emitted = []
     for off, d in zip(layout.offsets.tolist(), layout.drafts):
         a = 0

