@@ -135,6 +135,8 @@ def build(path: str, spec: ModelSpec, device: str = "cpu") -> str:
             "tokenizer_vocab": spec.tokenizer_vocab, **spec.config}
     if spec.router_std:
         want["router_std"] = spec.router_std
+    if _reties(spec):  # recorded: checkpoints built before the re-tie (two head matrices) are rebuilt
+        want["tied_head"] = True
     if os.path.isfile(os.path.join(path, "config.json")):
         if not os.path.isfile(marker):
             return path  # a checkpoint this module did not build: used as it is, never overwritten
@@ -164,6 +166,8 @@ def _save_weights(path: str, spec: ModelSpec, device: str) -> None:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(cfg)
         model = model.to_empty(device=device).to(dtype)
+        if _reties(spec):
+            model.tie_weights()  # to_empty() gave lm_head a tensor of its own
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -178,6 +182,14 @@ def _save_weights(path: str, spec: ModelSpec, device: str) -> None:
                 p.normal_(0.0, spec.config["initializer_range"])
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
+
+
+def _reties(spec: ModelSpec) -> bool:
+    """A tied config built on the meta device: to_empty() unties lm_head from the
+    embedding, and filled apart the two were saved as different matrices under a config
+    that says they are one; engines then disagree on which is the head (transformers
+    and llama.cpp took lm_head.weight, ours the embedding)."""
+    return spec.init != "hf" and bool(spec.config.get("tie_word_embeddings"))
 
 
 def param_count(config: dict[str, Any]) -> int:
