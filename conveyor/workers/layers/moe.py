@@ -37,6 +37,7 @@ from conveyor.parallel.layers import (
     WeightLike,
     _copy_checked,
     _packed_copy,
+    _small_isa,
     default_weight_loader,
     divide,
     linear,
@@ -167,6 +168,15 @@ class FusedMoE(nn.Module):
         return out.to(x.dtype)
 
     def _expert(self, local: int, xe: torch.Tensor) -> torch.Tensor:
+        isa = _small_isa(xe, self.w13_weight)
+        if isa is not None:
+            # Decode-sized rows: the small-M kernel over this expert's slice of
+            # the grouped op's packed stack (the same packing, the same bits), not
+            # a per-expert packed copy beside it (up to one more copy of every expert).
+            w13 = _packed_copy(self, "_grouped13", self.w13_weight, cpu_moe.pack_experts)
+            w2 = _packed_copy(self, "_grouped2", self.w2_weight, cpu_moe.pack_experts)
+            h = cpu_linear.small_linear(xe, w13[local], 2 * self.i_part, None, isa)
+            return cpu_linear.small_linear(self.act(h.contiguous()), w2[local], self.shape.hidden_size, None, isa)
         s13, s2 = self._slots[local]
         h = linear(s13, xe, self.w13_weight[local])
         return linear(s2, self.act(h.contiguous()), self.w2_weight[local])
