@@ -60,6 +60,11 @@ class TierConnectorScheduler(KVConnectorScheduler):
         self._next_load_id = 0
         # Requests whose tier load was given up: they recompute, never retry a tier.
         self._no_tier: set[str] = set()
+        # Requests one of whose blocks from another engine failed (missing, bad,
+        # late): they never ask that engine again, preempted or not. Their
+        # KVTransfer stays on the request, so without this every re-admission
+        # waited out wait_s for the same missing files, forever.
+        self._no_remote: set[str] = set()
         self._stats = TierStats()
         # Leases (prefill legs): request id -> (until, keys held on disk for another engine).
         self._leases: dict[str, tuple[float, list[bytes]]] = {}
@@ -105,7 +110,8 @@ class TierConnectorScheduler(KVConnectorScheduler):
         another engine's file that its KVTransfer names, else -1."""
         tier = self._loadable_tier(key)
         xf = request.kv_transfer
-        if tier < 0 and xf is not None and i < xf.num_blocks and self.spec.disk_folder is not None:
+        if tier < 0 and xf is not None and i < xf.num_blocks and self.spec.disk_folder is not None \
+                and request.request_id not in self._no_remote:
             return TIER_REMOTE
         return tier
 
@@ -207,6 +213,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
         """block_ids: the request's computed (hashed) blocks, in order. They
         go to disk now (copied at the next step's start, before any reuse)."""
         self._no_tier.discard(request.request_id)
+        self._no_remote.discard(request.request_id)
         if not self.disk.capacity:
             return False, None
         xf = request.kv_transfer
@@ -270,6 +277,8 @@ class TierConnectorScheduler(KVConnectorScheduler):
             n = next((i for i, b in enumerate(ld.block_ids) if b in invalid), len(ld.block_ids))
             if n < len(ld.block_ids):
                 self._drop_bad(ld.keys[n], ld.tiers[n])
+                if ld.tiers[n] == TIER_REMOTE:
+                    self._no_remote.add(ld.req_id)
             by_source: dict[str, int] = {}
             for tier in ld.tiers[:n]:
                 name = ld.source if tier == TIER_REMOTE else TIER_NAMES[tier]
@@ -292,6 +301,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
         self._meta = KVConnectorMetadata()
         self._loads.clear()
         self._no_tier.clear()
+        self._no_remote.clear()
         self.disk.pinned.clear()
         self.disk.held.clear()
         self._leases.clear()

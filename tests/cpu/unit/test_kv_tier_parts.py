@@ -210,3 +210,30 @@ def test_a_lease_ends_when_released_or_at_its_deadline(tmp_path):
     now[0] = 10.5
     conn.build_connector_meta()  # b's deadline passed
     assert not conn.disk.held and not conn._leases
+
+
+def test_a_failed_block_from_another_engine_is_never_asked_for_again(tmp_path):
+    """The prefill engine died before writing a handed-over block: the decode
+    engine's load finds it missing, and the request recomputes. Its KVTransfer
+    still names the blocks, so re-admission (also after a preemption) must not
+    ask for them again: each ask waits out wait_s, and it looped forever in CI."""
+    from sched_utils import make_request
+
+    from conveyor.engine.kv_connector.metadata import KVConnectorOutput, KVTransfer
+    from conveyor.engine.kv_connector.tiers import TierConnectorScheduler
+
+    spec = TierSpec(block_size=4, bytes_per_block=8, cpu_blocks=0, disk_blocks=8, disk_folder=tmp_path / "kv",
+                    model_id="m", load_timeout_s=5.0)
+    conn = TierConnectorScheduler(spec)
+    req = make_request("r", list(range(1, 14)))  # 13 tokens: 3 full blocks, the last one computed
+    req.block_hashes = [bytes([7, i]) * 16 for i in range(3)]
+    req.kv_transfer = KVTransfer("prefill", 3, wait_s=0.5)
+    assert conn.get_num_new_matched_tokens(req, 0) == (12, True)
+    load_id = conn.update_state_after_alloc(req, [10, 11, 12], 12)
+    [res] = conn.update_connector_output(KVConnectorOutput(finished_loads=[load_id], invalid_block_ids=[11]))
+    assert res.num_valid_tokens == 4  # block 0 came; block 1 did not
+    assert conn.get_num_new_matched_tokens(req, 4) == (0, False)
+    conn.request_reset("r")  # preempted: still not asked again
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.request_finished(req, [])
+    assert "r" not in conn._no_remote
