@@ -24,7 +24,8 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default
 
 
-def _bindable(host: str, port: int) -> bool:
+def port_free(host: str, port: int) -> bool:
+    """Whether `port` on `host` can be bound now."""
     with socket.socket() as s:
         try:
             s.bind((host, port))
@@ -40,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     if high - _LOW > 1000:
         for _ in range(_TRIES):
             port = _RNG.randrange(_LOW, high)
-            if _bindable(host, port):
+            if port_free(host, port):
                 return port
     with socket.socket() as s:  # a crowded or odd range: let the kernel pick
         s.bind((host, 0))

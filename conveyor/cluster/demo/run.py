@@ -18,26 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from conveyor.parallel.ports import free_port
+from conveyor.parallel.ports import free_port, port_free
 
 # The package's copy of configs/tiny-cpu.yaml (a link in the checkout, a file in the wheel),
 # so the demo runs from an installed wheel as from a clone.
 DEFAULT_CONFIG = str(Path(__file__).resolve().with_name("tiny-cpu.yaml"))
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def ask(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
@@ -73,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"built the demo checkpoint in {model_dir}", flush=True)
     host = config.serve.host
     port = args.port or config.serve.port
-    if not _port_free(host, port):
+    if not port_free(host, port):
         new = free_port(host)
         print(f"port {port} is in use; serving on {new} instead", flush=True)
         port = new
