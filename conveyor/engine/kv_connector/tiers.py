@@ -276,9 +276,7 @@ class TierConnectorScheduler(KVConnectorScheduler):
                     self.disk.release(key)
             n = next((i for i, b in enumerate(ld.block_ids) if b in invalid), len(ld.block_ids))
             if n < len(ld.block_ids):
-                self._drop_bad(ld.keys[n], ld.tiers[n])
-                if ld.tiers[n] == TIER_REMOTE:
-                    self._no_remote.add(ld.req_id)
+                self._drop_bad(ld.keys[n], ld.tiers[n], ld.req_id)
             by_source: dict[str, int] = {}
             for tier in ld.tiers[:n]:
                 name = ld.source if tier == TIER_REMOTE else TIER_NAMES[tier]
@@ -287,12 +285,15 @@ class TierConnectorScheduler(KVConnectorScheduler):
                                       n * self.spec.bytes_per_block))
         return results
 
-    def _drop_bad(self, key: bytes, tier: int) -> None:
-        """A block that failed its load is not offered again (a retry would fail the same way)."""
+    def _drop_bad(self, key: bytes, tier: int, request_id: str) -> None:
+        """A block that failed its load is not offered again (a retry would fail the same way):
+        a tier's copy leaves the index; another engine's is not asked for by this request again."""
         if tier == TIER_CPU:
             self.cpu.remove(key)
         elif tier == TIER_DISK and self.disk.remove(key) >= 0:
             self._meta.disk_deletes.append(key)
+        elif tier == TIER_REMOTE:
+            self._no_remote.add(request_id)
 
     def reset(self, lost_workers: bool) -> None:
         """Host slots are gone with the workers (and stale after a prefix-cache
