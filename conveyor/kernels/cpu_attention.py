@@ -67,7 +67,7 @@ _SOURCES = [os.path.join(_CSRC, f) for f in
              "moe_cpu.cpp", "moe_amx.cpp")]
 # Headers the sources include: hashed into the build directory's name.
 _HEADERS = ("cpu_kernels.h", "generic_kernels.inc", "simd_kernels.inc", "simd_prefill.inc", "lora_kernels.h",
-            "lora_simd.inc", "linear_kernels.h", "linear_simd.inc", "linear_tables.h", "bf16_avx512.inc")
+            "lora_simd.inc", "linear_kernels.h", "linear_simd.inc", "linear_plain.inc", "linear_tables.h", "bf16_avx512.inc")
 ISAS = ("auto", "avx512", "avx2", "portable")
 _EXT_NAME = "conveyor_paged_attention_cpu"
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]

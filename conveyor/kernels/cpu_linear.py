@@ -1,24 +1,24 @@
-"""Small-M linears on CPU (``csrc/linear_cpu.cpp``): decode batches of up to
-``small_rows`` rows over the weight packed once (``pack``: blocks of 16 output
-columns, k-major inside, so a call streams the weight once in address order
-and each 64-byte line feeds one FMA per row).
+"""Small-M linears on CPU (``csrc/linear_cpu.cpp``), decode-sized M over the
+layer's weights, so that a layer holds one copy of its weights wherever a
+second does not buy speed (BENCHMARKS.md, "one weight copy"):
 
-oneDNN's packed linears (``conveyor.parallel.layers.linear``) are near the FMA peak for
-prefill-sized M but reach half of it at M = 16, where each decode step streams
-every weight once: this kernel ran the 1B shape's M = 16 linears 1.3-1.4x
-faster (BENCHMARKS.md, "Small-M linears"). The packed copy is held next to
-oneDNN's (prefill keeps that one): one more copy of the linears' weights. fp32 and bf16 (bf16
-through vdpbf16ps where the CPU has AVX512_BF16, else widened to fp32 math);
-tables ``avx512bf16``, ``avx512``, ``avx2``, ``portable`` chosen by cpuid in
-one build, as the attention kernels.
+* ``plain_linear``: fp32 over the parameter as it is ([n][k], no copy), tiles
+  of 4 rows x 6 columns (AVX-512; AVX2 2 x 4) of per-lane sums. Up to
+  PLAIN_ROWS rows it streams the weights at the DRAM bandwidth, 1.04-1.22x the
+  packed kernel below (1B shapes, Xeon, 2 threads); from 5 rows each x
+  vector feeds too few FMAs and it falls behind.
+* ``small_linear``: over a packed copy (``pack``: blocks of 16 output columns,
+  k-major inside, so each 64-byte line feeds one FMA per row with that row's x
+  broadcast). fp32 from PLAIN_ROWS + 1 to ``small_rows`` rows, where it ran
+  1.1-1.8x oneDNN on the plain weight, so the layer packs that copy at its
+  first such step (a batch-1 engine never does); bf16 up to 16 rows
+  (vdpbf16ps where the CPU has AVX512_BF16, else widened to fp32 math), except
+  on AMX, where oneDNN's packed bf16 ran 2-4x this kernel from 4 rows.
 
-The engine routes every table of ENGINE_ISAS up to ``small_rows`` rows:
-SMALL_ROWS, fp32 on AVX-512 up to 64, and every row count for fp32 on the AVX2 table. There, with x
-read in place and the rows in L2-sized m-blocks, the kernel ran the
-Qwen2-0.5B linears 1.23x oneDNN's AVX2 GEMM at 32 rows and 1.03-1.08x from 96
-to 2048 (BENCHMARKS.md, "x in place"), so AVX2 fp32 keeps no oneDNN copy of
-the weights; bf16 has no packed oneDNN path there. On AVX-512 oneDNN is level
-at 32 rows and ahead at 64.
+Above those rows fp32 runs oneDNN over the plain weight (0.96-0.99x its packed
+copy from 65 to 2048 rows: that copy is not kept). Tables ``avx512bf16``,
+``avx512``, ``avx2``, ``portable`` chosen by cpuid in one build, as the
+attention kernels.
 
 Like the model's other CPU-native ops it follows the backend choice: only
 when the cpu attention backend has loaded the extension
@@ -27,14 +27,16 @@ when the cpu attention backend has loaded the extension
 """
 from __future__ import annotations
 
-import sys
+import functools
 
 import torch
 
 from . import cpu_attention
 
-# Rows up to which the kernel runs (above: oneDNN's packed GEMM).
+# bf16 rows up to which the packed kernel runs (above: oneDNN's packed GEMM).
 SMALL_ROWS = 16
+# fp32 rows up to which the plain kernel runs (every engine table).
+PLAIN_ROWS = 4
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -59,20 +61,24 @@ def kernel_isa() -> str | None:
     return isa if isa in ENGINE_ISAS else None
 
 
-# fp32 on the AVX-512 tables: with two column blocks per pass the kernel ran
-# 1.02-1.08x oneDNN's packed GEMM at 64 rows and 1.06-1.32x at 32 (qkv 1536 x
-# 1024, o 1024 x 1024, lm_head 32000 x 1024; Xeon, 2 threads), 0.87-0.93x at 128.
-SMALL_ROWS_AVX512_F32 = 64
+# fp32 rows up to which the packed kernel runs. Against oneDNN over the plain
+# weight (1B shapes, Xeon, 2 threads): AVX-512 1.25x at 32 rows, 1.11x at 48,
+# 0.93x at 56; the AVX2 table (oneDNN capped to AVX2) 1.15x at 32, 0.96x at 64.
+SMALL_ROWS_F32 = 48
+
+
+@functools.cache
+def amx() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's bf16 GEMMs use them)."""
+    return hasattr(torch.cpu, "_is_amx_tile_supported") and bool(torch.cpu._is_amx_tile_supported())
 
 
 def small_rows(isa: str, dtype: torch.dtype) -> int:
-    """The most rows the engine runs on table ``isa`` in ``dtype``."""
+    """The most rows the engine runs on table ``isa`` in ``dtype`` with the
+    packed kernel (fp32 from PLAIN_ROWS + 1; 0: never)."""
     if dtype == torch.float32:
-        if isa == "avx2":
-            return sys.maxsize
-        if isa.startswith("avx512"):
-            return SMALL_ROWS_AVX512_F32
-    return SMALL_ROWS
+        return SMALL_ROWS_F32
+    return 0 if amx() else SMALL_ROWS
 
 
 _SUPPORTED: list[str] = []
@@ -109,6 +115,11 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor 
     """x [M, K] @ w[n, K]^T (+ b) with ``packed = pack(w)``: fp32 or bf16 (x
     and w alike); fp32 sums, a bf16 output rounded once."""
     return torch.ops.conveyor_linear.linear(x, packed, n, b, isa)
+
+
+def plain_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, isa: str) -> torch.Tensor:
+    """fp32 x [M, K] @ w[n, K]^T (+ b) over w as it is (rows contiguous)."""
+    return torch.ops.conveyor_linear.linear_plain(x, w, b, isa)
 
 
 def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:

@@ -91,8 +91,7 @@ _PACKED_DTYPES = (torch.float32,) + (
 # primitive, which wins below (1.1-1.4x at M <= 256; BENCHMARKS "bf16"). With
 # AVX512_BF16 and no AMX the packed primitive wins or ties at every M (30M
 # shapes 1.1-1.2x at M = 512-2048; BENCHMARKS "Zen 5"), so every row count packs.
-_AMX = hasattr(torch.cpu, "_is_amx_tile_supported") and bool(torch.cpu._is_amx_tile_supported())
-_BF16_PACKED_ROWS = 256 if _AMX else 1 << 62
+_BF16_PACKED_ROWS = 256 if cpu_linear.amx() else 1 << 62
 
 
 def onednn_rows(m: int) -> int:
@@ -119,23 +118,33 @@ def _packed_copy(module: nn.Module, slot: str, w: torch.Tensor,
     return cached[1]
 
 
-def _small_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """The small-M kernel's table for this call (fp32/bf16 on CPU with the
-    extension loaded, at most cpu_linear.small_rows rows), else None."""
+def _kernel_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """The small-M kernels' table for this call (fp32/bf16 x and w alike, 2-D,
+    on CPU with the extension loaded), else None."""
     if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in cpu_linear.DTYPES or w.dtype != x.dtype:
         return None
-    isa = cpu_linear.kernel_isa()
+    return cpu_linear.kernel_isa()
+
+
+def _small_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """The packed kernel's table where this call's rows are its (at most
+    cpu_linear.small_rows), else None."""
+    isa = _kernel_isa(x, w)
     return isa if isa is not None and x.shape[0] <= cpu_linear.small_rows(isa, x.dtype) else None
 
 
 def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
            b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except on CPU: decode-sized M (<= cpu_linear.small_rows, fp32
-    or bf16) runs the small-M kernel over its own packed copy of the weight,
-    and fp32 (and bf16 where oneDNN has bf16 kernels) otherwise runs oneDNN
-    with the weight packed once (MKL's sgemm takes a slow path on
-    some CPUs; oneDNN measured ~2x here); bf16 where oneDNN has no bf16
-    kernels runs fp32 oneDNN over an fp32 packed copy (bf16 storage, fp32 math).
+    """F.linear, except on CPU, where a layer keeps one copy of its weights
+    unless a second one runs its rows faster (conveyor/kernels/cpu_linear.py):
+    - fp32 up to cpu_linear.PLAIN_ROWS rows: the plain kernel on w itself;
+    - then up to cpu_linear.small_rows rows (fp32, and bf16 except on AMX):
+      the packed kernel over its copy, packed at the first such call;
+    - fp32 above: oneDNN over w itself (its packed copy ran no faster);
+    - bf16 where oneDNN has bf16 kernels: oneDNN over its packed copy (1.3-1.6x
+      w itself up to 256 rows on AMX), above _BF16_PACKED_ROWS F.linear;
+    - bf16 where oneDNN has none (AVX2): fp32 oneDNN over an fp32 packed copy
+      (bf16 storage, fp32 math).
     Each packed copy is keyed by the weight's version, so reloading refreshes it.
     A quantized layer (``conveyor/workers/layers/quant.py``) runs its own forward (the
     lm_head's only for decode rows: it keeps its float weight for the rest)."""
@@ -144,6 +153,9 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
         y = quantized(x, b)
         if y is not None:  # None: a layer that keeps its float weight runs these rows on it
             return y
+    isa = _kernel_isa(x, w)
+    if isa is not None and x.dtype == torch.float32 and x.shape[0] <= cpu_linear.PLAIN_ROWS:
+        return cpu_linear.plain_linear(x, w, b, isa)
     small = _small_isa(x, w)
     if small is not None:
         packed = _packed_copy(module, "_small_packed", w, cpu_linear.pack)
@@ -157,6 +169,8 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
             or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and x.shape[0] > _BF16_PACKED_ROWS):
         return F.linear(x, w, b)
+    if x.dtype == torch.float32:
+        return _onednn(x, w.detach(), b)
     packed = _packed_copy(module, "_packed_weight", w,
                           lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
     return _onednn(x, packed, b)
@@ -170,7 +184,8 @@ def _widened_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear over a packed weight, rows bucketed (onednn_rows)."""
+    """oneDNN's linear over a packed weight or a plain one (fp32: [n, K] as
+    it is), rows bucketed (onednn_rows)."""
     m = x.shape[0]
     rows = onednn_rows(m)
     if rows != m:

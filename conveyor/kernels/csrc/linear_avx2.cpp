@@ -23,6 +23,15 @@ struct V {
   static constexpr int kMaxRows = 6;
   static constexpr int kMaxRowsWide = 5;
   static constexpr int kPairRowsF32 = 0;  // two 8-wide registers a block already
+  // Plain weights (linear_plain.inc): tiles of up to 12 sums (1-3 rows x 4
+  // columns, 4 x 3), their weight vectors and x.
+  static constexpr int kDotCols = 4;
+  static constexpr int kDotSums = 12;
+  static float hsum(Reg r) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(r), _mm256_extractf128_ps(r, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
   static Reg load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, Reg r) { _mm256_storeu_ps(p, r); }
   static Reg zero() { return _mm256_setzero_ps(); }
@@ -51,9 +60,10 @@ struct V {
 };
 
 #include "linear_simd.inc"
+#include "linear_plain.inc"
 
 const conveyor_linear::LinearTable kTable{"avx2", &linear_blocks<F32>, &linear_blocks<Bf16Wide>, nullptr,
-                                          &linear_blocks<I8>};
+                                          &linear_blocks<I8>, &f32_plain};
 }  // namespace
 
 #pragma GCC pop_options

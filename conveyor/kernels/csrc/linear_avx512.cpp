@@ -28,6 +28,11 @@ struct V {
   // 12 rows 18.8 -> 23.2, 16 rows 17.3 -> 17.0, 20 rows 13.5 -> 16.2,
   // 32 rows 10.6 -> 12.5.
   static constexpr int kPairRowsF32 = 12;
+  // Plain weights (linear_plain.inc): tiles of up to 24 sums (1-4 rows x 6
+  // columns), 6 weight vectors and x.
+  static constexpr int kDotCols = 6;
+  static constexpr int kDotSums = 24;
+  static float hsum(Reg r) { return _mm512_reduce_add_ps(r); }
   static Reg load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, Reg r) { _mm512_storeu_ps(p, r); }
   static Reg zero() { return _mm512_setzero_ps(); }
@@ -47,11 +52,12 @@ struct V {
 };
 
 #include "linear_simd.inc"
+#include "linear_plain.inc"
 
 constexpr conveyor_linear::LinearFn kF32 = &linear_blocks<F32>;
 constexpr conveyor_linear::LinearFn kBf16Wide = &linear_blocks<Bf16Wide>;
 constexpr conveyor_linear::LinearFn kI8 = &linear_blocks<I8>;
-const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr, kI8};
+const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr, kI8, &f32_plain};
 }  // namespace
 
 #pragma GCC pop_options
@@ -92,7 +98,8 @@ struct Bf16Dot {
 };
 }  // namespace dot
 
-const conveyor_linear::LinearTable kTableBf16{"avx512bf16", kF32, kBf16Wide, &linear_blocks<dot::Bf16Dot>, kI8};
+const conveyor_linear::LinearTable kTableBf16{"avx512bf16", kF32, kBf16Wide, &linear_blocks<dot::Bf16Dot>, kI8,
+                                             &f32_plain};
 }  // namespace
 
 #pragma GCC pop_options

@@ -160,6 +160,32 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
   return np != n ? out.narrow(1, 0, n).contiguous() : out;
 }
 
+// Columns per thread-split unit of the plain op (a multiple of every table's
+// tile widths, so only a range's last tile is narrow).
+constexpr int64_t kPlainUnit = 48;
+
+// fp32 y = x @ w^T (+ bias) over w [n, K] as it is (row-major, k contiguous):
+// no packed copy of the weight (linear_plain.inc).
+at::Tensor plain_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                        c10::string_view isa) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) <= conveyor_linear::kPlainDotRows,
+              "linear_plain: x must be fp32 [M, K] with M <= ", conveyor_linear::kPlainDotRows);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(1) == x_in.size(1) && w.stride(1) == 1,
+              "linear_plain: w must be fp32 [n, K] with contiguous rows");
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t m = x.size(0), n = w.size(0);
+  const LinearTable* t = pick(std::string(isa.data(), isa.size()));
+  const at::Tensor b = bias.has_value() ? padded(bias, n, n, "bias") : at::Tensor();
+  at::Tensor y = at::empty({m, n}, x.options());
+  const conveyor_linear::PlainArgs a{w.data_ptr<float>(), x.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+                                     y.data_ptr<float>(), m, x.size(1), w.stride(0), x.stride(0), n};
+  const int64_t units = (n + kPlainUnit - 1) / kPlainUnit;
+  at::parallel_for(0, units, 1, [&](int64_t lo, int64_t hi) {
+    t->f32_plain(a, lo * kPlainUnit, std::min(hi * kPlainUnit, n));
+  });
+  return y;
+}
+
 std::vector<std::string> linear_isas() {
   std::vector<std::string> out;
   for (const auto& entry : tables()) out.push_back(entry.first);
@@ -180,10 +206,12 @@ const LinearTable* table_named(const std::string& isa) {
 TORCH_LIBRARY(conveyor_linear, m) {
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, str isa) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor packed, int n, Tensor scale, Tensor? bias, str isa) -> Tensor");
+  m.def("linear_plain(Tensor x, Tensor w, Tensor? bias, str isa) -> Tensor");
   m.def("supported_isas() -> str[]", &linear_isas);
 }
 
 TORCH_LIBRARY_IMPL(conveyor_linear, CPU, m) {
   m.impl("linear", &small_linear);
   m.impl("linear_i8", &small_linear_i8);
+  m.impl("linear_plain", &plain_linear);
 }

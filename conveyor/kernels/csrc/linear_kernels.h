@@ -57,12 +57,27 @@ inline uint16_t round_bf16(float f) {
 }
 using LinearFn = void (*)(const LinearArgs&, int64_t lo, int64_t hi);
 
+// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) over fp32 weights as the checkpoint
+// holds them, row-major [n][k]: the parameter itself, no packed copy
+// (linear_plain.inc), for up to kPlainDotRows rows.
+constexpr int64_t kPlainDotRows = 4;
+struct PlainArgs {
+  const float* w;     // [n][ldw]
+  const float* x;     // [m][ldx]
+  const float* bias;  // [n] or nullptr
+  float* y;           // [m][ldy]
+  int64_t m, k, ldw, ldx, ldy;
+};
+// Columns [lo, hi) of y.
+using PlainFn = void (*)(const PlainArgs&, int64_t lo, int64_t hi);
+
 struct LinearTable {
   const char* name;
   LinearFn f32;        // fp32 weights, fp32 x^T
   LinearFn bf16_wide;  // bf16 weights widened to fp32 in registers (exact), fp32 x^T: fp32 math
   LinearFn bf16_dot;   // bf16 weights and x pairs, vdpbf16ps (exact products, fp32 sums); nullptr: none
   LinearFn i8;         // int8 weights ([k][16] bytes per block) widened in registers, fp32 x^T, scale
+  PlainFn f32_plain;   // fp32 weights as they are ([n][k]), fp32 x row-major
 };
 
 const LinearTable* linear_portable();

@@ -47,11 +47,21 @@ void blocks(const LinearArgs& a, int64_t lo, int64_t hi) {
           a.y[i * a.np + col] = out;
       }
 }
+
+// Plain [n][k] fp32 weights: each sum in k order.
+void plain(const conveyor_linear::PlainArgs& a, int64_t lo, int64_t hi) {
+  for (int64_t n = lo; n < hi; ++n)
+    for (int64_t i = 0; i < a.m; ++i) {
+      float s = 0.f;
+      for (int64_t k = 0; k < a.k; ++k) s += a.x[i * a.ldx + k] * a.w[n * a.ldw + k];
+      a.y[i * a.ldy + n] = a.bias ? s + a.bias[n] : s;
+    }
+}
 }  // namespace
 
 namespace conveyor_linear {
 const LinearTable* linear_portable() {
-  static const LinearTable t{"portable", &blocks<W::kF32>, &blocks<W::kBf16>, nullptr, &blocks<W::kI8>};
+  static const LinearTable t{"portable", &blocks<W::kF32>, &blocks<W::kBf16>, nullptr, &blocks<W::kI8>, &plain};
   return &t;
 }
 }  // namespace conveyor_linear

@@ -352,7 +352,9 @@ def test_onednn_linear_buckets_rows_and_matches_f_linear():
     y = linear(bmod, xb, wb, bb)
     assert y.shape == (300, 96) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), F.linear(xb, wb, bb).float(), rtol=2e-2, atol=2e-2)
-    packed = torch.bfloat16 in layers._PACKED_DTYPES and not layers._AMX
+    from conveyor.kernels import cpu_linear
+
+    packed = torch.bfloat16 in layers._PACKED_DTYPES and not cpu_linear.amx()
     assert ("_packed_weight" in bmod.__dict__) == packed
 
 

@@ -12,8 +12,6 @@ allows one ulp (2^-8 |y|) plus the fp32 bound.
 """
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
 
@@ -137,12 +135,67 @@ def test_small_linear_bf16_output_rounds_as_torch(isa: str) -> None:
         y32 = small_linear(x.float(), pack(w.float()), n, b.float(), isa)
         assert torch.equal(y.view(torch.int16), y32.to(torch.bfloat16).view(torch.int16)), (isa, m, k, n)
 
+# (M, K, N) for the plain kernel (up to 4 rows): K below one vector and off
+# the vector width (the scalar tail), N off every tile width (6, 4 and 3
+# columns, the 48-column thread unit), a K of several thousand.
+_PLAIN_CASES = [(1, 5, 7), (1, 64, 48), (2, 45, 50), (3, 131, 97), (4, 40, 6), (4, 4100, 20), (3, 17, 13)]
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
+def test_plain_linear_fp32_matches_float64(isa: str) -> None:
+    """The plain kernel over w as it is (its row stride wider than K too),
+    strided x rows, with and without a bias, within the fp32 bound."""
+    _isa_or_skip(isa)
+    from conveyor.kernels.cpu_linear import plain_linear
+
+    for i, (m, k, n) in enumerate(_PLAIN_CASES):
+        x, w, b = _case(100 + i, m, k, n, torch.float32)
+        wide = torch.randn(n, k + 9)
+        wide[:, 2:k + 2] = w
+        for weight in (w, wide[:, 2:k + 2]):
+            for bias in (b, None):
+                y = plain_linear(x, weight, bias, isa)
+                ref = x.double() @ w.double().t() + (b.double() if bias is not None else 0)
+                assert y.shape == (m, n) and y.dtype == torch.float32
+                assert bool(((y.double() - ref).abs() <= _bound(x, w)).all()), (isa, m, k, n)
+
+
+def test_plain_linear_refuses_more_rows_than_its_tiles() -> None:
+    _ext_or_skip()
+    from conveyor.kernels.cpu_linear import PLAIN_ROWS, plain_linear, supported_isas
+
+    x, w, _ = _case(6, PLAIN_ROWS + 1, 16, 8, torch.float32)
+    with pytest.raises(RuntimeError, match="M <= 4"):
+        plain_linear(x, w, None, supported_isas()[0])
+
+
+def test_plain_linear_rows_do_not_depend_on_the_batch_or_threads() -> None:
+    """Each row's sums run in one fixed order: a row computed alone, within a
+    batch, or with another thread split gives the same bits."""
+    _ext_or_skip()
+    from conveyor.kernels.cpu_linear import plain_linear, supported_isas
+
+    x, w, b = _case(5, 4, 300, 101, torch.float32)
+    threads = torch.get_num_threads()
+    for isa in supported_isas():
+        y = plain_linear(x, w, b, isa)
+        for r in range(4):
+            assert torch.equal(plain_linear(x[r:r + 1], w, b, isa)[0], y[r]), (isa, r)
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(plain_linear(x, w, b, isa), y), isa
+        finally:
+            torch.set_num_threads(threads)
+
+
 def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
-    """conveyor.parallel.layers.linear: up to the table's row limit the op (same bits
-    as a direct call), above it oneDNN; results agree either way."""
+    """conveyor.parallel.layers.linear, fp32: the plain kernel up to PLAIN_ROWS,
+    the packed one up to its row limit (same bits as direct calls), oneDNN
+    over the weight itself above; results agree either way, and the layer
+    keeps no copy of its weights until a packed-kernel call."""
     _ext_or_skip()
     cpu_attention.load_extension()
-    from conveyor.kernels.cpu_linear import kernel_isa, pack, small_linear, small_rows
+    from conveyor.kernels.cpu_linear import PLAIN_ROWS, kernel_isa, pack, plain_linear, small_linear, small_rows
     from conveyor.parallel.layers import linear
 
     isa = kernel_isa()
@@ -152,33 +205,42 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
     holder = torch.nn.Module()
     g = torch.Generator().manual_seed(7)
     w = torch.randn(40, 72, generator=g)
-    for m in (1, 16, 17, lim + 1 if lim < 1000 else 300):
+    for m in (1, PLAIN_ROWS, PLAIN_ROWS + 1, lim, lim + 1, 300):
         x = torch.randn(m, 72, generator=g)
         y = linear(holder, x, w)
-        if m <= lim:
+        if m <= PLAIN_ROWS:
+            assert torch.equal(y, plain_linear(x, w, None, isa)) and not holder.__dict__.get("_small_packed")
+        elif m <= lim:
             assert torch.equal(y, small_linear(x, pack(w), 40, None, isa))
         assert bool(((y - x @ w.t()).abs().double() <= 2 * _bound(x, w)).all())
+    assert "_small_packed" in holder.__dict__ and "_packed_weight" not in holder.__dict__
 
 
 @pytest.mark.parametrize("table", ["avx512", "avx2"])
 def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
-    """With the attention backend on `table`, conveyor.parallel.layers.linear runs the
-    small kernel up to its row limit and oneDNN above: 16 rows, except fp32:
-    64 on the AVX-512 tables, every row count on the AVX2 table."""
+    """With the attention backend on `table`, conveyor.parallel.layers.linear runs
+    fp32 on the plain kernel up to 4 rows, the packed one up to 48 and oneDNN
+    over the weight above (no copy of it); bf16 on the packed kernel up to 16
+    rows, except on AMX (never: oneDNN's packed bf16 GEMM)."""
     _ext_or_skip()
     if table not in cpu_attention.supported_isas():
         pytest.skip(f"this CPU does not run {table}")
     from conveyor.kernels import cpu_linear
     from conveyor.parallel.layers import linear
 
-    calls: list[tuple[int, str]] = []
-    real = cpu_linear.small_linear
+    calls: list[tuple[str, int, str]] = []
+    real_small, real_plain = cpu_linear.small_linear, cpu_linear.plain_linear
 
-    def spy(x, packed, n, b, isa):
-        calls.append((x.shape[0], isa))
-        return real(x, packed, n, b, isa)
+    def spy_small(x, packed, n, b, isa):
+        calls.append(("packed", x.shape[0], isa))
+        return real_small(x, packed, n, b, isa)
 
-    monkeypatch.setattr(cpu_linear, "small_linear", spy)
+    def spy_plain(x, w, b, isa):
+        calls.append(("plain", x.shape[0], isa))
+        return real_plain(x, w, b, isa)
+
+    monkeypatch.setattr(cpu_linear, "small_linear", spy_small)
+    monkeypatch.setattr(cpu_linear, "plain_linear", spy_plain)
     cpu_attention.load_extension()
     try:
         cpu_attention.select_isa(table)
@@ -186,20 +248,23 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
         assert isa is not None and isa.startswith(table)
         g = torch.Generator().manual_seed(3)
         for dtype in (torch.float32, torch.bfloat16):
-            lim = {("avx2", torch.float32): sys.maxsize, ("avx512", torch.float32): 64}.get((table, dtype), 16)
-            assert cpu_linear.small_rows(isa, dtype) == lim
+            plain = 4 if dtype == torch.float32 else 0
+            lim = 48 if dtype == torch.float32 else (0 if cpu_linear.amx() else 16)
+            assert cpu_linear.small_rows(isa, dtype) == lim and cpu_linear.PLAIN_ROWS == 4
             w = torch.randn(40, 72, generator=g).to(dtype)
             holder = torch.nn.Module()
-            for m in (1, 16, 17, 64, 65, 300):
+            for m in (1, 4, 5, 16, 17, 48, 49, 300):
                 calls.clear()
                 x = torch.randn(m, 72, generator=g).to(dtype)
                 y = linear(holder, x, w)
-                assert calls == ([(m, isa)] if m <= lim else []), (dtype, m)
+                want = [("plain", m, isa)] if m <= plain else [("packed", m, isa)] if m <= lim else []
+                assert calls == want, (dtype, m)
                 ref = x.double() @ w.double().t()
                 tol = ref.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 0) + 2 * _bound(x, w)
                 assert bool(((y.double() - ref).abs() <= tol).all()), (dtype, m)
-            # Only the kernel's packed copy where it takes every row count.
+            # fp32 keeps no oneDNN copy; bf16 keeps oneDNN's (or its fp32 one where oneDNN has no bf16).
             onednn_copy = "_packed_weight" in holder.__dict__ or "_packed_weight_f32" in holder.__dict__
-            assert "_small_packed" in holder.__dict__ and onednn_copy == (lim < sys.maxsize), dtype
+            assert ("_small_packed" in holder.__dict__) == (lim > 0), dtype
+            assert onednn_copy == (dtype == torch.bfloat16), dtype
     finally:
         cpu_attention.select_isa("auto")
