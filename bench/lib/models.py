@@ -196,7 +196,8 @@ def param_count(config: dict[str, Any]) -> int:
     """Parameters of a Llama-shaped config without biases (a report's "30M")."""
     h, i, layers, v = (config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
                                            "vocab_size"))
-    d, q, kv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    q, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or h // q
     per_layer = h * (q + 2 * kv) * d + q * d * h + 3 * h * i + 2 * h
     embeddings = v * h * (1 if config.get("tie_word_embeddings") else 2)
     return embeddings + layers * per_layer + h
