@@ -2,16 +2,18 @@
 layer's weights, so that a layer holds one copy of its weights wherever a
 second does not buy speed (BENCHMARKS.md, "one weight copy"):
 
-* ``plain_linear``: fp32 over the parameter as it is ([n][k], no copy), tiles
-  of 4 rows x 6 columns (AVX-512; AVX2 2 x 4) of per-lane sums. Up to
-  PLAIN_ROWS rows it streams the weights at the DRAM bandwidth, 1.04-1.22x the
-  packed kernel below (1B shapes, Xeon, 2 threads); from 5 rows each x
-  vector feeds too few FMAs and it falls behind.
+* ``plain_linear``: over the parameter as it is ([n][k], no copy), tiles of
+  up to 4 rows x 6 columns (AVX-512; AVX2 12 sums) of per-lane sums; fp32,
+  and bf16 where the CPU has vdpbf16ps. Up to PLAIN_ROWS rows (bf16
+  PLAIN_ROWS_BF16) it streams the weights at the DRAM bandwidth, fp32
+  0.98-1.34x the packed kernel below (1B shapes, Xeon, 2 threads); with more
+  rows each x vector feeds too few FMAs and it falls behind.
 * ``small_linear``: over a packed copy (``pack``: blocks of 16 output columns,
   k-major inside, so each 64-byte line feeds one FMA per row with that row's x
   broadcast). fp32 from PLAIN_ROWS + 1 to ``small_rows`` rows, where it ran
   1.1-1.8x oneDNN on the plain weight, so the layer packs that copy at its
-  first such step (a batch-1 engine never does); bf16 up to 16 rows
+  first such step, unless the engine's decode steps never have more than
+  the plain kernel's rows (``set_decode_rows``); bf16 from 3 (no vdpbf16ps: 1) to 16 rows
   (vdpbf16ps where the CPU has AVX512_BF16, else widened to fp32 math), except
   on AMX, where oneDNN's packed bf16 ran 2-4x this kernel from 4 rows.
 
@@ -35,8 +37,11 @@ from . import cpu_attention
 
 # bf16 rows up to which the packed kernel runs (above: oneDNN's packed GEMM).
 SMALL_ROWS = 16
-# fp32 rows up to which the plain kernel runs (every engine table).
+# Rows up to which the plain kernel runs: fp32 (every engine table), bf16
+# (avx512bf16 only). bf16 against oneDNN's packed AMX GEMM (1B shapes, Xeon, 2
+# threads): 1.16x at 1 row, 1.06x at 2, 0.96x at 3.
 PLAIN_ROWS = 4
+PLAIN_ROWS_BF16 = 2
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -73,9 +78,31 @@ def amx() -> bool:
     return hasattr(torch.cpu, "_is_amx_tile_supported") and bool(torch.cpu._is_amx_tile_supported())
 
 
+# The most rows a decode step of this process's engine can have (set_decode_rows).
+_DECODE_ROWS: list[int] = []
+
+
+def set_decode_rows(rows: int) -> None:
+    """The engine's largest decode step (max_num_seqs, times 1 + the draft
+    tokens when speculating). Where it fits the plain kernel, no layer packs
+    a copy: a 5-48-row prefill chunk then runs oneDNN over the weight, so
+    a batch-1 engine holds its weights once."""
+    _DECODE_ROWS[:] = [rows]
+
+
+def plain_rows(isa: str, dtype: torch.dtype) -> int:
+    """The most rows the engine runs on table ``isa`` in ``dtype`` with the
+    plain kernel (0: never; bf16 only with vdpbf16ps)."""
+    if dtype == torch.float32:
+        return PLAIN_ROWS
+    return PLAIN_ROWS_BF16 if isa == "avx512bf16" else 0
+
+
 def small_rows(isa: str, dtype: torch.dtype) -> int:
     """The most rows the engine runs on table ``isa`` in ``dtype`` with the
-    packed kernel (fp32 from PLAIN_ROWS + 1; 0: never)."""
+    packed kernel, from plain_rows + 1 on (0: never)."""
+    if _DECODE_ROWS and _DECODE_ROWS[0] <= plain_rows(isa, dtype):
+        return 0
     if dtype == torch.float32:
         return SMALL_ROWS_F32
     return 0 if amx() else SMALL_ROWS
@@ -118,7 +145,8 @@ def small_linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor 
 
 
 def plain_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, isa: str) -> torch.Tensor:
-    """fp32 x [M, K] @ w[n, K]^T (+ b) over w as it is (rows contiguous)."""
+    """x [M <= 4, K] @ w[n, K]^T (+ b) over w as it is (rows contiguous):
+    fp32, or bf16 on ``avx512bf16`` (fp32 sums, rounded once)."""
     return torch.ops.conveyor_linear.linear_plain(x, w, b, isa)
 
 

@@ -137,9 +137,11 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
            b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except on CPU, where a layer keeps one copy of its weights
     unless a second one runs its rows faster (conveyor/kernels/cpu_linear.py):
-    - fp32 up to cpu_linear.PLAIN_ROWS rows: the plain kernel on w itself;
-    - then up to cpu_linear.small_rows rows (fp32, and bf16 except on AMX):
-      the packed kernel over its copy, packed at the first such call;
+    - up to cpu_linear.plain_rows rows (fp32; bf16 with vdpbf16ps): the plain
+      kernel on w itself;
+    - then up to cpu_linear.small_rows rows (fp32, and bf16 except on AMX;
+      none where the engine's decode steps fit the plain kernel): the packed
+      kernel over its copy, packed at the first such call;
     - fp32 above: oneDNN over w itself (its packed copy ran no faster);
     - bf16 where oneDNN has bf16 kernels: oneDNN over its packed copy (1.3-1.6x
       w itself up to 256 rows on AMX), above _BF16_PACKED_ROWS F.linear;
@@ -154,7 +156,7 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
         if y is not None:  # None: a layer that keeps its float weight runs these rows on it
             return y
     isa = _kernel_isa(x, w)
-    if isa is not None and x.dtype == torch.float32 and x.shape[0] <= cpu_linear.PLAIN_ROWS:
+    if isa is not None and x.shape[0] <= cpu_linear.plain_rows(isa, x.dtype):
         return cpu_linear.plain_linear(x, w, b, isa)
     small = _small_isa(x, w)
     if small is not None:

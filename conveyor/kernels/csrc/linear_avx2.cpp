@@ -63,7 +63,7 @@ struct V {
 #include "linear_plain.inc"
 
 const conveyor_linear::LinearTable kTable{"avx2", &linear_blocks<F32>, &linear_blocks<Bf16Wide>, nullptr,
-                                          &linear_blocks<I8>, &f32_plain};
+                                          &linear_blocks<I8>, &plain_columns<F32Dot>, nullptr};
 }  // namespace
 
 #pragma GCC pop_options

@@ -57,7 +57,7 @@ struct V {
 constexpr conveyor_linear::LinearFn kF32 = &linear_blocks<F32>;
 constexpr conveyor_linear::LinearFn kBf16Wide = &linear_blocks<Bf16Wide>;
 constexpr conveyor_linear::LinearFn kI8 = &linear_blocks<I8>;
-const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr, kI8, &f32_plain};
+const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr, kI8, &plain_columns<F32Dot>, nullptr};
 }  // namespace
 
 #pragma GCC pop_options
@@ -96,10 +96,46 @@ struct Bf16Dot {
   static constexpr int kPairRows = 0;
   static constexpr int64_t kChunk = kChunkK;
 };
+
+// bf16 weights as they are ([n][k]) and bf16 x, all MB rows by columns
+// [n0, n0 + J): per 32 k, vdpbf16ps adds each lane's two exact products to its
+// fp32 sum (linear_plain.inc's tiles otherwise: lanes summed, then the odd k
+// past the last whole vector, then the bias, rounded once to bf16).
+template <int MB, int J>
+void bf16_plain_tile(const PlainArgs& a, int64_t n0) {
+  __m512 acc[MB][J];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < J; ++j) acc[i][j] = _mm512_setzero_ps();
+  const uint16_t* w = static_cast<const uint16_t*>(a.w) + n0 * a.ldw;
+  const uint16_t* x = static_cast<const uint16_t*>(a.x);
+  const int64_t kv = a.k / 32 * 32;
+  for (int64_t k = 0; k < kv; k += 32) {
+    __m512bh wv[J];
+    for (int j = 0; j < J; ++j) {
+      __builtin_prefetch(w + j * a.ldw + k + 2 * kPlainAhead);
+      wv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * a.ldw + k));
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i * a.ldx + k));
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < J; ++j) {
+      float s = _mm512_reduce_add_ps(acc[i][j]);
+      for (int64_t k = kv; k < a.k; ++k) s += widen_bf16(x[i * a.ldx + k]) * widen_bf16(w[j * a.ldw + k]);
+      a.yb[i * a.ldy + n0 + j] = conveyor_linear::round_bf16(a.bias ? s + a.bias[n0 + j] : s);
+    }
+}
+
+template <int MB, int J>
+struct Bf16Plain {
+  static constexpr DotTileFn fn = &bf16_plain_tile<MB, J>;
+};
 }  // namespace dot
 
 const conveyor_linear::LinearTable kTableBf16{"avx512bf16", kF32, kBf16Wide, &linear_blocks<dot::Bf16Dot>, kI8,
-                                             &f32_plain};
+                                             &plain_columns<F32Dot>, &plain_columns<dot::Bf16Plain>};
 }  // namespace
 
 #pragma GCC pop_options

@@ -164,25 +164,30 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n
 // tile widths, so only a range's last tile is narrow).
 constexpr int64_t kPlainUnit = 48;
 
-// fp32 y = x @ w^T (+ bias) over w [n, K] as it is (row-major, k contiguous):
-// no packed copy of the weight (linear_plain.inc).
+// y = x @ w^T (+ bias) over w [n, K] as it is (row-major, k contiguous), no
+// packed copy (linear_plain.inc): fp32, or bf16 x and w on a table with
+// vdpbf16ps (fp32 sums, y rounded once).
 at::Tensor plain_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                         c10::string_view isa) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(0) <= conveyor_linear::kPlainDotRows,
-              "linear_plain: x must be fp32 [M, K] with M <= ", conveyor_linear::kPlainDotRows);
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.size(1) == x_in.size(1) && w.stride(1) == 1,
-              "linear_plain: w must be fp32 [n, K] with contiguous rows");
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x_in.dim() == 2 && (bf16 || x_in.scalar_type() == at::kFloat) &&
+                  x_in.size(0) <= conveyor_linear::kPlainDotRows,
+              "linear_plain: x must be fp32 or bf16 [M, K] with M <= ", conveyor_linear::kPlainDotRows);
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == x_in.scalar_type() && w.size(1) == x_in.size(1) && w.stride(1) == 1,
+              "linear_plain: w must be [n, K] of x's dtype with contiguous rows");
+  const LinearTable* t = pick(std::string(isa.data(), isa.size()));
+  const conveyor_linear::PlainFn fn = bf16 ? t->bf16_plain : t->f32_plain;
+  TORCH_CHECK(fn != nullptr, "linear_plain: table '", t->name, "' has no bf16 kernel (it needs AVX512_BF16)");
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t m = x.size(0), n = w.size(0);
-  const LinearTable* t = pick(std::string(isa.data(), isa.size()));
   const at::Tensor b = bias.has_value() ? padded(bias, n, n, "bias") : at::Tensor();
   at::Tensor y = at::empty({m, n}, x.options());
-  const conveyor_linear::PlainArgs a{w.data_ptr<float>(), x.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
-                                     y.data_ptr<float>(), m, x.size(1), w.stride(0), x.stride(0), n};
+  const conveyor_linear::PlainArgs a{w.data_ptr(), x.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
+                                     bf16 ? nullptr : y.data_ptr<float>(),
+                                     bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr,
+                                     m, x.size(1), w.stride(0), x.stride(0), n};
   const int64_t units = (n + kPlainUnit - 1) / kPlainUnit;
-  at::parallel_for(0, units, 1, [&](int64_t lo, int64_t hi) {
-    t->f32_plain(a, lo * kPlainUnit, std::min(hi * kPlainUnit, n));
-  });
+  at::parallel_for(0, units, 1, [&](int64_t lo, int64_t hi) { fn(a, lo * kPlainUnit, std::min(hi * kPlainUnit, n)); });
   return y;
 }
 

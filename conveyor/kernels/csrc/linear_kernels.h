@@ -57,15 +57,17 @@ inline uint16_t round_bf16(float f) {
 }
 using LinearFn = void (*)(const LinearArgs&, int64_t lo, int64_t hi);
 
-// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) over fp32 weights as the checkpoint
+// y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) over weights as the checkpoint
 // holds them, row-major [n][k]: the parameter itself, no packed copy
-// (linear_plain.inc), for up to kPlainDotRows rows.
+// (linear_plain.inc), for up to kPlainDotRows rows. fp32, or bf16 x and w
+// (fp32 sums, the output rounded once).
 constexpr int64_t kPlainDotRows = 4;
 struct PlainArgs {
-  const float* w;     // [n][ldw]
-  const float* x;     // [m][ldx]
+  const void* w;      // [n][ldw], fp32 or bf16
+  const void* x;      // [m][ldx], w's dtype
   const float* bias;  // [n] or nullptr
-  float* y;           // [m][ldy]
+  float* y;           // [m][ldy] fp32 output, or nullptr (bf16)
+  uint16_t* yb;       // [m][ldy] bf16 output, or nullptr (fp32)
   int64_t m, k, ldw, ldx, ldy;
 };
 // Columns [lo, hi) of y.
@@ -78,6 +80,7 @@ struct LinearTable {
   LinearFn bf16_dot;   // bf16 weights and x pairs, vdpbf16ps (exact products, fp32 sums); nullptr: none
   LinearFn i8;         // int8 weights ([k][16] bytes per block) widened in registers, fp32 x^T, scale
   PlainFn f32_plain;   // fp32 weights as they are ([n][k]), fp32 x row-major
+  PlainFn bf16_plain;  // bf16 weights as they are and bf16 x, vdpbf16ps; nullptr: none
 };
 
 const LinearTable* linear_portable();

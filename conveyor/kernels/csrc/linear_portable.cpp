@@ -50,10 +50,12 @@ void blocks(const LinearArgs& a, int64_t lo, int64_t hi) {
 
 // Plain [n][k] fp32 weights: each sum in k order.
 void plain(const conveyor_linear::PlainArgs& a, int64_t lo, int64_t hi) {
+  const float* x = static_cast<const float*>(a.x);
+  const float* w = static_cast<const float*>(a.w);
   for (int64_t n = lo; n < hi; ++n)
     for (int64_t i = 0; i < a.m; ++i) {
       float s = 0.f;
-      for (int64_t k = 0; k < a.k; ++k) s += a.x[i * a.ldx + k] * a.w[n * a.ldw + k];
+      for (int64_t k = 0; k < a.k; ++k) s += x[i * a.ldx + k] * w[n * a.ldw + k];
       a.y[i * a.ldy + n] = a.bias ? s + a.bias[n] : s;
     }
 }
@@ -61,7 +63,7 @@ void plain(const conveyor_linear::PlainArgs& a, int64_t lo, int64_t hi) {
 
 namespace conveyor_linear {
 const LinearTable* linear_portable() {
-  static const LinearTable t{"portable", &blocks<W::kF32>, &blocks<W::kBf16>, nullptr, &blocks<W::kI8>, &plain};
+  static const LinearTable t{"portable", &blocks<W::kF32>, &blocks<W::kBf16>, nullptr, &blocks<W::kI8>, &plain, nullptr};
   return &t;
 }
 }  // namespace conveyor_linear

@@ -160,6 +160,47 @@ def test_plain_linear_fp32_matches_float64(isa: str) -> None:
                 assert bool(((y.double() - ref).abs() <= _bound(x, w)).all()), (isa, m, k, n)
 
 
+def test_engine_decode_rows_within_the_plain_kernel_pack_no_copy() -> None:
+    """An engine whose decode steps fit the plain kernel (set_decode_rows)
+    runs 5-48-row chunks on oneDNN over the weight: no packed copy."""
+    _ext_or_skip()
+    cpu_attention.load_extension()
+    from conveyor.kernels import cpu_linear
+    from conveyor.parallel.layers import linear
+
+    isa = cpu_linear.kernel_isa()
+    if isa is None:
+        pytest.skip(f"the engine keeps oneDNN on the {cpu_attention.isa()} table")
+    holder, w = torch.nn.Module(), torch.randn(40, 72)
+    cpu_linear.set_decode_rows(4)
+    assert cpu_linear.small_rows(isa, torch.float32) == 0
+    x = torch.randn(16, 72)
+    y = linear(holder, x, w)
+    assert not [k for k in holder.__dict__ if "packed" in k]
+    assert bool(((y - x @ w.t()).abs().double() <= 2 * _bound(x, w)).all())
+    cpu_linear.set_decode_rows(5)
+    assert cpu_linear.small_rows(isa, torch.float32) == 48
+
+
+@pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
+def test_plain_linear_bf16_is_fp32_math_rounded_once(isa: str) -> None:
+    """bf16 on the plain kernel (vdpbf16ps tables only; the others refuse):
+    within the fp32 bound of the exact sum, plus one rounding to bf16."""
+    _isa_or_skip(isa)
+    from conveyor.kernels.cpu_linear import plain_linear
+
+    for i, (m, k, n) in enumerate(_PLAIN_CASES):
+        x, w, b = _case(200 + i, m, k, n, torch.bfloat16)
+        if isa != "avx512bf16":
+            with pytest.raises(RuntimeError, match="no bf16 kernel"):
+                plain_linear(x, w, b, isa)
+            return
+        y = plain_linear(x, w, b, isa)
+        ref = x.double() @ w.double().t() + b.double()
+        tol = ref.abs() * 2.0 ** -8 + _bound(x, w)
+        assert y.dtype == torch.bfloat16 and bool(((y.double() - ref).abs() <= tol).all()), (m, k, n)
+
+
 def test_plain_linear_refuses_more_rows_than_its_tiles() -> None:
     _ext_or_skip()
     from conveyor.kernels.cpu_linear import PLAIN_ROWS, plain_linear, supported_isas
@@ -186,6 +227,15 @@ def test_plain_linear_rows_do_not_depend_on_the_batch_or_threads() -> None:
             assert torch.equal(plain_linear(x, w, b, isa), y), isa
         finally:
             torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine built earlier in this process set its decode rows: routing
+    tests start from none."""
+    from conveyor.kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "_DECODE_ROWS", [])
 
 
 def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
@@ -220,8 +270,9 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
 def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
     """With the attention backend on `table`, conveyor.parallel.layers.linear runs
     fp32 on the plain kernel up to 4 rows, the packed one up to 48 and oneDNN
-    over the weight above (no copy of it); bf16 on the packed kernel up to 16
-    rows, except on AMX (never: oneDNN's packed bf16 GEMM)."""
+    over the weight above (no copy of it); bf16 on the plain kernel up to 2
+    rows where the table has vdpbf16ps, then the packed one up to 16 rows,
+    except on AMX (oneDNN's packed bf16 GEMM)."""
     _ext_or_skip()
     if table not in cpu_attention.supported_isas():
         pytest.skip(f"this CPU does not run {table}")
@@ -248,12 +299,12 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
         assert isa is not None and isa.startswith(table)
         g = torch.Generator().manual_seed(3)
         for dtype in (torch.float32, torch.bfloat16):
-            plain = 4 if dtype == torch.float32 else 0
+            plain = 4 if dtype == torch.float32 else (2 if isa == "avx512bf16" else 0)
             lim = 48 if dtype == torch.float32 else (0 if cpu_linear.amx() else 16)
-            assert cpu_linear.small_rows(isa, dtype) == lim and cpu_linear.PLAIN_ROWS == 4
+            assert cpu_linear.small_rows(isa, dtype) == lim and cpu_linear.plain_rows(isa, dtype) == plain
             w = torch.randn(40, 72, generator=g).to(dtype)
             holder = torch.nn.Module()
-            for m in (1, 4, 5, 16, 17, 48, 49, 300):
+            for m in (1, 2, 3, 4, 5, 16, 17, 48, 49, 300):
                 calls.clear()
                 x = torch.randn(m, 72, generator=g).to(dtype)
                 y = linear(holder, x, w)
