@@ -155,6 +155,11 @@ def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     return packed.permute(0, 2, 1).reshape(-1, packed.shape[1])[:n]
 
 
+def dequant_i8(packed: torch.Tensor, n: int, scale: torch.Tensor) -> torch.Tensor:
+    """``unpack(packed, n).float() * scale[:, None]`` in one pass: fp32 [n, K]."""
+    return torch.ops.conveyor_linear.dequant_i8(packed, n, scale)
+
+
 def small_linear_i8(x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
                     b: torch.Tensor | None, isa: str) -> torch.Tensor:
     """Weight-only int8: x [M, K] fp32 @ (q * scale[:, None])^T (+ b) with

@@ -191,6 +191,36 @@ at::Tensor plain_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::
   return y;
 }
 
+// Weight-only int8 for rows past the small-M kernel: w [n, K] fp32 =
+// q * scale[:, None] from packed = cpu_linear.pack(q), in one pass (the torch
+// ops took three: unpack's copy, the widening, the scaling). Per 16-column
+// block, each output row reads its column of the block's [K][16] bytes (in
+// L1 after the first) and writes its K values in order.
+at::Tensor dequant_i8(const at::Tensor& packed, int64_t n, const at::Tensor& scale) {
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(2) == conveyor_linear::kBlockN,
+              "dequant_i8: packed weight must come from cpu_linear.pack of an int8 weight");
+  const int64_t nb = packed.size(0), k = packed.size(1), np = nb * conveyor_linear::kBlockN;
+  TORCH_CHECK(n <= np && n > np - conveyor_linear::kBlockN && scale.numel() == n, "dequant_i8: n or scale mismatch");
+  const at::Tensor sc = scale.to(at::kFloat).contiguous();
+  at::Tensor w = at::empty({n, k}, packed.options().dtype(at::kFloat));
+  const int8_t* q = packed.data_ptr<int8_t>();
+  const float* s = sc.data_ptr<float>();
+  float* out = w.data_ptr<float>();
+  at::parallel_for(0, nb, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b)
+      for (int64_t c = 0; c < conveyor_linear::kBlockN; ++c) {
+        const int64_t row = b * conveyor_linear::kBlockN + c;
+        if (row >= n) break;
+        const int8_t* src = q + b * k * conveyor_linear::kBlockN + c;
+        float* dst = out + row * k;
+        const float f = s[row];
+        for (int64_t i = 0; i < k; ++i) dst[i] = static_cast<float>(src[i * conveyor_linear::kBlockN]) * f;
+      }
+  });
+  return w;
+}
+
 std::vector<std::string> linear_isas() {
   std::vector<std::string> out;
   for (const auto& entry : tables()) out.push_back(entry.first);
@@ -212,6 +242,7 @@ TORCH_LIBRARY(conveyor_linear, m) {
   m.def("linear(Tensor x, Tensor packed, int n, Tensor? bias, str isa) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor packed, int n, Tensor scale, Tensor? bias, str isa) -> Tensor");
   m.def("linear_plain(Tensor x, Tensor w, Tensor? bias, str isa) -> Tensor");
+  m.def("dequant_i8(Tensor packed, int n, Tensor scale) -> Tensor");
   m.def("supported_isas() -> str[]", &linear_isas);
 }
 
@@ -219,4 +250,5 @@ TORCH_LIBRARY_IMPL(conveyor_linear, CPU, m) {
   m.impl("linear", &small_linear);
   m.impl("linear_i8", &small_linear_i8);
   m.impl("linear_plain", &plain_linear);
+  m.impl("dequant_i8", &dequant_i8);
 }

@@ -42,10 +42,12 @@ def int8_linear(x: torch.Tensor, bias: torch.Tensor | None, *, packed: torch.Ten
     """x [M, K] fp32 -> x @ (q * scale)^T + bias, fp32, with ``packed =
     cpu_linear.pack(q)`` (the small-M kernel's layout, its int8 table)."""
     n = scale.numel()
-    if cpu_attention.loaded() is not None and x.dim() == 2 and x.shape[0] <= INT8_KERNEL_ROWS \
-            and x.dtype == torch.float32:
+    if cpu_attention.loaded() is None:
+        w = cpu_linear.unpack(packed, n).float() * scale[:, None]
+    elif x.dim() == 2 and x.shape[0] <= INT8_KERNEL_ROWS and x.dtype == torch.float32:
         return cpu_linear.small_linear_i8(x, packed, n, scale, bias, cpu_linear.kernel_isa() or "portable")
-    w = cpu_linear.unpack(packed, n).float() * scale[:, None]
+    else:
+        w = cpu_linear.dequant_i8(packed, n, scale)  # the same values in one pass
     return F.linear(x, w.to(x.dtype), bias)
 
 

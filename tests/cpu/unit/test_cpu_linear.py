@@ -94,12 +94,14 @@ def test_small_linear_int8_matches_float64_on_the_dequantized_weight(isa: str) -
     the fp32 bound, on every shape of _CASES (1-3 rows take 4 or 2 FMA chains
     over k with a tail when K is not a multiple; K past a chunk)."""
     _isa_or_skip(isa)
-    from conveyor.kernels.cpu_linear import pack, small_linear_i8, unpack
+    from conveyor.kernels.cpu_linear import dequant_i8, pack, small_linear_i8, unpack
     from conveyor.workers.layers.quant import quantize_int8
     for seed, (m, k, n) in enumerate(_CASES + [(2, 131, 17), (1, 1029, 40)]):
         x, w, b = _case(seed, m, k, n, torch.float32)
         q, scale = quantize_int8(w)
         assert torch.equal(unpack(pack(q), n), q)
+        # Prefill's weight: the one-pass op gives the torch ops' bits.
+        assert torch.equal(dequant_i8(pack(q), n, scale), q.float() * scale[:, None])
         exact = (x.double() @ q.double().t()) * scale.double() + b.double()
         y = small_linear_i8(x, pack(q), n, scale, b, isa)
         assert y.dtype == torch.float32 and y.shape == (m, n)
