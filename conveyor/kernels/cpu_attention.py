@@ -295,6 +295,17 @@ def keep_freed_memory() -> bool:
         return False
 
 
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the OS once (glibc's malloc_trim),
+    after a load step freed large tensors that keep_freed_memory would hold
+    for the process's life: int8 quantization drops the fp32 weights (0.5B:
+    RSS 2861 MiB against 2231 for fp32 before this). False without glibc."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 class CpuAttentionBackend:
     """The CPU default when the kernel builds (see ``get_attention_backend``);
     building it also applies ``keep_freed_memory`` to the process."""

@@ -96,6 +96,10 @@ class Worker:
             from conveyor.workers.layers.quant import quantize_linears
 
             quantize_linears(model)
+        if self.device.type == "cpu":
+            from conveyor.kernels.cpu_attention import release_freed_memory
+
+            release_freed_memory()  # what loading (and quantizing) freed
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit this rank's budget (the executor takes the min over ranks)."""
