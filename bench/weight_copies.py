@@ -3,8 +3,8 @@
 memory with the engine's copies against one copy per linear.
 
 A layer's linears (conveyor/parallel/layers.py) keep the parameter only, up to
-4 fp32 rows (the plain kernel) and above 48 (oneDNN over the parameter); a
-step of 5-48 fp32 rows packs a second copy for the packed kernel, unless the
+4 fp32 rows (the plain kernel) and above 64 (oneDNN over the parameter); a
+step of 5-64 fp32 rows packs a second copy for the packed kernel, unless the
 engine's decode steps fit the plain kernel (max_num_seqs <= 4): then those
 rows run oneDNN over the parameter too.
 ``--policy one`` runs those rows on oneDNN over the parameter instead (no

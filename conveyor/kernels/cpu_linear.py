@@ -11,7 +11,7 @@ second does not buy speed (BENCHMARKS.md, "one weight copy"):
 * ``small_linear``: over a packed copy (``pack``: blocks of 16 output columns,
   k-major inside, so each 64-byte line feeds one FMA per row with that row's x
   broadcast). fp32 from PLAIN_ROWS + 1 to ``small_rows`` rows, where it ran
-  1.1-1.8x oneDNN on the plain weight, so the layer packs that copy at its
+  1.0-1.8x oneDNN on the plain weight, so the layer packs that copy at its
   first such step, unless the engine's decode steps never have more than
   the plain kernel's rows (``set_decode_rows``); bf16 from 3 (no vdpbf16ps: 1) to 16 rows
   (vdpbf16ps where the CPU has AVX512_BF16, else widened to fp32 math), except
@@ -67,9 +67,11 @@ def kernel_isa() -> str | None:
 
 
 # fp32 rows up to which the packed kernel runs. Against oneDNN over the plain
-# weight (1B shapes, Xeon, 2 threads): AVX-512 1.25x at 32 rows, 1.11x at 48,
-# 0.93x at 56; the AVX2 table (oneDNN capped to AVX2) 1.15x at 32, 0.96x at 64.
-SMALL_ROWS_F32 = 48
+# weight (Xeon, 2 threads), time ratio at 48 / 64 / 80 rows: the MoE bench
+# model's qkv, o and lm_head 1.19 / 1.08 / 1.07, the 30M's linears 1.34 / 1.03 /
+# 0.97, the 0.5B's 1.18 / 0.97 / 1.00, the 1B's 1.11 / 0.93 at 64; the AVX2
+# table (oneDNN capped to AVX2) 1.15x at 32 rows, 0.96x at 64.
+SMALL_ROWS_F32 = 64
 
 
 @functools.cache
@@ -85,7 +87,7 @@ _DECODE_ROWS: list[int] = []
 def set_decode_rows(rows: int) -> None:
     """The engine's largest decode step (max_num_seqs, times 1 + the draft
     tokens when speculating). Where it fits the plain kernel, no layer packs
-    a copy: a 5-48-row prefill chunk then runs oneDNN over the weight, so
+    a copy: a 5-64-row prefill chunk then runs oneDNN over the weight, so
     a batch-1 engine holds its weights once."""
     _DECODE_ROWS[:] = [rows]
 

@@ -164,7 +164,7 @@ def test_plain_linear_fp32_matches_float64(isa: str) -> None:
 
 def test_engine_decode_rows_within_the_plain_kernel_pack_no_copy() -> None:
     """An engine whose decode steps fit the plain kernel (set_decode_rows)
-    runs 5-48-row chunks on oneDNN over the weight: no packed copy."""
+    runs 5-64-row chunks on oneDNN over the weight: no packed copy."""
     _ext_or_skip()
     cpu_attention.load_extension()
     from conveyor.kernels import cpu_linear
@@ -181,7 +181,7 @@ def test_engine_decode_rows_within_the_plain_kernel_pack_no_copy() -> None:
     assert not [k for k in holder.__dict__ if "packed" in k]
     assert bool(((y - x @ w.t()).abs().double() <= 2 * _bound(x, w)).all())
     cpu_linear.set_decode_rows(5)
-    assert cpu_linear.small_rows(isa, torch.float32) == 48
+    assert cpu_linear.small_rows(isa, torch.float32) == 64
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
@@ -271,7 +271,7 @@ def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
 @pytest.mark.parametrize("table", ["avx512", "avx2"])
 def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, monkeypatch) -> None:
     """With the attention backend on `table`, conveyor.parallel.layers.linear runs
-    fp32 on the plain kernel up to 4 rows, the packed one up to 48 and oneDNN
+    fp32 on the plain kernel up to 4 rows, the packed one up to 64 and oneDNN
     over the weight above (no copy of it); bf16 on the plain kernel up to 2
     rows where the table has vdpbf16ps, then the packed one up to 16 rows,
     except on AMX (oneDNN's packed bf16 GEMM)."""
@@ -302,11 +302,11 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
         g = torch.Generator().manual_seed(3)
         for dtype in (torch.float32, torch.bfloat16):
             plain = 4 if dtype == torch.float32 else (2 if isa == "avx512bf16" else 0)
-            lim = 48 if dtype == torch.float32 else (0 if cpu_linear.amx() else 16)
+            lim = 64 if dtype == torch.float32 else (0 if cpu_linear.amx() else 16)
             assert cpu_linear.small_rows(isa, dtype) == lim and cpu_linear.plain_rows(isa, dtype) == plain
             w = torch.randn(40, 72, generator=g).to(dtype)
             holder = torch.nn.Module()
-            for m in (1, 2, 3, 4, 5, 16, 17, 48, 49, 300):
+            for m in (1, 2, 3, 4, 5, 16, 17, 64, 65, 300):
                 calls.clear()
                 x = torch.randn(m, 72, generator=g).to(dtype)
                 y = linear(holder, x, w)
