@@ -87,8 +87,8 @@ _DECODE_ROWS: list[int] = []
 def set_decode_rows(rows: int) -> None:
     """The engine's largest decode step (max_num_seqs, times 1 + the draft
     tokens when speculating). Where it fits the plain kernel, no layer packs
-    a copy: a 5-64-row prefill chunk then runs oneDNN over the weight, so
-    a batch-1 engine holds its weights once."""
+    a copy (``packs``): its prefill chunks run on the weight itself (fp32
+    oneDNN, bf16 F.linear), so a batch-1 engine holds its weights once."""
     _DECODE_ROWS[:] = [rows]
 
 
@@ -100,10 +100,17 @@ def plain_rows(isa: str, dtype: torch.dtype) -> int:
     return PLAIN_ROWS_BF16 if isa == "avx512bf16" else 0
 
 
+def packs(isa: str | None, dtype: torch.dtype) -> bool:
+    """Whether a layer may pack a copy of its ``dtype`` weights (this kernel's
+    or oneDNN's): not where the engine's decode steps fit the plain kernel of
+    table ``isa`` (None: no kernel, always)."""
+    return isa is None or not (_DECODE_ROWS and _DECODE_ROWS[0] <= plain_rows(isa, dtype))
+
+
 def small_rows(isa: str, dtype: torch.dtype) -> int:
     """The most rows the engine runs on table ``isa`` in ``dtype`` with the
     packed kernel, from plain_rows + 1 on (0: never)."""
-    if _DECODE_ROWS and _DECODE_ROWS[0] <= plain_rows(isa, dtype):
+    if not packs(isa, dtype):
         return 0
     if dtype == torch.float32:
         return SMALL_ROWS_F32

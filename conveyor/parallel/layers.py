@@ -144,7 +144,9 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
       kernel over its copy, packed at the first such call;
     - fp32 above: oneDNN over w itself (its packed copy ran no faster);
     - bf16 where oneDNN has bf16 kernels: oneDNN over its packed copy (1.3-1.6x
-      w itself up to 256 rows on AMX), above _BF16_PACKED_ROWS F.linear;
+      w itself up to 256 rows on AMX), above _BF16_PACKED_ROWS F.linear, and
+      F.linear throughout where the engine's decode steps fit the plain kernel
+      (cpu_linear.packs);
     - bf16 where oneDNN has none (AVX2): fp32 oneDNN over an fp32 packed copy
       (bf16 storage, fp32 math).
     Each packed copy is keyed by the weight's version, so reloading refreshes it.
@@ -169,7 +171,8 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
                               lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None))
         return _onednn(x.float(), packed, b.float() if b is not None else None).to(torch.bfloat16)
     if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
-            or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and x.shape[0] > _BF16_PACKED_ROWS):
+            or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and (x.shape[0] > _BF16_PACKED_ROWS
+                                                                  or not cpu_linear.packs(isa, x.dtype))):
         return F.linear(x, w, b)
     if x.dtype == torch.float32:
         return _onednn(x, w.detach(), b)

@@ -164,7 +164,8 @@ def test_plain_linear_fp32_matches_float64(isa: str) -> None:
 
 def test_engine_decode_rows_within_the_plain_kernel_pack_no_copy() -> None:
     """An engine whose decode steps fit the plain kernel (set_decode_rows)
-    runs 5-64-row chunks on oneDNN over the weight: no packed copy."""
+    runs larger chunks on the weight itself (fp32 oneDNN, bf16 F.linear): no
+    packed copy."""
     _ext_or_skip()
     cpu_attention.load_extension()
     from conveyor.kernels import cpu_linear
@@ -180,8 +181,12 @@ def test_engine_decode_rows_within_the_plain_kernel_pack_no_copy() -> None:
     y = linear(holder, x, w)
     assert not [k for k in holder.__dict__ if "packed" in k]
     assert bool(((y - x @ w.t()).abs().double() <= 2 * _bound(x, w)).all())
+    if cpu_linear.plain_rows(isa, torch.bfloat16):  # bf16 packs no oneDNN copy either
+        cpu_linear.set_decode_rows(2)
+        y = linear(holder, x.bfloat16(), w.bfloat16())
+        assert not [k for k in holder.__dict__ if "packed" in k] and y.dtype == torch.bfloat16
     cpu_linear.set_decode_rows(5)
-    assert cpu_linear.small_rows(isa, torch.float32) == 64
+    assert cpu_linear.small_rows(isa, torch.float32) == 64 and cpu_linear.packs(isa, torch.float32)
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
