@@ -19,9 +19,15 @@ the process's VmRSS and VmHWM after the run, and the bytes of the model's
 weights (parameter count times the dtype's size). Tokens of the two policies are compared (fp32: the kernels sum in
 different orders, so a divergence late in a sequence can be rounding).
 
+``--vllm``: also vLLM's CPU build (the peer venv, bench/peers/vllm_offline_peer.py)
+on the same checkpoint, dtype and batch (``batch`` prompts, max_num_seqs = batch,
+a ``--vllm-kv-gib`` KV cache), for the resident memory of its process tree
+(the front process and its engine core) beside ours.
+
 Usage:
   flock /tmp/conveyor_heavy.lock .venv/bin/python bench/weight_copies.py
   .venv/bin/python bench/weight_copies.py --models 0.5b --dtypes float32 --batches 1,16
+  .venv/bin/python bench/weight_copies.py --batches 1 --vllm
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.lib.launch import PEERS, peer_env, peer_python  # noqa: E402
 from bench.lib.meta import emit_report, hardware_info, run_meta  # noqa: E402
 from bench.lib.models import OUT, param_count  # noqa: E402
 from bench.lib.models import model_dir as bench_model_dir  # noqa: E402
@@ -88,6 +95,21 @@ def run_fresh(job: dict) -> dict:
     raise RuntimeError(f"run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
+def run_vllm(model_dir: str, dtype: str, batch: int, args: argparse.Namespace) -> dict:
+    """vLLM's CPU build on the same work: its tok/s and tree RSS."""
+    cmd = [peer_python(), os.path.join(PEERS, "vllm_offline_peer.py"), model_dir, "--dtype", dtype,
+           "--num-prompts", str(batch), "--max-num-seqs", str(batch), "--output-len", str(args.decode_tokens),
+           "--prompt-len-range", f"{args.prompt_len},{args.prompt_len + 1}", "--repeats", "1",
+           "--kv-cache-gib", str(args.vllm_kv_gib), "--max-model-len", str(args.prompt_len + args.decode_tokens + 8)]
+    env = {**os.environ, **peer_env(bind=f"0-{args.threads - 1}", quiet=True)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in reversed(proc.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            out = json.loads(line)
+            return {"tree_rss_mib": out["tree_rss_mib"], "kv_cache_gib": args.vllm_kv_gib}
+    raise RuntimeError(f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="0.5b,1b", help="names of bench/lib/models.py's SPECS")
@@ -96,6 +118,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--vllm", action="store_true", help="also vLLM's CPU build, for its resident memory")
+    ap.add_argument("--vllm-kv-gib", type=float, default=0.25)
     ap.add_argument("--json", default=os.path.join(OUT, "weight_copies.json"))
     ap.add_argument("--_job", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -122,10 +146,13 @@ def main() -> None:
                        "speedup_of_second_copy": round(res["engine"]["decode_tok_s"] / res["one"]["decode_tok_s"], 3),
                        "tokens_identical": same}
                 rows.append(row)
+                if args.vllm:
+                    row["vllm"] = run_vllm(path, dtype, batch, args)
                 e, o = res["engine"], res["one"]
                 print(f"{name} {dtype} batch {batch}: decode {e['decode_tok_s']} vs {o['decode_tok_s']} tok/s "
                       f"({row['speedup_of_second_copy']}x), RSS {e['rss_mib']:.0f} vs {o['rss_mib']:.0f} MiB, "
-                      f"weights {weights:.0f} MiB, tokens identical: {same}", flush=True)
+                      f"weights {weights:.0f} MiB, tokens identical: {same}"
+                      + (f", vLLM tree RSS {row['vllm']['tree_rss_mib']:.0f} MiB" if args.vllm else ""), flush=True)
     emit_report({"meta": run_meta(hardware=hardware_info()), "rows": rows}, args.json)
 
 

