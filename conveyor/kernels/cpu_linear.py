@@ -13,7 +13,7 @@ second does not buy speed (BENCHMARKS.md, "one weight copy"):
   broadcast). fp32 from PLAIN_ROWS + 1 to ``small_rows`` rows, where it ran
   1.0-1.8x oneDNN on the plain weight, so the layer packs that copy at its
   first such step, unless the engine's decode steps never have more than
-  the plain kernel's rows (``set_decode_rows``); bf16 from 3 (no vdpbf16ps: 1) to 16 rows
+  the plain kernel's rows (``packs``); bf16 from 3 (no vdpbf16ps: 1) to 16 rows
   (vdpbf16ps where the CPU has AVX512_BF16, else widened to fp32 math), except
   on AMX, where oneDNN's packed bf16 ran 2-4x this kernel from 4 rows.
 
@@ -80,18 +80,6 @@ def amx() -> bool:
     return hasattr(torch.cpu, "_is_amx_tile_supported") and bool(torch.cpu._is_amx_tile_supported())
 
 
-# The most rows a decode step of this process's engine can have (set_decode_rows).
-_DECODE_ROWS: list[int] = []
-
-
-def set_decode_rows(rows: int) -> None:
-    """The engine's largest decode step (max_num_seqs, times 1 + the draft
-    tokens when speculating). Where it fits the plain kernel, no layer packs
-    a copy (``packs``): its prefill chunks run on the weight itself (fp32
-    oneDNN, bf16 F.linear), so a batch-1 engine holds its weights once."""
-    _DECODE_ROWS[:] = [rows]
-
-
 def plain_rows(isa: str, dtype: torch.dtype) -> int:
     """The most rows the engine runs on table ``isa`` in ``dtype`` with the
     plain kernel (0: never; bf16 only with vdpbf16ps)."""
@@ -100,17 +88,20 @@ def plain_rows(isa: str, dtype: torch.dtype) -> int:
     return PLAIN_ROWS_BF16 if isa == "avx512bf16" else 0
 
 
-def packs(isa: str | None, dtype: torch.dtype) -> bool:
+def packs(isa: str | None, dtype: torch.dtype, decode_rows: int | None) -> bool:
     """Whether a layer may pack a copy of its ``dtype`` weights (this kernel's
-    or oneDNN's): not where the engine's decode steps fit the plain kernel of
-    table ``isa`` (None: no kernel, always)."""
-    return isa is None or not (_DECODE_ROWS and _DECODE_ROWS[0] <= plain_rows(isa, dtype))
+    or oneDNN's): not where its engine's decode steps (at most ``decode_rows``
+    rows: max_num_seqs, times 1 + the draft tokens when speculating; None:
+    unknown) fit the plain kernel of table ``isa`` (None: no kernel). Such an
+    engine runs its prefill chunks on the weight itself (fp32 oneDNN, bf16
+    F.linear), so a batch-1 engine holds its weights once."""
+    return isa is None or decode_rows is None or decode_rows > plain_rows(isa, dtype)
 
 
-def small_rows(isa: str, dtype: torch.dtype) -> int:
+def small_rows(isa: str, dtype: torch.dtype, decode_rows: int | None = None) -> int:
     """The most rows the engine runs on table ``isa`` in ``dtype`` with the
-    packed kernel, from plain_rows + 1 on (0: never)."""
-    if not packs(isa, dtype):
+    packed kernel, from plain_rows + 1 on (0: never; see ``packs``)."""
+    if not packs(isa, dtype, decode_rows):
         return 0
     if dtype == torch.float32:
         return SMALL_ROWS_F32

@@ -126,11 +126,26 @@ def _kernel_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return cpu_linear.kernel_isa()
 
 
-def _small_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
+def mark_decode_rows(model: nn.Module, rows: int) -> None:
+    """Tell every module of ``model`` its engine's largest decode step (rows):
+    where that fits the plain kernel, no layer packs a copy of its weights
+    (cpu_linear.packs)."""
+    for m in model.modules():
+        m.__dict__["_decode_rows"] = rows
+
+
+def decode_rows_of(module: nn.Module) -> int | None:
+    """The rows mark_decode_rows gave ``module`` (None: not marked)."""
+    return module.__dict__.get("_decode_rows")
+
+
+def _small_isa(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> str | None:
     """The packed kernel's table where this call's rows are its (at most
     cpu_linear.small_rows), else None."""
     isa = _kernel_isa(x, w)
-    return isa if isa is not None and x.shape[0] <= cpu_linear.small_rows(isa, x.dtype) else None
+    if isa is None or x.shape[0] > cpu_linear.small_rows(isa, x.dtype, decode_rows_of(module)):
+        return None
+    return isa
 
 
 def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
@@ -160,7 +175,7 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     isa = _kernel_isa(x, w)
     if isa is not None and x.shape[0] <= cpu_linear.plain_rows(isa, x.dtype):
         return cpu_linear.plain_linear(x, w, b, isa)
-    small = _small_isa(x, w)
+    small = _small_isa(module, x, w)
     if small is not None:
         packed = _packed_copy(module, "_small_packed", w, cpu_linear.pack)
         return cpu_linear.small_linear(x, packed, w.shape[0], b, small)
@@ -172,7 +187,8 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
         return _onednn(x.float(), packed, b.float() if b is not None else None).to(torch.bfloat16)
     if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
             or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and (x.shape[0] > _BF16_PACKED_ROWS
-                                                                  or not cpu_linear.packs(isa, x.dtype))):
+                                                                  or not cpu_linear.packs(isa, x.dtype,
+                                                                                          decode_rows_of(module)))):
         return F.linear(x, w, b)
     if x.dtype == torch.float32:
         return _onednn(x, w.detach(), b)

@@ -23,9 +23,9 @@ from conveyor.engine.contracts import (
     SchedulerOutput,
 )
 from conveyor.engine.sampling_params import SamplingFields
-from conveyor.kernels import cpu_linear
 from conveyor.kernels.backends import AttentionMetadata, get_attention_backend
 from conveyor.parallel.communication import IntermediateTensors
+from conveyor.parallel.layers import mark_decode_rows
 from conveyor.workers.cuda_graphs import CudaGraphCapturer, DecodeGraphRunner, capture_sizes, graphs_refused
 from conveyor.workers.dummy_batch import (
     DummyShape,
@@ -86,8 +86,8 @@ class ModelRunner:
         self.attn_backend = get_attention_backend(config.model.attention_backend, device,
                                                   cpu_isa=config.model.cpu_isa)
         spec = config.speculative
-        cpu_linear.set_decode_rows(config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens
-                                                                         if spec.enabled else 0)))
+        mark_decode_rows(model, config.scheduler.max_num_seqs * (1 + (spec.num_speculative_tokens
+                                                                      if spec.enabled else 0)))
         self.sampler = Sampler()
         self.moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
         self.kv_caches: list[torch.Tensor] = []

@@ -168,7 +168,7 @@ class FusedMoE(nn.Module):
         return out.to(x.dtype)
 
     def _expert(self, local: int, xe: torch.Tensor) -> torch.Tensor:
-        isa = _small_isa(xe, self.w13_weight)
+        isa = _small_isa(self, xe, self.w13_weight)
         if isa is not None:
             # Decode-sized rows: the small-M kernel over this expert's slice of
             # the grouped op's packed stack (the same packing, the same bits), not

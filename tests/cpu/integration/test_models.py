@@ -332,6 +332,7 @@ def test_onednn_linear_buckets_rows_and_matches_f_linear():
     memory per distinct shape), and the padded product equals F.linear's."""
     import torch.nn.functional as F
 
+    from conveyor.kernels import cpu_linear
     from conveyor.parallel.layers import linear, onednn_rows
 
     assert [onednn_rows(m) for m in (1, 64, 65, 80, 81, 256, 257, 2048)] == [1, 64, 80, 80, 96, 256, 320, 2048]
@@ -352,8 +353,6 @@ def test_onednn_linear_buckets_rows_and_matches_f_linear():
     y = linear(bmod, xb, wb, bb)
     assert y.shape == (300, 96) and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), F.linear(xb, wb, bb).float(), rtol=2e-2, atol=2e-2)
-    from conveyor.kernels import cpu_linear
-
     packed = torch.bfloat16 in layers._PACKED_DTYPES and not cpu_linear.amx()
     assert ("_packed_weight" in bmod.__dict__) == packed
 

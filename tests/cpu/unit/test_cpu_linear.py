@@ -163,30 +163,30 @@ def test_plain_linear_fp32_matches_float64(isa: str) -> None:
 
 
 def test_engine_decode_rows_within_the_plain_kernel_pack_no_copy() -> None:
-    """An engine whose decode steps fit the plain kernel (set_decode_rows)
-    runs larger chunks on the weight itself (fp32 oneDNN, bf16 F.linear): no
-    packed copy."""
+    """A layer whose engine's decode steps fit the plain kernel
+    (mark_decode_rows) runs larger chunks on the weight itself (fp32 oneDNN,
+    bf16 F.linear): no packed copy."""
     _ext_or_skip()
     cpu_attention.load_extension()
     from conveyor.kernels import cpu_linear
-    from conveyor.parallel.layers import linear
+    from conveyor.parallel.layers import linear, mark_decode_rows
 
     isa = cpu_linear.kernel_isa()
     if isa is None:
         pytest.skip(f"the engine keeps oneDNN on the {cpu_attention.isa()} table")
-    holder, w = torch.nn.Module(), torch.randn(40, 72)
-    cpu_linear.set_decode_rows(4)
-    assert cpu_linear.small_rows(isa, torch.float32) == 0
-    x = torch.randn(16, 72)
+    assert cpu_linear.small_rows(isa, torch.float32, 4) == 0 and cpu_linear.small_rows(isa, torch.float32, 5) == 64
+    holder, w, x = torch.nn.Module(), torch.randn(40, 72), torch.randn(16, 72)
+    mark_decode_rows(holder, 4)
     y = linear(holder, x, w)
     assert not [k for k in holder.__dict__ if "packed" in k]
     assert bool(((y - x @ w.t()).abs().double() <= 2 * _bound(x, w)).all())
     if cpu_linear.plain_rows(isa, torch.bfloat16):  # bf16 packs no oneDNN copy either
-        cpu_linear.set_decode_rows(2)
+        mark_decode_rows(holder, 2)
         y = linear(holder, x.bfloat16(), w.bfloat16())
         assert not [k for k in holder.__dict__ if "packed" in k] and y.dtype == torch.bfloat16
-    cpu_linear.set_decode_rows(5)
-    assert cpu_linear.small_rows(isa, torch.float32) == 64 and cpu_linear.packs(isa, torch.float32)
+    mark_decode_rows(holder, 5)
+    linear(holder, x, w)
+    assert "_small_packed" in holder.__dict__
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
@@ -234,15 +234,6 @@ def test_plain_linear_rows_do_not_depend_on_the_batch_or_threads() -> None:
             assert torch.equal(plain_linear(x, w, b, isa), y), isa
         finally:
             torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def _no_engine_decode_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An engine built earlier in this process set its decode rows: routing
-    tests start from none."""
-    from conveyor.kernels import cpu_linear
-
-    monkeypatch.setattr(cpu_linear, "_DECODE_ROWS", [])
 
 
 def test_layers_linear_takes_the_small_kernel_only_for_decode_rows() -> None:
