@@ -186,15 +186,19 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
                               lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), None))
         return _onednn(x.float(), packed, b.float() if b is not None else None).to(torch.bfloat16)
     if not _ONEDNN or x.device.type != "cpu" or x.dtype not in _PACKED_DTYPES or x.dim() != 2 \
-            or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and (x.shape[0] > _BF16_PACKED_ROWS
-                                                                  or not cpu_linear.packs(isa, x.dtype,
-                                                                                          decode_rows_of(module)))):
+            or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and not _bf16_packs(module, x, isa)):
         return F.linear(x, w, b)
     if x.dtype == torch.float32:
         return _onednn(x, w.detach(), b)
     packed = _packed_copy(module, "_packed_weight", w,
                           lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
     return _onednn(x, packed, b)
+
+
+def _bf16_packs(module: nn.Module, x: torch.Tensor, isa: str | None) -> bool:
+    """Whether a bf16 call runs oneDNN over its packed copy (else F.linear on
+    the weight): up to _BF16_PACKED_ROWS rows, where the layer may pack."""
+    return x.shape[0] <= _BF16_PACKED_ROWS and cpu_linear.packs(isa, x.dtype, decode_rows_of(module))
 
 
 def _widened_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
