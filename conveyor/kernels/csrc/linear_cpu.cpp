@@ -182,6 +182,7 @@ at::Tensor plain_linear(const at::Tensor& x_in, const at::Tensor& w, const c10::
   const int64_t m = x.size(0), n = w.size(0);
   const at::Tensor b = bias.has_value() ? padded(bias, n, n, "bias") : at::Tensor();
   at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;  // the tiles' width divides by m
   const conveyor_linear::PlainArgs a{w.data_ptr(), x.data_ptr(), b.defined() ? b.data_ptr<float>() : nullptr,
                                      bf16 ? nullptr : y.data_ptr<float>(),
                                      bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr,

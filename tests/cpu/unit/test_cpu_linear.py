@@ -208,6 +208,15 @@ def test_plain_linear_bf16_is_fp32_math_rounded_once(isa: str) -> None:
         assert y.dtype == torch.bfloat16 and bool(((y.double() - ref).abs() <= tol).all()), (m, k, n)
 
 
+def test_plain_linear_takes_empty_inputs() -> None:
+    _ext_or_skip()
+    from conveyor.kernels.cpu_linear import plain_linear, supported_isas
+
+    for isa in supported_isas():
+        assert plain_linear(torch.randn(0, 16), torch.randn(8, 16), None, isa).shape == (0, 8)
+        assert plain_linear(torch.randn(2, 16), torch.randn(0, 16), None, isa).shape == (2, 0)
+
+
 def test_plain_linear_refuses_more_rows_than_its_tiles() -> None:
     _ext_or_skip()
     from conveyor.kernels.cpu_linear import PLAIN_ROWS, plain_linear, supported_isas
