@@ -5,8 +5,9 @@
    whichever the CPU runs), on one thread and on every core at once: GFLOP/s
    per core.
 2. Memory bandwidth: a read (sum) and a copy of 1 GiB, one thread and all.
-3. The linears as the model runs them (``conveyor.parallel.layers.linear``: oneDNN with
-   the weight packed once; fp32) at M = 1, 16, 64, 256, 2048 rows for the
+3. The linears as the model runs them (``conveyor.parallel.layers.linear``, fp32: with
+   ``--small-kernel`` our kernels up to 64 rows, oneDNN on the weight above) at M = 1, 16,
+   64, 256, 2048 rows for the
    30M (the bench's), Qwen2-0.5B and Llama-3.2-1B shapes: each layer's qkv,
    o, gate_up and down, and the lm_head (M <= 256: the model computes logits
    only for the rows that sample). GFLOP/s, share of the all-core FMA peak
@@ -269,8 +270,8 @@ def _time_linear(k: int, n: int, m: int) -> float:
 
 def linears(models: list[str], rows: list[int], peak_all: float, read_bw: float) -> None:
     """The models' linears at each row count: GFLOP/s, share of the FMA peak, decode bandwidth use."""
-    print(f"\nlinears, fp32, {torch.get_num_threads()} threads (conveyor.parallel.layers.linear: packed "
-          f"weight); % of the all-core FMA peak {peak_all:.0f} GFLOP/s; at M=1 the weight GB/s read "
+    print(f"\nlinears, fp32, {torch.get_num_threads()} threads (conveyor.parallel.layers.linear); "
+          f"% of the all-core FMA peak {peak_all:.0f} GFLOP/s; at M=1 the weight GB/s read "
           f"as % of the {read_bw:.1f} GB/s read bandwidth")
     for model in models:
         lin = _layer_linears(SHAPES[model])
