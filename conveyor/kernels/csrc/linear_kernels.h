@@ -43,8 +43,10 @@ struct LinearArgs {
   int64_t m, k, np;   // k: even for bf16 (padded)
   int64_t xk, xm;     // x's value at row i, k: x[i * xm + k * xk] (x^T [k][m]: xk = m, xm = 1;
                       // x row-major: xk = 1, xm = its row stride)
-  int64_t next_k = 0;  // fp32 kernels: > 0 on a chunk's second row pass, which finds the chunk
-                       // in cache: prefetch the next chunk (this many k on) instead
+  int64_t next_k = 0;  // fp32 kernels: > 0 on a chunk's row passes after the first, which find
+                       // the chunk in cache: prefetch the next chunk (this many k on) instead,
+  int64_t next_every = 1, next_phase = 0;  // shared over those passes: this one takes the
+                                           // k steps k0 + next_phase + j * next_every
 };
 
 // fp32 -> bf16 bits, round to nearest even (NaN -> a quiet NaN), as torch's

@@ -10,7 +10,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module impor
 import pytest
 import torch
 
-from conveyor.parallel import state
+from torch import nn
+
+from conveyor.parallel import layers, state
 from conveyor.workers.layers.moe import FusedMoE, MoEShape, dense_reference, route_topk
 
 SHAPE = MoEShape(num_experts=8, top_k=2, hidden_size=32, intermediate_size=24)
@@ -25,7 +27,7 @@ def _layer(shape: MoEShape = SHAPE, expert_parallel: bool = False) -> FusedMoE:
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_fused_equals_dense_reference(rows: int) -> None:
     layer = _layer()
     g = torch.Generator().manual_seed(rows)
@@ -35,6 +37,25 @@ def test_fused_equals_dense_reference(rows: int) -> None:
     ref = dense_reference(x, layer.w13_weight, layer.w2_weight, weights, ids)
     assert got.shape == (rows, SHAPE.hidden_size)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_experts_gather_their_onednn_rows_bit_for_bit() -> None:
+    """Above 64 rows an fp32 expert's gather repeats a token up to oneDNN's
+    bucket instead of padding with zeros: the kept rows' bits are those of
+    the zero-padded linears."""
+    layer = _layer()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(400, SHAPE.hidden_size, generator=g)
+    weights, ids = route_topk(torch.randn(400, SHAPE.num_experts, generator=g), SHAPE.top_k, True)
+    counts = torch.bincount(ids.reshape(-1), minlength=SHAPE.num_experts)
+    assert int(counts.min()) > 64 and any(layers.onednn_rows(int(n)) != int(n) for n in counts)
+    want = torch.zeros_like(x)
+    for e in range(SHAPE.num_experts):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = layers.linear(nn.Module(), x[tok], layer.w13_weight[e])
+        y = layers.linear(nn.Module(), layer.act(h), layer.w2_weight[e])
+        want.index_add_(0, tok, y * weights[tok, slot][:, None])
+    assert torch.equal(layer(x, weights, ids), want)
 
 
 def test_route_topk_is_softmax_then_topk() -> None:
