@@ -9,7 +9,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module impor
 
 import pytest
 import torch
-
 from torch import nn
 
 from conveyor.parallel import layers, state
