@@ -15,15 +15,21 @@ transformers image processor, the content hash and the copy). The tokens of
 the repeated run are compared with one request run alone (they must be equal).
 --served: the same two workloads over HTTP (one AsyncLLM behind uvicorn,
 bench/lib/launch.py), every request at once, each image a JPEG data: URL in a
-chat image_url part. --hf: the distinct workload through transformers'
-LlavaForConditionalGeneration.generate on the same checkpoint (one batch, the
-image token expanded as its processor does), tokens compared: vLLM's CPU build
-cannot run LLaVA on these machines (its llava module imports torchvision, whose
-PyPI wheels do not load against the CPU torch), so transformers is the peer row.
+chat image_url part. --vllm: both workloads through vLLM's CPU build on the
+same checkpoint in its own process (bench/peers/vllm_mm_peer.py, the peer venv
+with torchvision; see there), tokens compared. --hf: the distinct workload
+through transformers' LlavaForConditionalGeneration.generate on the same
+checkpoint (one batch, the image token expanded as its processor does), tokens
+compared.
+
+The checkpoint is written in the Hub's llava-hf layout (the tower under
+"vision_tower.vision_model."): transformers 5.25 saves it without
+"vision_model.", which vLLM 0.32's loader rejects; ours and transformers load both.
 
 Usage:
   .venv/bin/python bench/multimodal.py --quick
   .venv/bin/python bench/multimodal.py --json bench/out/multimodal.json
+  .venv/bin/python bench/multimodal.py --vllm --hf   # the peers (vLLM: see bench/peers/vllm_mm_peer.py)
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 IMAGE_ID = 512  # "<image>", added to the tests' tiny tokenizer
+BATCHED_TOKENS = 2048  # both engines' token budget per step (our default)
 
 
 def build(path: str, layers: int, vision_layers: int) -> str:
@@ -53,6 +60,7 @@ def build(path: str, layers: int, vision_layers: int) -> str:
                        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.05)
     torch.manual_seed(0)
     HF(LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_ID)).save_pretrained(path)
+    hub_layout(os.path.join(path, "model.safetensors"))
     CLIPImageProcessorPil(size={"shortest_edge": 224},
                           crop_size={"height": 224, "width": 224}).save_pretrained(path)
     from tokenizers import AddedToken
@@ -63,6 +71,17 @@ def build(path: str, layers: int, vision_layers: int) -> str:
     tok.add_special_tokens([AddedToken("<image>", special=True, normalized=False)])
     save_tokenizer(tok, path)
     return path
+
+
+def hub_layout(file: str) -> None:
+    """Rename the tower's tensors "vision_tower.X" -> "vision_tower.vision_model.X" in place."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    prefix = "vision_tower."
+    save_file({prefix + "vision_model." + k[len(prefix):]
+               if k.startswith(prefix) and not k.startswith(prefix + "vision_model.") else k: v
+               for k, v in tensors.items()}, file, metadata={"format": "pt"})
 
 
 def images(n: int, seed: int) -> list[Any]:
@@ -99,11 +118,59 @@ def run(llm: Any, batch: list[dict[str, Any]], output: int) -> dict[str, Any]:
             "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
-def served(path: str, reqs: int, output: int) -> dict[str, Any]:
-    import asyncio
+def _image_url(img: Any) -> str:
     import base64
     import io
 
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+async def _wave(base: str, urls: list[str], reqs: int, output: int) -> float:
+    """reqs chat requests at once, request i with image urls[i % len(urls)]: the wall time."""
+    import asyncio
+
+    import httpx
+
+    def body(i: int) -> dict[str, Any]:
+        content = [{"type": "text", "text": f"Picture {i}: what runs in the garden?"},
+                   {"type": "image_url", "image_url": {"url": urls[i % len(urls)]}}]
+        return {"model": "llava", "max_tokens": output, "temperature": 0.0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": content}]}
+
+    async with httpx.AsyncClient(timeout=600) as c:
+        t = time.perf_counter()
+        rs = await asyncio.gather(*(c.post(f"{base}/v1/chat/completions", json=body(i)) for i in range(reqs)))
+        wall = time.perf_counter() - t
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
+    return wall
+
+
+def _serve_workloads(server: Any, reqs: int, output: int, hits: Any = None) -> dict[str, Any]:
+    """Start ``server``, a warm-up wave, then the distinct and repeated waves; stop it."""
+    import asyncio
+
+    from bench.lib import launch
+
+    out: dict[str, Any] = {}
+    try:
+        base = launch.start(server, os.path.join(REPO, "bench", "out"), 300)
+        asyncio.run(_wave(base, [_image_url(i) for i in images(2, 9)], 2, output))
+        for name, imgs in (("distinct", images(reqs, 1)), ("repeated", images(1, 2))):
+            h0 = hits(base) if hits else 0
+            wall = asyncio.run(_wave(base, [_image_url(i) for i in imgs], reqs, output))
+            out[name] = {"wall_s": round(wall, 3), "images_per_s": round(reqs / wall, 2),
+                         "output_tok_per_s": round(reqs * output / wall, 1)}
+            if hits:
+                out[name]["encoder_cache_hits"] = hits(base) - h0
+    finally:
+        launch.stop(server)
+    return out
+
+
+def served(path: str, reqs: int, output: int) -> dict[str, Any]:
+    """Ours over HTTP: one AsyncLLM behind uvicorn."""
     import httpx
 
     from bench.lib import launch
@@ -113,40 +180,23 @@ def served(path: str, reqs: int, output: int) -> dict[str, Any]:
         return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                        if ln.startswith("conveyor_encoder_cache_hits_total")))
 
-    def url(img: Any) -> str:
-        buf = io.BytesIO()
-        img.save(buf, format="JPEG", quality=90)
-        return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
-
-    async def wave(base: str, urls: list[str]) -> float:
-        async with httpx.AsyncClient(timeout=600) as c:
-            def body(i: int) -> dict[str, Any]:
-                content = [{"type": "text", "text": f"Picture {i}: what runs in the garden?"},
-                           {"type": "image_url", "image_url": {"url": urls[i % len(urls)]}}]
-                return {"model": "llava", "max_tokens": output, "temperature": 0.0, "ignore_eos": True,
-                        "messages": [{"role": "user", "content": content}]}
-            t = time.perf_counter()
-            rs = await asyncio.gather(*(c.post(f"{base}/v1/chat/completions", json=body(i)) for i in range(reqs)))
-            wall = time.perf_counter() - t
-        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200][:1]
-        return wall
-
     server = launch.uvicorn_engine(path, 18731, {"model": {"max_model_len": 1024},
                                                  "cache": {"enable_prefix_caching": False},
+                                                 "scheduler": {"max_num_batched_tokens": BATCHED_TOKENS},
                                                  "serve": {"served_model_name": "llava", "max_body_bytes": 8 << 20}})
-    out: dict[str, Any] = {}
-    try:
-        base = launch.start(server, os.path.join(REPO, "bench", "out"), 300)
-        asyncio.run(wave(base, [url(i) for i in images(2, 9)]))  # warm-up
-        for name, imgs in (("distinct", images(reqs, 1)), ("repeated", images(1, 2))):
-            h0 = hits(base)
-            wall = asyncio.run(wave(base, [url(i) for i in imgs]))
-            out[name] = {"wall_s": round(wall, 3), "images_per_s": round(reqs / wall, 2),
-                         "output_tok_per_s": round(reqs * output / wall, 1),
-                         "encoder_cache_hits": hits(base) - h0}
-    finally:
-        launch.stop(server)
-    return out
+    return _serve_workloads(server, reqs, output, hits)
+
+
+def served_vllm(path: str, reqs: int, output: int) -> dict[str, Any]:
+    """`vllm serve` of the peer venv on both cores, the same settings, the same waves."""
+    from bench.lib import launch
+
+    env = {"PEER_TORCHVISION_STUB": "1", "PYTHONPATH": os.path.join(launch.PEERS, "peer_site"),
+           "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    server = launch.vllm_serve(path, 18732, "llava", 1024, 256, env)
+    server.argv += ["--no-enable-prefix-caching", "--max-num-batched-tokens", str(BATCHED_TOKENS),
+                    "--limit-mm-per-prompt", json.dumps({"image": 1})]
+    return _serve_workloads(server, reqs, output)
 
 
 def hf_peer(path: str, reqs: int, output: int) -> dict[str, Any]:
@@ -176,6 +226,34 @@ def hf_peer(path: str, reqs: int, output: int) -> dict[str, Any]:
             "tokens": [row[input_ids.shape[1]:].tolist() for row in out]}
 
 
+def vllm_peer(path: str, reqs: int, output: int) -> dict[str, Any]:
+    """Both workloads through vLLM's CPU build (bench/peers/vllm_mm_peer.py, the peer venv, 2 threads)."""
+    import subprocess
+
+    from bench.lib import launch
+
+    env = {**os.environ, **launch.peer_env(bind="0-1"), "PEER_TORCHVISION_STUB": "1",
+           "PYTHONPATH": os.path.join(launch.PEERS, "peer_site")}
+    cmd = [launch.peer_python(), os.path.join(launch.PEERS, "vllm_mm_peer.py"), path, "--requests", str(reqs),
+           "--output", str(output), "--max-num-batched-tokens", str(BATCHED_TOKENS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"the vLLM peer failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def compare(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """Per workload: the peer's rates, its tokens against ours, and our ratio."""
+    out = {}
+    for key in ("distinct", "repeated"):
+        row = dict(peer[key])
+        row["same_tokens"] = sum(list(a) == b for a, b in zip(ours[key]["tokens"], row.pop("tokens")))
+        row["conveyor_vs_vllm"] = round(ours[key]["images_per_s"] / row["images_per_s"], 2)
+        out[key] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=16)
@@ -184,6 +262,7 @@ def main() -> None:
     ap.add_argument("--vision-layers", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="4 requests, 8 tokens, 2+2 layers")
     ap.add_argument("--served", action="store_true", help="also over HTTP (uvicorn + AsyncLLM)")
+    ap.add_argument("--vllm", action="store_true", help="both workloads through vLLM's CPU build, the peer row")
     ap.add_argument("--hf", action="store_true", help="transformers' generate on the distinct workload, the peer row")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
@@ -193,13 +272,22 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as d:
         path = build(os.path.join(d, "llava"), args.layers, args.vision_layers)
-        with LLM(model=path, max_model_len=1024, enable_prefix_caching=False) as llm:
+        with LLM(model=path, max_model_len=1024, enable_prefix_caching=False,
+                 max_num_batched_tokens=BATCHED_TOKENS) as llm:
             run(llm, prompts(2, images(2, 9), 9), 2)  # warm-up: kernels, the processor
             results = {"distinct": run(llm, prompts(args.requests, images(args.requests, 1), 1), args.output),
                        "repeated": run(llm, prompts(args.requests, images(1, 2), 2), args.output)}
             alone = run(llm, prompts(args.requests, images(1, 2), 2)[-1:], args.output)
         if args.served:
             results["served"] = served(path, args.requests, args.output)
+            if args.vllm:
+                peer = served_vllm(path, args.requests, args.output)
+                for key in ("distinct", "repeated"):
+                    peer[key]["conveyor_vs_vllm"] = round(results["served"][key]["images_per_s"]
+                                                          / peer[key]["images_per_s"], 2)
+                results["served_vllm"] = peer
+        if args.vllm:
+            results["vllm"] = compare(results, vllm_peer(path, args.requests, args.output))
         if args.hf:
             hf = hf_peer(path, args.requests, args.output)
             ours = results["distinct"]["tokens"]
@@ -210,11 +298,6 @@ def main() -> None:
     for key in ("distinct", "repeated"):
         results[key].pop("tokens")
     results["config"] = vars(args)
-    try:
-        import vllm  # noqa: F401
-        results["peer"] = "vLLM is installed, but this script has no peer run yet"
-    except ImportError:
-        results["peer"] = "vLLM is not installed on this machine: no peer row"
     print(json.dumps(results, indent=2))
     if args.json:
         with open(args.json, "w") as f:
