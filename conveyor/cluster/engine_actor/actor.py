@@ -48,11 +48,19 @@ TO_FRONTEND = Route("core->frontend", "EngineCoreOutputs")
 class EngineCoreActor:
     def __init__(self, config_bytes: bytes, keys_bytes: bytes,
                  engine_cpus: tuple[int, ...] = ()) -> None:
-        from conveyor.engine.core.engine_core import EngineCore
-        from conveyor.executors import make_executor
-
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        self.core = EngineCore(config, make_executor(config))
+        # The core is built and stepped on the one "core-loop" thread: a model
+        # that loads on one thread and steps on another keeps two libgomp pools,
+        # and their workers then stop spinning between parallel regions
+        # (conveyor/engine/core/inproc_client.py).
+        self._built, self._go = threading.Event(), threading.Event()
+        self._build_error: BaseException | None = None
+        self._runner = threading.Thread(target=self._run, args=(config, tuple(engine_cpus)), daemon=True,
+                                        name="core-loop")
+        self._runner.start()
+        self._built.wait()
+        if self._build_error is not None:
+            raise self._build_error
         host = cluster_host()
         self._plane = DataPlane(msgspec.msgpack.decode(keys_bytes, type=PlaneKeys), server=True)
         self._in = self._plane.pull(TO_CORE, CoreInput, bind_host=host)
@@ -63,15 +71,24 @@ class EngineCoreActor:
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_inputs, daemon=True, name="core-inputs")
         self._reader.start()
-        self._runner = threading.Thread(target=self._run, args=(tuple(engine_cpus),), daemon=True,
-                                        name="core-loop")
-        self._runner.start()
+        self._go.set()
 
-    def _run(self, engine_cpus: tuple[int, ...]) -> None:
-        if engine_cpus:  # before the first step, so torch's threads inherit the cores
+    def _run(self, config: EngineConfig, engine_cpus: tuple[int, ...]) -> None:
+        from conveyor.engine.core.engine_core import EngineCore
+        from conveyor.executors import make_executor
+
+        if engine_cpus:  # before the model loads, so torch's threads inherit the cores
             from conveyor.cluster.engine_actor.cpu_layout import pin_this_thread
 
             pin_this_thread(engine_cpus)
+        try:
+            self.core = EngineCore(config, make_executor(config))
+        except BaseException as e:  # noqa: BLE001 - re-raised by __init__
+            self._build_error = e
+            return
+        finally:
+            self._built.set()
+        self._go.wait()
         self._loop.run()
 
     def addresses(self) -> tuple[str, str, bytes]:
