@@ -315,7 +315,7 @@ class OpenAIServer:
     # ---- running -------------------------------------------------------------------
 
     def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
-        interval = self.config.serve.stream_batching_interval_ms / 1000.0 if job.req.stream else float(__import__("os").environ.get("CV_NS", "0"))
+        interval = self.config.serve.stream_batching_interval_ms / 1000.0 if job.req.stream else 0.0
         return [self.llm.generate(prep.prompt_token_ids, sp, min_interval_s=interval, prepared=prep)
                 for prep, sp in zip(job.prepared, job.params)]
 
