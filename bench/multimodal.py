@@ -46,6 +46,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 IMAGE_ID = 512  # "<image>", added to the tests' tiny tokenizer
 BATCHED_TOKENS = 2048  # both engines' token budget per step (our default)
+# torchvision for the vLLM peer, outside its venv (bench/peers/vllm_mm_peer.py):
+# installed in the venv, it breaks the peer's other runs (`vllm bench serve` imports it).
+PEER_TORCHVISION = os.environ.get("VLLM_PEER_TORCHVISION", "/tmp/vllmpeer_torchvision")
 
 
 def build(path: str, layers: int, vision_layers: int) -> str:
@@ -191,8 +194,7 @@ def served_vllm(path: str, reqs: int, output: int) -> dict[str, Any]:
     """`vllm serve` of the peer venv on both cores, the same settings, the same waves."""
     from bench.lib import launch
 
-    env = {"PEER_TORCHVISION_STUB": "1", "PYTHONPATH": os.path.join(launch.PEERS, "peer_site"),
-           "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env = {**peer_vision_env(), "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     server = launch.vllm_serve(path, 18732, "llava", 1024, 256, env)
     server.argv += ["--no-enable-prefix-caching", "--max-num-batched-tokens", str(BATCHED_TOKENS),
                     "--limit-mm-per-prompt", json.dumps({"image": 1})]
@@ -226,14 +228,21 @@ def hf_peer(path: str, reqs: int, output: int) -> dict[str, Any]:
             "tokens": [row[input_ids.shape[1]:].tolist() for row in out]}
 
 
+def peer_vision_env() -> dict[str, str]:
+    """The peer's environment for a VL model: torchvision on its path, stubbed (peer_site)."""
+    from bench.lib import launch
+
+    return {"PEER_TORCHVISION_STUB": "1",
+            "PYTHONPATH": os.pathsep.join([os.path.join(launch.PEERS, "peer_site"), PEER_TORCHVISION])}
+
+
 def vllm_peer(path: str, reqs: int, output: int) -> dict[str, Any]:
     """Both workloads through vLLM's CPU build (bench/peers/vllm_mm_peer.py, the peer venv, 2 threads)."""
     import subprocess
 
     from bench.lib import launch
 
-    env = {**os.environ, **launch.peer_env(bind="0-1"), "PEER_TORCHVISION_STUB": "1",
-           "PYTHONPATH": os.path.join(launch.PEERS, "peer_site")}
+    env = {**os.environ, **launch.peer_env(bind="0-1"), **peer_vision_env()}
     cmd = [launch.peer_python(), os.path.join(launch.PEERS, "vllm_mm_peer.py"), path, "--requests", str(reqs),
            "--output", str(output), "--max-num-batched-tokens", str(BATCHED_TOKENS)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

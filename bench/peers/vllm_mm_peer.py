@@ -8,10 +8,13 @@ does: a second call would find the first one's images in vLLM's processor
 and encoder caches. fp32, greedy, ``ignore_eos``, prefix caching off as on our side.
 Prints one JSON line: per workload wall, images/s, output tok/s and the tokens.
 
-The peer venv needs torchvision (vLLM's llava module imports it): the
-registry's wheel (``pip install --no-deps torchvision==0.28.0``, a CUDA build)
-imports only with PEER_TORCHVISION_STUB=1 and bench/peers/peer_site on
-PYTHONPATH, as bench/multimodal.py --vllm runs this.
+vLLM's llava module imports torchvision. The registry's wheel is a CUDA build
+that imports only with PEER_TORCHVISION_STUB=1 (bench/peers/peer_site). It
+lives outside the peer venv, because `vllm bench serve` imports torchvision
+when it is there and would break:
+  /tmp/vllmpeer/bin/pip install --no-deps --target /tmp/vllmpeer_torchvision torchvision==0.28.0
+bench/multimodal.py --vllm puts both on PYTHONPATH (VLLM_PEER_TORCHVISION
+names another directory).
 """
 import argparse
 import json
@@ -53,9 +56,9 @@ def main() -> None:
     try:
         import torchvision  # noqa: F401
     except Exception as e:  # the CUDA wheel without the stub, or none installed
-        raise SystemExit(f"the peer venv cannot import torchvision ({type(e).__name__}: {e}); install it with "
-                         "`pip install --no-deps torchvision==0.28.0` and run with PEER_TORCHVISION_STUB=1 and "
-                         "bench/peers/peer_site on PYTHONPATH") from e
+        raise SystemExit(f"the peer cannot import torchvision ({type(e).__name__}: {e}); install it with "
+                         "`/tmp/vllmpeer/bin/pip install --no-deps --target /tmp/vllmpeer_torchvision "
+                         "torchvision==0.28.0` and run through bench/multimodal.py --vllm") from e
     import multimodal as mm
     from vllm import LLM, SamplingParams
 
