@@ -14,6 +14,11 @@ import sys
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Ray Serve shuts a proxy down after three 5 s readiness checks; on a loaded
+# 2-core CI box (two pytest workers and their engines) a proxy once took
+# longer to come up, and a fixture died with it. The Ray instances the tests
+# start inherit this.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
 SUPPORT = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(SUPPORT))
 for _p in (SUPPORT, ROOT):

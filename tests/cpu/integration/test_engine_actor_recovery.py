@@ -454,7 +454,9 @@ def _serve_kill_scenario(url: str, refs, before: set[int]) -> None:
         assert text == ref.outputs[0].text, i
         assert usage["completion_tokens"] == SERVE_TOKENS
         assert usage["prompt_tokens"] == len(ref.prompt_token_ids)
-    assert not pid_alive(victim)
+    # SIGKILL is delivered at once, but a process that maps GBs tears down for a
+    # while: under CI load it was seen alive (not yet a zombie) as the streams ended.
+    _wait(lambda: not pid_alive(victim), 30.0)
     # Its replacement. Ray names an actor's process (ray::EngineCoreActor) on its
     # own schedule: once seen, in one full run, not yet named as the streams ended.
     _wait(lambda: len(engine_actor_pids() - before) == 1, 30.0)
