@@ -15,7 +15,9 @@ transformers image processor, the content hash and the copy). The tokens of
 the repeated run are compared with one request run alone (they must be equal).
 --served: the same two workloads over HTTP (one AsyncLLM behind uvicorn,
 bench/lib/launch.py), every request at once, each image a JPEG data: URL in a
-chat image_url part. --vllm: both workloads through vLLM's CPU build on the
+chat image_url part; with --vllm, `vllm serve` is up beside it and the two
+take turns, --served-repeats rounds in alternating order, each round on
+images of its own; the medians count. --vllm: both workloads through vLLM's CPU build on the
 same checkpoint in its own process (bench/peers/vllm_mm_peer.py, the peer venv
 with torchvision; see there), tokens compared. --hf: the distinct workload
 through transformers' LlavaForConditionalGeneration.generate on the same
@@ -40,6 +42,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,30 +153,45 @@ async def _wave(base: str, urls: list[str], reqs: int, output: int) -> float:
     return wall
 
 
-def _serve_workloads(server: Any, reqs: int, output: int, hits: Any = None) -> dict[str, Any]:
-    """Start ``server``, a warm-up wave, then the distinct and repeated waves; stop it."""
+def _median_row(walls: list[float], reqs: int, output: int) -> dict[str, Any]:
+    """A workload's waves: each wall, and the rates of their median."""
+    import statistics
+
+    mid = statistics.median(walls)
+    return {"wall_s": round(mid, 3), "images_per_s": round(reqs / mid, 2),
+            "output_tok_per_s": round(reqs * output / mid, 1), "waves_wall_s": [round(w, 3) for w in walls]}
+
+
+def _cpu_busy(window_s: float) -> float:
+    """The box's busy fraction (all cores) over the next ``window_s`` seconds."""
+    def sample() -> list[int]:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+
+    a = sample()
+    time.sleep(window_s)
+    d = [y - x for x, y in zip(a, sample())]
+    return 1.0 - (d[3] + d[4]) / max(sum(d), 1)
+
+
+def wait_idle(limit_s: float = 10.0) -> None:
+    """Return once the box is idle (under 10% busy for 0.25 s), at most after ``limit_s``.
+    vLLM's processes keep a core busy for about a second after a wave (its message
+    queue polls): the next wave must not start on a box with one core taken."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and _cpu_busy(0.25) > 0.10:
+        pass
+
+
+def served_rounds(path: str, reqs: int, output: int, repeats: int, vllm: bool) -> dict[str, Any]:
+    """Ours (one AsyncLLM behind uvicorn) and, with ``vllm``, `vllm serve`, both up at
+    once. Each round runs the distinct and the repeated wave on every server, the
+    servers in alternating order, on that round's own images (the same images for
+    every server): the box's speed drifts between minutes, and alternation puts
+    that drift on both sides. Each wave waits for an idle box (wait_idle). Per
+    server and workload: the walls and their median."""
     import asyncio
 
-    from bench.lib import launch
-
-    out: dict[str, Any] = {}
-    try:
-        base = launch.start(server, os.path.join(REPO, "bench", "out"), 300)
-        asyncio.run(_wave(base, [_image_url(i) for i in images(2, 9)], 2, output))
-        for name, imgs in (("distinct", images(reqs, 1)), ("repeated", images(1, 2))):
-            h0 = hits(base) if hits else 0
-            wall = asyncio.run(_wave(base, [_image_url(i) for i in imgs], reqs, output))
-            out[name] = {"wall_s": round(wall, 3), "images_per_s": round(reqs / wall, 2),
-                         "output_tok_per_s": round(reqs * output / wall, 1)}
-            if hits:
-                out[name]["encoder_cache_hits"] = hits(base) - h0
-    finally:
-        launch.stop(server)
-    return out
-
-
-def served(path: str, reqs: int, output: int) -> dict[str, Any]:
-    """Ours over HTTP: one AsyncLLM behind uvicorn."""
     import httpx
 
     from bench.lib import launch
@@ -183,22 +201,64 @@ def served(path: str, reqs: int, output: int) -> dict[str, Any]:
         return int(sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
                        if ln.startswith("conveyor_encoder_cache_hits_total")))
 
-    server = launch.uvicorn_engine(path, 18731, {"model": {"max_model_len": 1024},
-                                                 "cache": {"enable_prefix_caching": False},
-                                                 "scheduler": {"max_num_batched_tokens": BATCHED_TOKENS},
-                                                 "serve": {"served_model_name": "llava", "max_body_bytes": 8 << 20}})
-    return _serve_workloads(server, reqs, output, hits)
+    servers: dict[str, tuple[Any, Callable[[str], int] | None]] = {"served": (ours_server(path), hits)}
+    if vllm:
+        servers["served_vllm"] = (vllm_server(path), None)
+    walls: dict[str, dict[str, list[float]]] = {k: {"distinct": [], "repeated": []} for k in servers}
+    cache_hits: dict[str, list[int]] = {"distinct": [], "repeated": []}
+    bases: dict[str, str] = {}
+    try:
+        for key, (server, _) in servers.items():
+            bases[key] = launch.start(server, os.path.join(REPO, "bench", "out"), 300)
+        warm = [_image_url(i) for i in images(reqs, 9)]
+        for key in servers:  # a full wave each, once every server is up (the later start evicts pages)
+            wait_idle()
+            asyncio.run(_wave(bases[key], warm, reqs, output))
+        for r in range(repeats):
+            urls = {"distinct": [_image_url(i) for i in images(reqs, 100 + r)],
+                    "repeated": [_image_url(i) for i in images(1, 200 + r)]}
+            order = list(servers) if r % 2 == 0 else list(servers)[::-1]
+            for key in order:
+                count = servers[key][1]
+                for name in ("distinct", "repeated"):
+                    h0 = count(bases[key]) if count else 0
+                    wait_idle()
+                    walls[key][name].append(asyncio.run(_wave(bases[key], urls[name], reqs, output)))
+                    if count:
+                        cache_hits[name].append(count(bases[key]) - h0)
+    finally:
+        for server, _ in servers.values():
+            launch.stop(server)
+    out: dict[str, Any] = {}
+    for key in servers:
+        out[key] = {name: _median_row(w, reqs, output) for name, w in walls[key].items()}
+    for name in ("distinct", "repeated"):
+        out["served"][name]["encoder_cache_hits"] = cache_hits[name]
+        if vllm:
+            out["served_vllm"][name]["conveyor_vs_vllm"] = round(
+                out["served"][name]["images_per_s"] / out["served_vllm"][name]["images_per_s"], 2)
+    return out
 
 
-def served_vllm(path: str, reqs: int, output: int) -> dict[str, Any]:
-    """`vllm serve` of the peer venv on both cores, the same settings, the same waves."""
+def ours_server(path: str) -> Any:
+    """One AsyncLLM behind uvicorn, the offline run's engine settings."""
+    from bench.lib import launch
+
+    return launch.uvicorn_engine(path, 18731, {"model": {"max_model_len": 1024},
+                                               "cache": {"enable_prefix_caching": False},
+                                               "scheduler": {"max_num_batched_tokens": BATCHED_TOKENS},
+                                               "serve": {"served_model_name": "llava", "max_body_bytes": 8 << 20}})
+
+
+def vllm_server(path: str) -> Any:
+    """`vllm serve` of the peer venv on both cores, the same settings."""
     from bench.lib import launch
 
     env = {**peer_vision_env(), "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     server = launch.vllm_serve(path, 18732, "llava", 1024, 256, env)
     server.argv += ["--no-enable-prefix-caching", "--max-num-batched-tokens", str(BATCHED_TOKENS),
                     "--limit-mm-per-prompt", json.dumps({"image": 1})]
-    return _serve_workloads(server, reqs, output)
+    return server
 
 
 def hf_peer(path: str, reqs: int, output: int) -> dict[str, Any]:
@@ -271,6 +331,8 @@ def main() -> None:
     ap.add_argument("--vision-layers", type=int, default=6)
     ap.add_argument("--quick", action="store_true", help="4 requests, 8 tokens, 2+2 layers")
     ap.add_argument("--served", action="store_true", help="also over HTTP (uvicorn + AsyncLLM)")
+    ap.add_argument("--served-repeats", type=int, default=3,
+                    help="served rounds (each: both waves on every server, the order alternating); medians count")
     ap.add_argument("--vllm", action="store_true", help="both workloads through vLLM's CPU build, the peer row")
     ap.add_argument("--hf", action="store_true", help="transformers' generate on the distinct workload, the peer row")
     ap.add_argument("--json", help="write the results here")
@@ -288,13 +350,7 @@ def main() -> None:
                        "repeated": run(llm, prompts(args.requests, images(1, 2), 2), args.output)}
             alone = run(llm, prompts(args.requests, images(1, 2), 2)[-1:], args.output)
         if args.served:
-            results["served"] = served(path, args.requests, args.output)
-            if args.vllm:
-                peer = served_vllm(path, args.requests, args.output)
-                for key in ("distinct", "repeated"):
-                    peer[key]["conveyor_vs_vllm"] = round(results["served"][key]["images_per_s"]
-                                                          / peer[key]["images_per_s"], 2)
-                results["served_vllm"] = peer
+            results.update(served_rounds(path, args.requests, args.output, args.served_repeats, args.vllm))
         if args.vllm:
             results["vllm"] = compare(results, vllm_peer(path, args.requests, args.output))
         if args.hf:
