@@ -12,6 +12,7 @@ its own), in the caller's placement group when there is one.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -20,10 +21,12 @@ from dataclasses import dataclass
 import msgspec
 import ray
 
+from conveyor.cluster.engine_actor.cpu_layout import pin_this_thread
 from conveyor.cluster.engine_actor.frontends import Frontends
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreRequest
 from conveyor.engine.core.busy_loop import EngineBusyLoop
+from conveyor.engine.core.core_thread import CoreThread
 from conveyor.engine.errors import EngineDeadError
 from conveyor.executors.channel import DataPlane, PlaneKeys
 from conveyor.executors.frames import Route
@@ -49,18 +52,11 @@ class EngineCoreActor:
     def __init__(self, config_bytes: bytes, keys_bytes: bytes,
                  engine_cpus: tuple[int, ...] = ()) -> None:
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-        # The core is built and stepped on the one "core-loop" thread: a model
-        # that loads on one thread and steps on another keeps two libgomp pools,
-        # and their workers then stop spinning between parallel regions
-        # (conveyor/engine/core/inproc_client.py).
-        self._built, self._go = threading.Event(), threading.Event()
-        self._build_error: BaseException | None = None
-        self._runner = threading.Thread(target=self._run, args=(config, tuple(engine_cpus)), daemon=True,
-                                        name="core-loop")
-        self._runner.start()
-        self._built.wait()
-        if self._build_error is not None:
-            raise self._build_error
+        # Built and stepped on the one "core-loop" thread (conveyor/engine/core/core_thread.py),
+        # pinned first so torch's threads inherit the cores.
+        pin = functools.partial(pin_this_thread, tuple(engine_cpus)) if engine_cpus else None
+        self._runner = CoreThread(config, "core-loop", pin)
+        self.core = self._runner.core
         host = cluster_host()
         self._plane = DataPlane(msgspec.msgpack.decode(keys_bytes, type=PlaneKeys), server=True)
         self._in = self._plane.pull(TO_CORE, CoreInput, bind_host=host)
@@ -71,25 +67,7 @@ class EngineCoreActor:
         self._closed = threading.Event()
         self._reader = threading.Thread(target=self._read_inputs, daemon=True, name="core-inputs")
         self._reader.start()
-        self._go.set()
-
-    def _run(self, config: EngineConfig, engine_cpus: tuple[int, ...]) -> None:
-        from conveyor.engine.core.engine_core import EngineCore
-        from conveyor.executors import make_executor
-
-        if engine_cpus:  # before the model loads, so torch's threads inherit the cores
-            from conveyor.cluster.engine_actor.cpu_layout import pin_this_thread
-
-            pin_this_thread(engine_cpus)
-        try:
-            self.core = EngineCore(config, make_executor(config))
-        except BaseException as e:  # noqa: BLE001 - re-raised by __init__
-            self._build_error = e
-            return
-        finally:
-            self._built.set()
-        self._go.wait()
-        self._loop.run()
+        self._runner.go(self._loop.run)
 
     def addresses(self) -> tuple[str, str, bytes]:
         return self._in.address, self._out.address, msgspec.msgpack.encode(self.core.kv_info)
@@ -162,7 +140,7 @@ class EngineCoreActor:
     def shutdown(self) -> None:
         self._closing = True
         self._loop.stop()
-        self._runner.join(timeout=30)
+        self._runner.thread.join(timeout=30)
         self._reader.join(timeout=5)  # it polls self._in: close only after it stopped
         try:
             self.core.shutdown()

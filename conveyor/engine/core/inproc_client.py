@@ -1,21 +1,14 @@
 """InProcCoreClient: the EngineCore and its busy loop in a thread of this process
-(AsyncLLM when the core is not asked into an actor; data-parallel engines).
-
-The core is built in that thread too, so its model loads, warms up and steps on
-one OS thread. libgomp keeps a worker pool per thread that opens parallel
-regions; once two pools manage more threads than the process has cores, every
-pool's workers stop spinning between regions and each region pays a futex
-wake-up. Built in the caller and stepped in the thread, a 30M LLaVA's 16-row
-decode forward took 21 ms against 15.8 ms on one thread (2-core Xeon), and a
-300x512 GELU 120 us against 40 us (docs/benchmarks-history.md, 2026-12-07)."""
+(AsyncLLM when the core is not asked into an actor; data-parallel engines). The
+core is built on that thread too (conveyor/engine/core/core_thread.py)."""
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from conveyor.engine.config import EngineConfig
 from conveyor.engine.contracts import EngineCoreRequest
 from conveyor.engine.core.busy_loop import EngineBusyLoop
+from conveyor.engine.core.core_thread import CoreThread
 from conveyor.engine.core_client import FleetAdmin, OutputHandler
 from conveyor.engine.errors import DeadFlag
 
@@ -26,35 +19,13 @@ class InProcCoreClient:
     def __init__(self, config: EngineConfig) -> None:
         self.dead = DeadFlag()
         self._loop: EngineBusyLoop | None = None
-        self._built = threading.Event()
-        self._go = threading.Event()  # start() or shutdown(): the thread may go on
-        self._build_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, args=(config,), name="conveyor-core", daemon=True)
-        self._thread.start()
-        self._built.wait()
-        if self._build_error is not None:
-            raise self._build_error
+        self._thread = CoreThread(config, "conveyor-core")
+        self.core = self._thread.core
         self.kv_info = self.core.kv_info
-
-    def _main(self, config: EngineConfig) -> None:
-        """The core thread: build the core, then (after start()) run its loop."""
-        from conveyor.engine.core.engine_core import EngineCore
-        from conveyor.executors import make_executor
-
-        try:
-            self.core = EngineCore(config, make_executor(config))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the constructor's thread
-            self._build_error = e
-            return
-        finally:
-            self._built.set()
-        self._go.wait()
-        if self._loop is not None:
-            self._loop.run()
 
     def start(self, on_outputs: OutputHandler) -> None:
         self._loop = EngineBusyLoop(self.core, on_outputs, self.dead)
-        self._go.set()
+        self._thread.go(self._loop.run)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._require().submit("add", request)
@@ -84,7 +55,7 @@ class InProcCoreClient:
 
     def check_health(self) -> str:
         self._require()
-        if not self._thread.is_alive():
+        if not self._thread.thread.is_alive():
             self.dead.set("core thread exited")
         self.dead.check()
         return self.core.check_health()
@@ -100,6 +71,6 @@ class InProcCoreClient:
     def shutdown(self) -> None:
         if self._loop is not None:
             self._loop.stop()
-        self._go.set()  # never started: the thread ends without a loop
-        self._thread.join(timeout=30)
+        self._thread.go()  # never started: the thread ends without a loop
+        self._thread.thread.join(timeout=30)
         self.core.shutdown()
