@@ -254,8 +254,7 @@ def vllm_server(path: str) -> Any:
     """`vllm serve` of the peer venv on both cores, the same settings."""
     from bench.lib import launch
 
-    env = {**peer_vision_env(), "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    server = launch.vllm_serve(path, 18732, "llava", 1024, 256, env)
+    server = launch.vllm_serve(path, 18732, "llava", 1024, 256, {**launch.peer_env(bind="0-1"), **peer_vision_env()})
     server.argv += ["--no-enable-prefix-caching", "--max-num-batched-tokens", str(BATCHED_TOKENS),
                     "--limit-mm-per-prompt", json.dumps({"image": 1})]
     return server
