@@ -19,13 +19,14 @@ class InProcCoreClient:
     def __init__(self, config: EngineConfig) -> None:
         self.dead = DeadFlag()
         self._loop: EngineBusyLoop | None = None
-        self._thread = CoreThread(config, "conveyor-core")
-        self.core = self._thread.core
+        self._core_thread = CoreThread(config, "conveyor-core")
+        self._thread = self._core_thread.thread
+        self.core = self._core_thread.core
         self.kv_info = self.core.kv_info
 
     def start(self, on_outputs: OutputHandler) -> None:
         self._loop = EngineBusyLoop(self.core, on_outputs, self.dead)
-        self._thread.go(self._loop.run)
+        self._core_thread.go(self._loop.run)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._require().submit("add", request)
@@ -55,7 +56,7 @@ class InProcCoreClient:
 
     def check_health(self) -> str:
         self._require()
-        if not self._thread.thread.is_alive():
+        if not self._thread.is_alive():
             self.dead.set("core thread exited")
         self.dead.check()
         return self.core.check_health()
@@ -71,6 +72,6 @@ class InProcCoreClient:
     def shutdown(self) -> None:
         if self._loop is not None:
             self._loop.stop()
-        self._thread.go()  # never started: the thread ends without a loop
-        self._thread.thread.join(timeout=30)
+        self._core_thread.go()  # never started: the thread ends without a loop
+        self._thread.join(timeout=30)
         self.core.shutdown()
