@@ -30,10 +30,11 @@ when the cpu attention backend has loaded the extension
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
-from . import cpu_attention
+from . import cpu_attention, huge_pages
 
 # bf16 rows up to which the packed kernel runs (above: oneDNN's packed GEMM).
 SMALL_ROWS = 16
@@ -72,6 +73,35 @@ def kernel_isa() -> str | None:
 # 0.97, the 0.5B's 1.18 / 0.97 / 1.00, the 1B's 1.11 / 0.93 at 64; the AVX2
 # table (oneDNN capped to AVX2) 1.15x at 32 rows, 0.96x at 64.
 SMALL_ROWS_F32 = 64
+
+
+# fp32 rows above which a linear runs MKL's sgemm (F.linear) instead of
+# oneDNN, where ``mkl_avx512``: MKL needs no row bucketing (oneDNN keeps a
+# primitive per row count, so the engine pads its rows, up to 25% extra) and
+# ran 1.0-1.2x bucketed oneDNN from 300 to 2048 rows over cold weights (Xeon,
+# 2 threads, 7 prefill shapes; BENCHMARKS.md, "Prefill linears"). At 96-256
+# rows oneDNN is ahead (0.86-1.16x).
+MKL_ROWS_F32 = 256
+
+
+@functools.cache
+def mkl_avx512() -> bool:
+    """Whether torch's MKL takes its AVX-512 path here: an Intel CPU with
+    AVX-512 (on AMD, MKL runs its AVX2 code, 2.5x slower than oneDNN)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    flags = re.search(r"^flags\s*:(.*)$", head, re.M)
+    return "GenuineIntel" in head and flags is not None and " avx512f" in flags.group(1)
+
+
+def f32_mkl_rows() -> int:
+    """The fp32 rows above which linears run MKL (no limit where MKL is slow)."""
+    return MKL_ROWS_F32 if mkl_avx512() else 1 << 62
 
 
 @functools.cache
@@ -133,8 +163,12 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     np_, kp = -(-n // BLOCK_N) * BLOCK_N, k + (k % 2 if w.dtype == torch.bfloat16 else 0)
     w = torch.nn.functional.pad(w.detach(), (0, kp - k, 0, np_ - n))
     if w.dtype == torch.bfloat16:
-        return w.view(np_ // BLOCK_N, BLOCK_N, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return w.view(np_ // BLOCK_N, BLOCK_N, kp).permute(0, 2, 1).contiguous()
+        blocks = w.view(np_ // BLOCK_N, BLOCK_N, kp // 2, 2).permute(0, 2, 1, 3)
+    else:
+        blocks = w.view(np_ // BLOCK_N, BLOCK_N, kp).permute(0, 2, 1)
+    if w.device.type != "cpu":
+        return blocks.contiguous()
+    return huge_pages.empty(blocks.shape, blocks.dtype).copy_(blocks)  # decode streams it
 
 
 def small_linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_linear
+from . import cpu_linear, huge_pages
 
 # Mean rows per expert up to which the grouped op runs on each table and
 # dtype; above, the per-expert loop's oneDNN GEMMs (AVX-512: ahead from ~64
@@ -57,7 +57,12 @@ def amx_ready() -> bool:
 
 def pack_experts(w: torch.Tensor) -> torch.Tensor:
     """Stacked expert matrices [E, N, K] -> [E, *cpu_linear.pack(w[e]).shape]."""
-    return torch.stack([cpu_linear.pack(w[e]) for e in range(w.shape[0])])
+    first = cpu_linear.pack(w[0])
+    out = huge_pages.empty((w.shape[0], *first.shape), first.dtype)  # decode streams it
+    out[0].copy_(first)
+    for e in range(1, w.shape[0]):
+        out[e].copy_(cpu_linear.pack(w[e]))
+    return out
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, inter: int,

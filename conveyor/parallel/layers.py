@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.kernels import cpu_linear
+from conveyor.kernels import cpu_linear, huge_pages
 from conveyor.parallel import state
 from conveyor.parallel.state import divide
 
@@ -60,11 +60,19 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: WeightLike,
     _copy_checked(param.data, materialize(loaded_weight), "replicated weight")
 
 
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+    """torch.empty on the ambient default device; a large CPU tensor goes on
+    huge pages (conveyor/kernels/huge_pages.py: decode streams the weights)."""
+    if torch.get_default_device().type == "cpu":
+        return huge_pages.empty(shape, dtype or torch.get_default_dtype())
+    return torch.empty(shape, dtype=dtype)
+
+
 def make_param(shape: tuple[int, ...], dtype: torch.dtype | None,
                loader: WeightLoader) -> nn.Parameter:
     # Inference only: no grads. Allocated on the ambient default device
     # (the loader builds models under `with torch.device(device)`).
-    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p = nn.Parameter(host_empty(shape, dtype), requires_grad=False)
     p.weight_loader = loader  # type: ignore[attr-defined]
     return p
 
@@ -157,7 +165,8 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     - then up to cpu_linear.small_rows rows (fp32, and bf16 except on AMX;
       none where the engine's decode steps fit the plain kernel): the packed
       kernel over its copy, packed at the first such call;
-    - fp32 above: oneDNN over w itself (its packed copy ran no faster);
+    - fp32 above: oneDNN over w itself (its packed copy ran no faster), and
+      above cpu_linear.f32_mkl_rows() MKL's sgemm (F.linear);
     - bf16 where oneDNN has bf16 kernels: oneDNN over its packed copy (1.3-1.6x
       w itself up to 256 rows on AMX), above _BF16_PACKED_ROWS F.linear, and
       F.linear throughout where the engine's decode steps fit the plain kernel
@@ -189,6 +198,8 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
             or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and not _bf16_packs(module, x, isa)):
         return F.linear(x, w, b)
     if x.dtype == torch.float32:
+        if x.shape[0] > cpu_linear.f32_mkl_rows():
+            return F.linear(x, w, b)
         return _onednn(x, w.detach(), b)
     packed = _packed_copy(module, "_packed_weight", w,
                           lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))

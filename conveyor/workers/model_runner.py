@@ -23,6 +23,7 @@ from conveyor.engine.contracts import (
     SchedulerOutput,
 )
 from conveyor.engine.sampling_params import SamplingFields
+from conveyor.kernels import huge_pages
 from conveyor.kernels.backends import AttentionMetadata, get_attention_backend
 from conveyor.parallel.communication import IntermediateTensors
 from conveyor.parallel.layers import mark_decode_rows
@@ -112,8 +113,10 @@ class ModelRunner:
         # Zeroed: masked-out slots must not hold NaN (0 * NaN poisons the sum).
         self.kv_caches = []
         for i, attn in enumerate(find_attention_layers(self.model)):
-            cache = torch.zeros(attn.kv_cache_shape(num_blocks, self.block_size),
-                                dtype=dtype, device=self.device)
+            shape = attn.kv_cache_shape(num_blocks, self.block_size)
+            # On CPU on huge pages: decode attention streams the cache (kernels/huge_pages.py).
+            cache = (huge_pages.zeros(shape, dtype) if self.device.type == "cpu"
+                     else torch.zeros(shape, dtype=dtype, device=self.device))
             attn.kv_cache = cache
             attn.layer_index = i
             self.kv_caches.append(cache)

@@ -41,6 +41,7 @@ from conveyor.parallel.layers import (
     _small_isa,
     default_weight_loader,
     divide,
+    host_empty,
     linear,
     make_param,
     narrow_load,
@@ -92,8 +93,8 @@ class FusedMoE(nn.Module):
             self.i_part = divide(shape.intermediate_size, tp, "moe intermediate_size / tp_size")
         self.tp_rank = 0 if self.expert_parallel else rank
         h, i, e = shape.hidden_size, self.i_part, self.num_local
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
+        self.w13_weight = nn.Parameter(host_empty((e, 2 * i, h), dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(host_empty((e, h, i), dtype), requires_grad=False)
         wanted = {(x, p) for x in range(self.first_expert, self.first_expert + e) for p in (0, 1)}
         for p, parts in ((self.w13_weight, wanted), (self.w2_weight, {(x, None) for x, _ in wanted})):
             p.weight_loader = self.weight_loader  # type: ignore[attr-defined]

@@ -326,3 +326,40 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
             assert onednn_copy == (dtype == torch.bfloat16), dtype
     finally:
         cpu_attention.select_isa("auto")
+
+
+def test_fp32_above_the_mkl_row_limit_runs_mkl_where_mkl_is_fast(monkeypatch) -> None:
+    """fp32 linears above cpu_linear.f32_mkl_rows() are MKL's F.linear (its bits),
+    up to it oneDNN over the weight (row-bucketed); where MKL is slow (AMD, no
+    AVX-512) there is no such limit."""
+    from conveyor.kernels import cpu_linear
+    from conveyor.parallel import layers
+
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    intel_avx512 = "GenuineIntel" in info and " avx512f" in info and torch.backends.mkl.is_available()
+    assert cpu_linear.mkl_avx512() == intel_avx512
+    assert cpu_linear.f32_mkl_rows() == (cpu_linear.MKL_ROWS_F32 if intel_avx512 else 1 << 62)
+    monkeypatch.setattr(cpu_linear, "mkl_avx512", lambda: True)
+    onednn: list[int] = []
+    real = layers._onednn
+
+    def spy(x, w, b):
+        onednn.append(x.shape[0])
+        return real(x, w, b)
+
+    monkeypatch.setattr(layers, "_onednn", spy)
+    monkeypatch.setattr(layers, "_kernel_isa", lambda x, w: None)  # no small-M kernels: oneDNN or MKL only
+    monkeypatch.setattr(layers, "_small_isa", lambda module, x, w: None)
+    g = torch.Generator().manual_seed(5)
+    w, b = torch.randn(96, 200, generator=g), torch.randn(96, generator=g)
+    lim = cpu_linear.MKL_ROWS_F32
+    for m in (lim - 1, lim, lim + 1, 700):
+        onednn.clear()
+        x = torch.randn(m, 200, generator=g)
+        y = layers.linear(torch.nn.Module(), x, w, b)
+        if m > lim:
+            assert onednn == [] and torch.equal(y, torch.nn.functional.linear(x, w, b)), m
+        else:
+            assert onednn == [m], m
+            assert bool(((y - torch.nn.functional.linear(x, w, b)).abs() <= 2 * _bound(x, w) + 1e-6).all()), m
