@@ -8,8 +8,8 @@
    4 KiB pages; the reads again on huge pages where the OS gives them. The
    best all-core read is the figure decode is held to.
 3. The linears as the model runs them (``conveyor.parallel.layers.linear``, fp32: with
-   ``--small-kernel`` our kernels up to 64 rows, oneDNN on the weight above, MKL above
-   256 rows on Intel AVX-512; weights on huge pages as the model's) at M = 1, 16,
+   ``--small-kernel`` our kernels up to 64 rows, oneDNN on the weight above, MKL where
+   cpu_linear.f32_on_mkl says; weights on huge pages as the model's) at M = 1, 16,
    64, 256, 2048 rows for the
    30M (the bench's), Qwen2-0.5B and Llama-3.2-1B shapes: each layer's qkv,
    o, gate_up and down, and the lm_head (M <= 256: the model computes logits

@@ -75,13 +75,16 @@ def kernel_isa() -> str | None:
 SMALL_ROWS_F32 = 64
 
 
-# fp32 rows above which a linear runs MKL's sgemm (F.linear) instead of
-# oneDNN, where ``mkl_avx512``: MKL needs no row bucketing (oneDNN keeps a
-# primitive per row count, so the engine pads its rows, up to 25% extra) and
-# ran 1.0-1.2x bucketed oneDNN from 300 to 2048 rows over cold weights (Xeon,
-# 2 threads, 7 prefill shapes; BENCHMARKS.md, "Prefill linears"). At 96-256
-# rows oneDNN is ahead (0.86-1.16x).
+# fp32 rows above which a linear may run MKL's sgemm (F.linear) instead of
+# oneDNN, where ``mkl_avx512``. MKL needs no row bucketing (oneDNN keeps a
+# primitive per row count, so the engine pads its rows to a multiple of 64
+# there): at row counts oneDNN pads, MKL ran 1.02-1.21x bucketed oneDNN (300-
+# 2048 rows, cold weights, Xeon, 2 threads, 14 prefill shapes of the bench
+# models); at multiples of 64 it ran 0.86-1.06x at 512 rows (behind on the
+# wide gate_up shapes), 0.99-1.14x at 1024, 0.97-1.22x at 2048. At 96-256
+# rows oneDNN is ahead (0.86-1.16x). BENCHMARKS.md, "Prefill linears".
 MKL_ROWS_F32 = 256
+MKL_ALIGNED_ROWS_F32 = 1024  # rows oneDNN runs unpadded go to MKL from here on
 
 
 @functools.cache
@@ -99,9 +102,10 @@ def mkl_avx512() -> bool:
     return "GenuineIntel" in head and flags is not None and " avx512f" in flags.group(1)
 
 
-def f32_mkl_rows() -> int:
-    """The fp32 rows above which linears run MKL (no limit where MKL is slow)."""
-    return MKL_ROWS_F32 if mkl_avx512() else 1 << 62
+def f32_on_mkl(m: int, padded: bool) -> bool:
+    """Whether an fp32 linear of ``m`` rows runs MKL rather than oneDNN, which
+    would run it on ``padded`` rows (more than m: its row bucketing)."""
+    return mkl_avx512() and m > MKL_ROWS_F32 and (padded or m >= MKL_ALIGNED_ROWS_F32)
 
 
 @functools.cache

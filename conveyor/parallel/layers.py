@@ -165,8 +165,9 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     - then up to cpu_linear.small_rows rows (fp32, and bf16 except on AMX;
       none where the engine's decode steps fit the plain kernel): the packed
       kernel over its copy, packed at the first such call;
-    - fp32 above: oneDNN over w itself (its packed copy ran no faster), and
-      above cpu_linear.f32_mkl_rows() MKL's sgemm (F.linear);
+    - fp32 above: oneDNN over w itself (its packed copy ran no faster), or
+      MKL's sgemm (F.linear) where cpu_linear.f32_on_mkl says (Intel AVX-512,
+      above 256 rows where oneDNN would pad them, and from 1024 rows);
     - bf16 where oneDNN has bf16 kernels: oneDNN over its packed copy (1.3-1.6x
       w itself up to 256 rows on AMX), above _BF16_PACKED_ROWS F.linear, and
       F.linear throughout where the engine's decode steps fit the plain kernel
@@ -198,7 +199,7 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
             or w.dtype != x.dtype or (x.dtype == torch.bfloat16 and not _bf16_packs(module, x, isa)):
         return F.linear(x, w, b)
     if x.dtype == torch.float32:
-        if x.shape[0] > cpu_linear.f32_mkl_rows():
+        if cpu_linear.f32_on_mkl(x.shape[0], onednn_rows(x.shape[0]) > x.shape[0]):
             return F.linear(x, w, b)
         return _onednn(x, w.detach(), b)
     packed = _packed_copy(module, "_packed_weight", w,

@@ -328,10 +328,10 @@ def test_layers_linear_routes_each_engine_table_up_to_its_row_limit(table: str, 
         cpu_attention.select_isa("auto")
 
 
-def test_fp32_above_the_mkl_row_limit_runs_mkl_where_mkl_is_fast(monkeypatch) -> None:
-    """fp32 linears above cpu_linear.f32_mkl_rows() are MKL's F.linear (its bits),
-    up to it oneDNN over the weight (row-bucketed); where MKL is slow (AMD, no
-    AVX-512) there is no such limit."""
+def test_fp32_prefill_rows_run_mkl_where_mkl_is_fast(monkeypatch) -> None:
+    """fp32 linears above MKL_ROWS_F32 rows are MKL's F.linear (its bits) where
+    oneDNN would pad the rows, and from MKL_ALIGNED_ROWS_F32 on; the rest run
+    oneDNN over the weight. Where MKL is slow (AMD, no AVX-512) never MKL."""
     from conveyor.kernels import cpu_linear
     from conveyor.parallel import layers
 
@@ -339,7 +339,7 @@ def test_fp32_above_the_mkl_row_limit_runs_mkl_where_mkl_is_fast(monkeypatch) ->
         info = f.read()
     intel_avx512 = "GenuineIntel" in info and " avx512f" in info and torch.backends.mkl.is_available()
     assert cpu_linear.mkl_avx512() == intel_avx512
-    assert cpu_linear.f32_mkl_rows() == (cpu_linear.MKL_ROWS_F32 if intel_avx512 else 1 << 62)
+    assert cpu_linear.f32_on_mkl(4096, True) == intel_avx512
     monkeypatch.setattr(cpu_linear, "mkl_avx512", lambda: True)
     onednn: list[int] = []
     real = layers._onednn
@@ -353,12 +353,14 @@ def test_fp32_above_the_mkl_row_limit_runs_mkl_where_mkl_is_fast(monkeypatch) ->
     monkeypatch.setattr(layers, "_small_isa", lambda module, x, w: None)
     g = torch.Generator().manual_seed(5)
     w, b = torch.randn(96, 200, generator=g), torch.randn(96, generator=g)
-    lim = cpu_linear.MKL_ROWS_F32
-    for m in (lim - 1, lim, lim + 1, 700):
+    lim, aligned = cpu_linear.MKL_ROWS_F32, cpu_linear.MKL_ALIGNED_ROWS_F32
+    assert lim % 64 == 0 and aligned % 64 == 0
+    for m, mkl in ((lim - 1, False), (lim, False), (lim + 1, True), (lim + 64, False), (700, True),
+                   (aligned - 64, False), (aligned, True), (aligned + 64, True)):
         onednn.clear()
         x = torch.randn(m, 200, generator=g)
         y = layers.linear(torch.nn.Module(), x, w, b)
-        if m > lim:
+        if mkl:
             assert onednn == [] and torch.equal(y, torch.nn.functional.linear(x, w, b)), m
         else:
             assert onednn == [m], m
