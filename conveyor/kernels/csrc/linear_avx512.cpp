@@ -112,7 +112,7 @@ void bf16_plain_tile(const PlainArgs& a, int64_t n0) {
   for (int64_t k = 0; k < kv; k += 32) {
     __m512bh wv[J];
     for (int j = 0; j < J; ++j) {
-      __builtin_prefetch(w + j * a.ldw + k + 2 * kPlainAhead);
+      __builtin_prefetch(w + (j + J) * a.ldw + k);
       wv[j] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + j * a.ldw + k));
     }
     for (int i = 0; i < MB; ++i) {
