@@ -140,3 +140,28 @@ def test_async_scheduling_auto_and_bounds():
     assert keys["--async-scheduling"] == "scheduler.async_scheduling"
     assert keys["--enforce-eager"] == "model.enforce_eager"
     assert build_config(**{"scheduler.async_scheduling": "on"}).scheduler.async_scheduling == "on"
+
+
+def test_starting_a_core_thread_lowers_the_switch_interval_never_raises_it(monkeypatch) -> None:
+    """CoreThread lowers the process's GIL switch interval to its bound (the
+    step thread waits less for the GIL behind a server's Python threads), and
+    leaves a lower one alone; a failed build still raises in the caller."""
+    import sys
+
+    from conveyor.engine.core import core_thread
+
+    def boom() -> None:
+        raise RuntimeError("no cores for you")
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        with pytest.raises(RuntimeError, match="no cores for you"):
+            core_thread.CoreThread(build_config(max_model_len=512), "t", prepare=boom)
+        assert sys.getswitchinterval() == pytest.approx(core_thread.STEP_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(0.0001)
+        with pytest.raises(RuntimeError):
+            core_thread.CoreThread(build_config(max_model_len=512), "t", prepare=boom)
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        sys.setswitchinterval(before)
