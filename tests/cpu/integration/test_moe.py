@@ -1,7 +1,8 @@
 """Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) end to end: greedy
 outputs against transformers on tiny random checkpoints (vLLM's top-5 rule at
-a divergence), with chunked prefill and prefix-cache hits, TP=2 with the
-experts sharded and with expert parallelism (executor mp), and PP=2; a
+a divergence), with chunked prefill and prefix-cache hits, preemption, TP=2
+with the experts sharded and with expert parallelism (executors mp and ray),
+PP=2, and a LoRA adapter on the attention projections (peft's tokens); a
 checkpoint that lacks an expert fails at load, naming the tensor."""
 from __future__ import annotations
 
@@ -59,10 +60,44 @@ def test_tp2_sharded_or_expert_parallel_matches_hf(family, expert_parallel, ckpt
     _check(ckpts[family], prompts, refs[family], outs)
 
 
-def test_expert_parallel_on_ray_matches_hf(ray_local, ckpts, prompts, refs):
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_tp2_on_ray_matches_hf(ray_local, ckpts, prompts, refs, expert_parallel):
     outs = _run(ckpts["qwen3-moe"], prompts, tensor_parallel_size=2, executor="ray",
-                enable_expert_parallel=True)
+                enable_expert_parallel=expert_parallel)
     _check(ckpts["qwen3-moe"], prompts, refs["qwen3-moe"], outs)
+
+
+def test_preemption_matches_hf(ckpts):
+    """8 prompts of 30 tokens growing to 54 need more than 16 blocks: decode
+    preempts (recompute) and resumes, and the tokens stay transformers'."""
+    path = ckpts["qwen3-moe"]
+    same_len = random_prompts(8, 30, 30, seed=5)
+    ref = hf_greedy(path, same_len, TOKENS)
+    with LLM(model=path, max_model_len=256, num_gpu_blocks=17) as llm:
+        outs = llm.generate(same_len, GREEDY, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+    _check(path, same_len, ref, outs)
+
+
+def test_lora_on_the_attention_projections_matches_peft(ckpts, tmp_path):
+    """An adapter on q/k/v/o of a mixture-of-experts model, beside base rows in
+    one batch: transformers + peft's tokens for each row."""
+    from llm_utils import random_prompts as rp
+    from lora_utils import AdapterRecipe, hf_lora_greedy, make_adapter
+
+    from conveyor.engine import LoRARequest
+
+    path = ckpts["qwen3-moe"]
+    adapter = make_adapter(path, str(tmp_path / "attn"), AdapterRecipe(4, 8, ("q_proj", "k_proj", "v_proj", "o_proj"),
+                                                                       seed=6))
+    prompts = rp(4, 5, 40, seed=24)
+    loras = [None if i % 2 == 0 else LoRARequest("attn", 1, adapter) for i in range(len(prompts))]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with LLM(model=path, max_model_len=256, enable_lora=True, max_lora_rank=8) as llm:
+        outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
+    ref = [hf_lora_greedy(path, lr.lora_path if lr else None, [p], 10)[0] for p, lr in zip(prompts, loras)]
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert hf_lora_greedy(path, None, prompts[1:2], 10) != ref[1:2]  # the adapter changes the tokens
 
 
 def test_speculation_structured_outputs_and_two_engines_on_moe(ckpts, prompts, refs):
