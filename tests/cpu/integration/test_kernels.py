@@ -131,12 +131,14 @@ class Batch:
         return out
 
 
-def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int, what: str) -> None:
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, seed: int, what: str,
+           tol: float | None = None) -> None:
+    tol = TOL[dtype] if tol is None else tol
     assert out.dtype == dtype, f"{what}: dtype {out.dtype} (seed={seed})"
     bad = (~torch.isfinite(out)).sum().item()
     assert bad == 0, f"{what}: {bad} non-finite output elements (seed={seed})"
     err = _rel_err(out, ref)
-    assert err <= TOL[dtype], f"{what}: rel err {err:.3g} > {TOL[dtype]} (seed={seed})"
+    assert err <= tol, f"{what}: rel err {err:.3g} > {tol} (seed={seed})"
 
 
 # (dtype, hq, hkv, head_size, block_size, n_seqs, block_m)
@@ -266,7 +268,12 @@ def test_cpu_kernel_softmax_extremes(temperature, cpu_isa) -> None:
     b.scale *= temperature
     out = cpu_attention.paged_attention_cpu(b.query, b.cache, b.block_table, b.qsl_cpu,
                                             b.seq_lens_cpu, b.scale)
-    _check(out, b.ref(), torch.float32, seed, f"cpu backend ({cpu_isa}), scale x{temperature}")
+    # The scores' fp32 rounding grows with their size, and the output's error
+    # with it (the softmax-weighted mean moves by at most max|v| times the
+    # scores' error): TOL holds at the model's scale, x50 allows 50x
+    # (KERNEL_TEST_SEED=4169510626 measured 1.04e-5 on the portable table).
+    _check(out, b.ref(), torch.float32, seed, f"cpu backend ({cpu_isa}), scale x{temperature}",
+           tol=TOL[torch.float32] * max(1.0, temperature))
 
 
 @pytest.mark.parametrize("dtype,part_len", [(torch.float32, 16), (torch.float32, 40), (torch.bfloat16, 64)])
