@@ -216,7 +216,7 @@ def bandwidth(cores: int) -> dict[str, float]:
     pages, and the read again on advised 2 MiB pages (" huge"), where the
     engine keeps its weights and KV cache (conveyor/kernels/huge_pages.py)."""
     out = _bandwidth(cores, torch.ones(2**28), "")
-    huge = huge_pages.copy(torch.ones(2**28))
+    huge = huge_pages.empty((2**28,), torch.float32).fill_(1.0)
     if huge_pages.anon_huge_kib() > 0:
         out.update({k: v for k, v in _bandwidth(cores, huge, " huge").items() if "read" in k})
     return out

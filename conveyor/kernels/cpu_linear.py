@@ -163,16 +163,21 @@ BLOCK_N = 16  # output columns per packed block (linear_kernels.h kBlockN)
 def pack(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] fp32 or int8 -> [ceil(N/16), K, 16]; bf16 -> [ceil(N/16),
     ceil(K/2), 16, 2] (pairs of k side by side, vdpbf16ps' operand). Padding is zeros."""
+    blocks = packed_view(w)
+    if w.device.type != "cpu":
+        return blocks.contiguous()
+    return huge_pages.empty(blocks.shape, blocks.dtype).copy_(blocks)  # decode streams it
+
+
+def packed_view(w: torch.Tensor) -> torch.Tensor:
+    """``pack(w)``'s layout as a strided view of a padded copy of w (not yet
+    contiguous): for callers that write it into storage of their own."""
     n, k = w.shape
     np_, kp = -(-n // BLOCK_N) * BLOCK_N, k + (k % 2 if w.dtype == torch.bfloat16 else 0)
     w = torch.nn.functional.pad(w.detach(), (0, kp - k, 0, np_ - n))
     if w.dtype == torch.bfloat16:
-        blocks = w.view(np_ // BLOCK_N, BLOCK_N, kp // 2, 2).permute(0, 2, 1, 3)
-    else:
-        blocks = w.view(np_ // BLOCK_N, BLOCK_N, kp).permute(0, 2, 1)
-    if w.device.type != "cpu":
-        return blocks.contiguous()
-    return huge_pages.empty(blocks.shape, blocks.dtype).copy_(blocks)  # decode streams it
+        return w.view(np_ // BLOCK_N, BLOCK_N, kp // 2, 2).permute(0, 2, 1, 3)
+    return w.view(np_ // BLOCK_N, BLOCK_N, kp).permute(0, 2, 1)
 
 
 def small_linear(x: torch.Tensor, packed: torch.Tensor, n: int, b: torch.Tensor | None,

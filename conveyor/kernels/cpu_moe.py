@@ -57,11 +57,11 @@ def amx_ready() -> bool:
 
 def pack_experts(w: torch.Tensor) -> torch.Tensor:
     """Stacked expert matrices [E, N, K] -> [E, *cpu_linear.pack(w[e]).shape]."""
-    first = cpu_linear.pack(w[0])
+    first = cpu_linear.packed_view(w[0])
     out = huge_pages.empty((w.shape[0], *first.shape), first.dtype)  # decode streams it
     out[0].copy_(first)
-    for e in range(1, w.shape[0]):
-        out[e].copy_(cpu_linear.pack(w[e]))
+    for e in range(1, w.shape[0]):  # each expert straight into the stack, no packed copy between
+        out[e].copy_(cpu_linear.packed_view(w[e]))
     return out
 
 

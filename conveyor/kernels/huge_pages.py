@@ -17,6 +17,7 @@ as long as any tensor viewing it.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 
@@ -38,10 +39,7 @@ def _advisable() -> bool:
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised (in fact zeroed) CPU tensor, on advised 2 MiB pages
     when it is at least MIN_BYTES and the platform allows; else torch.empty."""
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or not _advisable():
         return torch.empty(tuple(shape), dtype=dtype)
     # One page of slack to align the start: the kernel backs only aligned

@@ -82,7 +82,6 @@ def test_preemption_matches_hf(ckpts):
 def test_lora_on_the_attention_projections_matches_peft(ckpts, tmp_path):
     """An adapter on q/k/v/o of a mixture-of-experts model, beside base rows in
     one batch: transformers + peft's tokens for each row."""
-    from llm_utils import random_prompts as rp
     from lora_utils import AdapterRecipe, hf_lora_greedy, make_adapter
 
     from conveyor.engine import LoRARequest
@@ -90,7 +89,7 @@ def test_lora_on_the_attention_projections_matches_peft(ckpts, tmp_path):
     path = ckpts["qwen3-moe"]
     adapter = make_adapter(path, str(tmp_path / "attn"), AdapterRecipe(4, 8, ("q_proj", "k_proj", "v_proj", "o_proj"),
                                                                        seed=6))
-    prompts = rp(4, 5, 40, seed=24)
+    prompts = random_prompts(4, 5, 40, seed=24)
     loras = [None if i % 2 == 0 else LoRARequest("attn", 1, adapter) for i in range(len(prompts))]
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with LLM(model=path, max_model_len=256, enable_lora=True, max_lora_rank=8) as llm:
