@@ -99,10 +99,14 @@ def test_drain_moves_the_kv_with_the_requests(tiny_llama, tmp_path):
     requests load the blocks their old engine left in the shared KV folder
     and compute at most their last partial block again; tokens unchanged."""
     prompts = random_prompts(16, 60, 100, seed=8)
-    sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
-    with LLM(model=tiny_llama, max_model_len=256) as llm:
+    # Long streams: the drain fires ~20 ms into a decode of ~1 s (tiny model), so
+    # half of them are surely still on engine 0 even when a busy CI core stalls
+    # this thread for a few hundred ms. At 128 tokens (~0.2 s) a stall had let
+    # four of the eight finish first.
+    sp = SamplingParams(max_tokens=480, temperature=0.0, ignore_eos=True)
+    with LLM(model=tiny_llama, max_model_len=640) as llm:
         ref = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-    with LLM(model=tiny_llama, max_model_len=256, data_parallel_size=2, router="round_robin",
+    with LLM(model=tiny_llama, max_model_len=640, data_parallel_size=2, router="round_robin",
              offload_disk_path=str(tmp_path / "kv"), offload_disk_gb=0.05) as llm:
         dp = llm.engine.client  # type: ignore[attr-defined]
         moved: list[int] = []
