@@ -203,6 +203,14 @@ def dequant_i8(packed: torch.Tensor, n: int, scale: torch.Tensor) -> torch.Tenso
     return torch.ops.conveyor_linear.dequant_i8(packed, n, scale)
 
 
+def linear_i8_tiled(x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
+                    b: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequant_i8(packed, n, scale)^T (+ b)`` for prefill-sized x [M, K]
+    fp32, the weight dequantized a cache-sized tile of columns at a time
+    (never whole): the same weight values, torch's fp32 GEMM per tile."""
+    return torch.ops.conveyor_linear.linear_i8_tiled(x, packed, n, scale, b)
+
+
 def small_linear_i8(x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
                     b: torch.Tensor | None, isa: str) -> torch.Tensor:
     """Weight-only int8: x [M, K] fp32 @ (q * scale[:, None])^T (+ b) with

@@ -7,7 +7,8 @@ stay fp32 and so does the math: decode-sized inputs (``<= INT8_KERNEL_ROWS``
 rows) go to the small-M kernel's int8 table (``conveyor/kernels/cpu_linear.py``: the
 weight packed in 16-column blocks, converted in registers); larger ones
 (prefill chunks, compute-bound) dequantize the weight to fp32 for that call
-and run the fp32 GEMM. Embeddings
+and run the fp32 GEMM: up to ``INT8_TILED_ROWS`` rows a cache-sized tile of
+columns at a time, above that the whole weight at once. Embeddings
 stay fp32. The lm_head (often the embedding's storage) gets an int8 copy for
 decode rows, where it is a third of a small model's bytes per step, and keeps
 its fp32 weight for larger batches (dequantizing the vocabulary per call would
@@ -26,6 +27,11 @@ from conveyor.kernels import cpu_attention, cpu_linear
 # Up to this many input rows the int8 kernel (weight bytes bound) beats a
 # dequantize + fp32 GEMM (bench/cpu_peak.py --int8).
 INT8_KERNEL_ROWS = 16
+# Up to this many rows the weight is dequantized a tile at a time, each tile's
+# GEMM reading it from cache (cpu_linear.linear_i8_tiled: 1B shapes 1.3-2.3x at
+# 128 rows, 1.0-1.33x at 512); above, the GEMM's rows amortize a whole fp32
+# weight written once per call (level at 2048 rows, Xeon, 2 threads).
+INT8_TILED_ROWS = 1024
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,6 +52,8 @@ def int8_linear(x: torch.Tensor, bias: torch.Tensor | None, *, packed: torch.Ten
         w = cpu_linear.unpack(packed, n).float() * scale[:, None]
     elif x.dim() == 2 and x.shape[0] <= INT8_KERNEL_ROWS and x.dtype == torch.float32:
         return cpu_linear.small_linear_i8(x, packed, n, scale, bias, cpu_linear.kernel_isa() or "portable")
+    elif x.dim() == 2 and x.shape[0] <= INT8_TILED_ROWS and x.dtype == torch.float32:
+        return cpu_linear.linear_i8_tiled(x, packed, n, scale, bias)
     else:
         w = cpu_linear.dequant_i8(packed, n, scale)  # the same values in one pass
     return F.linear(x, w.to(x.dtype), bias)
