@@ -230,6 +230,11 @@ def split_part_len(seq_lens: np.ndarray, threads: int) -> int:
     return max(_SPLIT_MIN_KEYS, -(-int(seq_lens.sum()) // (threads * _SPLIT_TASKS_PER_THREAD)))
 
 
+def step_plan(meta: AttentionMetadata) -> _StepPlan:
+    """The step's kernel plan (every layer of the step shares it)."""
+    return _StepPlan(meta.block_table, meta.query_start_loc_cpu, meta.seq_lens_cpu)
+
+
 class _StepPlan:
     """The per-step split into kernel rows and prefill rows, with the kernel's
     index tensors: every layer of a step shares it (built once per metadata)."""
@@ -343,7 +348,6 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         plan = meta.__dict__.get("_cpu_plan")
         if plan is None:  # first layer of the step
-            plan = meta.__dict__["_cpu_plan"] = _StepPlan(meta.block_table, meta.query_start_loc_cpu,
-                                                          meta.seq_lens_cpu)
+            plan = meta.__dict__["_cpu_plan"] = step_plan(meta)
         return paged_attention_cpu(query, kv_cache, meta.block_table, meta.query_start_loc_cpu,
                                    meta.seq_lens_cpu, scale, plan)

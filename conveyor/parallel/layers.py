@@ -207,6 +207,35 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     return _onednn(x, packed, b)
 
 
+def decode_linear(module: Any, dtype: torch.dtype, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``module.forward`` for inputs of at most ``rows`` rows of ``dtype`` on
+    one TP rank, with ``linear``'s routing decided now instead of per call: a
+    quantized layer's own forward, else the plain kernel on the weight (read at
+    each call, so a reload is seen). None where such a call would take another
+    path (more rows than the plain kernel's, no kernel table, another dtype, a
+    module that is not one of these classes, e.g. a LoRA wrapper, several TP ranks)."""
+    if type(module) not in (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                            RowParallelLinear) or state.tp_size() != 1:
+        return None
+    quantized = module.__dict__.get("_quantized_forward")
+    isa = cpu_linear.kernel_isa()
+    if quantized is not None:
+        if dtype != torch.float32 or rows > cpu_linear.PLAIN_ROWS:
+            return None
+        call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = quantized
+    elif isa is not None and module.weight.dtype == dtype and rows <= cpu_linear.plain_rows(isa, dtype):
+        def call(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            return cpu_linear.plain_linear(x, module.weight, b, isa)
+    else:
+        return None
+    if isinstance(module, RowParallelLinear):  # its bias is added after the (here absent) all-reduce
+        def row(x: torch.Tensor) -> torch.Tensor:
+            y = call(x, None)
+            return y if module.bias is None else y + module.bias
+        return row
+    return lambda x: call(x, module.bias)
+
+
 def _bf16_packs(module: nn.Module, x: torch.Tensor, isa: str | None) -> bool:
     """Whether a bf16 call runs oneDNN over its packed copy (else F.linear on
     the weight): up to _BF16_PACKED_ROWS rows, where the layer may pack."""

@@ -24,10 +24,12 @@ from conveyor.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from conveyor.workers.forward_context import get_forward_context
 from conveyor.workers.layers.activation import SiluAndMul
 from conveyor.workers.layers.attention import Attention
 from conveyor.workers.layers.layernorm import RMSNorm
 from conveyor.workers.layers.rotary import get_rope_from_config
+from conveyor.workers.models.decode_stack import DecodeStack
 from conveyor.workers.models.utils import PPMissingLayer, get_pp_layer_range, make_layers
 
 logger = logging.getLogger(__name__)
@@ -126,6 +128,14 @@ class LlamaDecoderLayer(nn.Module):
         return self._mlp(h), residual
 
 
+def plain_layer(layer: nn.Module) -> bool:
+    """Whether ``layer`` is this file's decoder layer as it is: LlamaAttention's
+    q/k/v split (a family's q/k norm overrides it) and the dense LlamaMLP."""
+    a: Any = getattr(layer, "self_attn", None)
+    return (type(layer) is LlamaDecoderLayer and type(a).forward is LlamaAttention.forward
+            and type(a).split_qkv is LlamaAttention.split_qkv and type(layer._mlp) is LlamaMLP)
+
+
 def _warn_sliding_window(config: Any) -> None:
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) \
@@ -153,11 +163,29 @@ class LlamaModel(nn.Module):
         self.norm: nn.Module = (RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
                                 if self.is_last else PPMissingLayer())
 
+    def _decode_stack(self) -> DecodeStack | None:
+        """Built at the first step that has KV caches, then kept (None: this
+        model runs every step through its modules)."""
+        if "_stack" not in self.__dict__:
+            ctx = get_forward_context()
+            if ctx is None or ctx.attn_metadata is None:
+                return None  # a profiling run: no caches yet
+            layers = list(self.layers[self.start_layer:self.end_layer])
+            self.__dict__["_stack"] = (DecodeStack.build(layers) if all(map(plain_layer, layers)) else None)
+        return self.__dict__["_stack"]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 intermediate_tensors: IntermediateTensors | None = None,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
         """inputs_embeds (first stage): used instead of embedding input_ids
-        (a vision-language model has put image features in them)."""
+        (a vision-language model has put image features in them). Small
+        decode steps run through DecodeStack where it covers the model."""
+        if self.is_first and self.is_last and inputs_embeds is None:
+            stack, ctx = self._decode_stack(), get_forward_context()
+            if stack is not None and stack.covers(input_ids.shape[0], ctx):
+                h, r = stack.run(self.embed_tokens(input_ids), positions, ctx)
+                out, _ = self.norm(h, r)
+                return out
         if self.is_first:
             hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
