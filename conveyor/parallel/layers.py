@@ -207,25 +207,43 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     return _onednn(x, packed, b)
 
 
+def decode_rows(dtype: torch.dtype, decode_rows_marked: int | None) -> int:
+    """The most rows ``decode_linear`` binds for ``dtype``: those of the plain
+    kernel, then the packed kernel's (``linear``'s first two paths); 0 without
+    the kernels."""
+    isa = cpu_linear.kernel_isa()
+    if isa is None or dtype not in cpu_linear.DTYPES:
+        return 0
+    return max(cpu_linear.plain_rows(isa, dtype), cpu_linear.small_rows(isa, dtype, decode_rows_marked))
+
+
 def decode_linear(module: Any, dtype: torch.dtype, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``module.forward`` for inputs of at most ``rows`` rows of ``dtype`` on
     one TP rank, with ``linear``'s routing decided now instead of per call: a
-    quantized layer's own forward, else the plain kernel on the weight (read at
-    each call, so a reload is seen). None where such a call would take another
-    path (more rows than the plain kernel's, no kernel table, another dtype, a
-    module that is not one of these classes, e.g. a LoRA wrapper, several TP ranks)."""
+    quantized layer's own forward, else the plain kernel on the weight and,
+    past its rows, the packed kernel on the layer's packed copy (the weight
+    and the copy are looked up at each call, so a reload is seen). None where
+    such a call would take another path (more rows than ``decode_rows``, no
+    kernel table, another dtype, a module that is not one of these classes,
+    e.g. a LoRA wrapper, several TP ranks)."""
     if type(module) not in (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                             RowParallelLinear) or state.tp_size() != 1:
         return None
     quantized = module.__dict__.get("_quantized_forward")
     isa = cpu_linear.kernel_isa()
-    if quantized is not None:
-        if dtype != torch.float32 or rows > cpu_linear.PLAIN_ROWS:
+    if quantized is not None:  # its own forward routes every row count
+        if dtype != torch.float32:
             return None
         call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = quantized
-    elif isa is not None and module.weight.dtype == dtype and rows <= cpu_linear.plain_rows(isa, dtype):
+    elif isa is not None and module.weight.dtype == dtype and rows <= decode_rows(dtype, decode_rows_of(module)):
+        plain = cpu_linear.plain_rows(isa, dtype)
+
         def call(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            return cpu_linear.plain_linear(x, module.weight, b, isa)
+            w = module.weight
+            if x.shape[0] <= plain:
+                return cpu_linear.plain_linear(x, w, b, isa)
+            packed = _packed_copy(module, "_small_packed", w, cpu_linear.pack)
+            return cpu_linear.small_linear(x, packed, w.shape[0], b, isa)
     else:
         return None
     if isinstance(module, RowParallelLinear):  # its bias is added after the (here absent) all-reduce

@@ -5,8 +5,8 @@ At batch 1 the 30M Llama's step took 6.2 ms on the Xeon: 3.3 ms in its linears,
 0.45 ms in attention, most of the rest in the Python around ~60 native calls
 (module calls, ``linear``'s routing checks per call, the attention wrapper).
 ``DecodeStack`` decides once per model what each call is (``decode_linear``
-binds every projection's kernel) and runs a decode-only step of at most
-``max_rows`` rows as one flat loop of those calls: the ops the modules run, in
+binds every projection's kernel) and runs a decode-only step of as many rows
+as the small-M kernels take as one flat loop of those calls: the ops the modules run, in
 their order, so its output is the modules' bit for bit
 (tests/cpu/integration/test_decode_stack.py). A model or a step outside what it
 covers runs through the modules. ``CONVEYOR_DECODE_STACK=0`` turns it off.
@@ -22,7 +22,7 @@ import torch
 
 from conveyor.kernels import cpu_attention, cpu_linear
 from conveyor.parallel import state
-from conveyor.parallel.layers import decode_linear
+from conveyor.parallel.layers import decode_linear, decode_rows, decode_rows_of
 from conveyor.workers.layers.activation import SiluAndMul
 from conveyor.workers.layers.attention import Attention
 from conveyor.workers.layers.layernorm import RMSNorm
@@ -45,7 +45,8 @@ class _Layer:
 
 class DecodeStack:
     """A model's decoder layers bound for decode steps of at most ``max_rows``
-    rows (the plain kernel's: fp32 4, bf16 2)."""
+    rows: the small-M kernels' (fp32 64; bf16 16, 2 on AMX; only the plain
+    kernel's 4 / 2 where the engine's decode steps fit it)."""
 
     def __init__(self, layers: list[_Layer], max_rows: int, ext: Any) -> None:
         self.layers = layers
@@ -67,7 +68,7 @@ class DecodeStack:
         dtype: torch.dtype = layers[0].input_layernorm.weight.dtype
         if dtype not in cpu_linear.DTYPES:
             return None
-        rows = cpu_linear.plain_rows(isa, dtype)
+        rows = decode_rows(dtype, decode_rows_of(layers[0].self_attn.qkv_proj))
         out: list[_Layer] = []
         for layer in layers:
             a, mlp = layer.self_attn, layer._mlp
