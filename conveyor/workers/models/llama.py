@@ -168,10 +168,13 @@ class LlamaModel(nn.Module):
         model runs every step through its modules)."""
         if "_stack" not in self.__dict__:
             ctx = get_forward_context()
-            if ctx is None or ctx.attn_metadata is None:
+            layers: list[Any] = list(self.layers[self.start_layer:self.end_layer])
+            if not all(map(plain_layer, layers)):
+                self.__dict__["_stack"] = None
+            elif ctx is None or ctx.attn_metadata is None or any(l.self_attn.attn.kv_cache is None for l in layers):
                 return None  # a profiling run: no caches yet
-            layers = list(self.layers[self.start_layer:self.end_layer])
-            self.__dict__["_stack"] = (DecodeStack.build(layers) if all(map(plain_layer, layers)) else None)
+            else:
+                self.__dict__["_stack"] = DecodeStack.build(layers)
         return self.__dict__["_stack"]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
