@@ -33,14 +33,29 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class _Layer:
-    """One decoder layer's modules (read at each step: weights may be
-    reloaded in place) and its four bound projections."""
+    """One decoder layer as the loop reads it: its norm weights (Parameters,
+    which a reload copies into), its attention module (whose KV cache is read
+    each step), the shapes, and its four bound projections."""
 
-    layer: Any  # LlamaDecoderLayer (not imported: llama.py imports this module)
+    norms: tuple[torch.Tensor, float, torch.Tensor, float]  # input, post-attention: weight, eps
+    split: list[int]  # q, k, v widths of the qkv output
+    cos_sin: torch.Tensor
+    rotary_head: int
+    attn: Attention
+    heads: tuple[int, int, int]  # query heads, kv heads, head size
+    scale: float
     qkv: Linear
     o: Linear
     gate_up: Linear
     down: Linear
+
+    @staticmethod
+    def of(layer: Any, qkv: Linear, o: Linear, gate_up: Linear, down: Linear) -> _Layer:
+        a, n1, n2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+        at = a.attn
+        return _Layer((n1.weight, n1.eps, n2.weight, n2.eps), [a.q_size, a.kv_size, a.kv_size],
+                      a.rotary_emb.cos_sin_cache, a.rotary_emb.head_size, at,
+                      (at.num_heads, at.num_kv_heads, at.head_size), float(at.scale), qkv, o, gate_up, down)
 
 
 class DecodeStack:
@@ -83,7 +98,7 @@ class DecodeStack:
                 return None
             qkv, o, gate_up, down = calls
             assert qkv is not None and o is not None and gate_up is not None and down is not None
-            out.append(_Layer(layer, qkv, o, gate_up, down))
+            out.append(_Layer.of(layer, qkv, o, gate_up, down))
         return DecodeStack(out, rows, ext)
 
     def covers(self, rows: int, ctx: Any) -> bool:
@@ -105,21 +120,21 @@ class DecodeStack:
             plan = meta.__dict__["_cpu_plan"] = cpu_attention.step_plan(meta)
         rows, slots = hidden.shape[0], meta.slot_mapping
         residual: torch.Tensor | None = None
+        rms, rotary, write_kv, attend, silu = (ext.rms_norm, ext.rotary_neox, ext.write_kv,
+                                               ext.paged_attention_short, ext.silu_and_mul)
+        table, short, part_len = plan.table, plan.short, plan.part_len
         for c in self.layers:
-            layer = c.layer
-            a, attn = layer.self_attn, layer.self_attn.attn
-            norm = layer.input_layernorm
-            h, residual = ext.rms_norm(hidden, residual, norm.weight, norm.eps)
-            q, k, v = c.qkv(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-            ext.rotary_neox(positions, q, k, a.rotary_emb.cos_sin_cache, a.rotary_emb.head_size)
-            cache = attn.kv_cache
-            ext.write_kv(k.view(rows, attn.num_kv_heads, attn.head_size),
-                         v.view(rows, attn.num_kv_heads, attn.head_size), cache, slots)
-            q3 = q.view(rows, attn.num_heads, attn.head_size).contiguous()
+            w1, eps1, w2, eps2 = c.norms
+            hq, hkv, d = c.heads
+            h, residual = rms(hidden, residual, w1, eps1)
+            q, k, v = c.qkv(h).split(c.split, dim=-1)
+            rotary(positions, q, k, c.cos_sin, c.rotary_head)
+            cache = c.attn.kv_cache
+            write_kv(k.view(rows, hkv, d), v.view(rows, hkv, d), cache, slots)
+            q3 = q.view(rows, hq, d).contiguous()
             o = torch.empty(q3.shape, dtype=q3.dtype)
-            ext.paged_attention_short(q3, cache, plan.table, *plan.short, float(attn.scale), o, plan.part_len)
-            norm = layer.post_attention_layernorm
-            h, residual = ext.rms_norm(c.o(o.view(rows, -1)), residual, norm.weight, norm.eps)
-            hidden = c.down(ext.silu_and_mul(c.gate_up(h)))
+            attend(q3, cache, table, *short, c.scale, o, part_len)
+            h, residual = rms(c.o(o.view(rows, -1)), residual, w2, eps2)
+            hidden = c.down(silu(c.gate_up(h)))
         assert residual is not None  # at least one layer (build)
         return hidden, residual
