@@ -280,6 +280,11 @@ std::vector<std::string> linear_isas() {
 }  // namespace
 
 namespace conveyor_linear {
+at::Tensor plain(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                 const std::string& isa) {
+  return plain_linear(x, w, bias, isa);
+}
+
 const LinearTable* table_named(const std::string& isa) {
   static const std::vector<std::pair<std::string, const LinearTable*>> all = tables();
   if (isa == "auto") return all.front().second;

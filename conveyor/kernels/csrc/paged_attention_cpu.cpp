@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_ops.h"
 
 namespace conveyor_cpu {
 bool cpu_runs(const char* isa) {
@@ -434,6 +435,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with the fused residual add (CPU)");
   m.def("rotary_neox", &rotary_neox, "neox rotary embedding in place, fp32 or bf16 (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate_up output, fp32 or bf16 (CPU)");
+  m.def("decode_layers", &decode_layers, "decode rows through Llama-family layers on the plain linear kernel (CPU)");
   m.def("isa", &isa, "the kernel table in use: avx512, avx2 or portable");
   m.def("supported_isas", &supported_isas, "the kernel tables this CPU runs, best first");
   m.def("set_isa", &set_isa, "use this kernel table ('auto': the best supported)");

@@ -58,15 +58,46 @@ class _Layer:
                       (at.num_heads, at.num_kv_heads, at.head_size), float(at.scale), qkv, o, gate_up, down)
 
 
+@dataclass(frozen=True)
+class _Native:
+    """The loop in one native call (``csrc/decode_layers.cpp``), where every
+    projection runs the plain kernel: each layer's tensors but its KV cache
+    (read per step), and what every layer shares."""
+
+    rows: int  # the plain kernel's
+    tensors: list[list[torch.Tensor]]
+    dims: list[int]  # query heads, kv heads, head size, rotary head size
+    consts: list[float]  # input norm eps, post-attention norm eps, attention scale
+    isa: str
+
+    @staticmethod
+    def of(layers: list[Any], bound: list[_Layer], isa: str, dtype: torch.dtype) -> _Native | None:
+        projs = [(x.self_attn.qkv_proj, x.self_attn.o_proj, x._mlp.gate_up_proj, x._mlp.down_proj) for x in layers]
+        shared = {(c.norms[1], c.norms[3], c.scale, c.heads, c.rotary_head) for c in bound}
+        if any("_quantized_forward" in m.__dict__ for p in projs for m in p) or len(shared) != 1:
+            return None
+        empty = torch.empty(0, dtype=dtype)
+
+        def bias(m: Any) -> torch.Tensor:
+            return m.bias if m.bias is not None else empty
+
+        tensors = [[c.norms[0], q.weight, bias(q), o.weight, bias(o), c.norms[2], gu.weight, bias(gu),
+                    dn.weight, bias(dn), c.cos_sin] for c, (q, o, gu, dn) in zip(bound, projs)]
+        c = bound[0]
+        return _Native(cpu_linear.plain_rows(isa, dtype), tensors, [*c.heads, c.rotary_head],
+                       [c.norms[1], c.norms[3], c.scale], isa)
+
+
 class DecodeStack:
     """A model's decoder layers bound for decode steps of at most ``max_rows``
     rows: the small-M kernels' (fp32 64; bf16 16, 2 on AMX; only the plain
     kernel's 4 / 2 where the engine's decode steps fit it)."""
 
-    def __init__(self, layers: list[_Layer], max_rows: int, ext: Any) -> None:
+    def __init__(self, layers: list[_Layer], max_rows: int, ext: Any, native: _Native | None) -> None:
         self.layers = layers
         self.max_rows = max_rows
         self._ext = ext
+        self._native = native
 
     @staticmethod
     def build(layers: list[Any]) -> DecodeStack | None:
@@ -99,7 +130,7 @@ class DecodeStack:
             qkv, o, gate_up, down = calls
             assert qkv is not None and o is not None and gate_up is not None and down is not None
             out.append(_Layer.of(layer, qkv, o, gate_up, down))
-        return DecodeStack(out, rows, ext)
+        return DecodeStack(out, rows, ext, _Native.of(layers, out, isa, dtype))
 
     def covers(self, rows: int, ctx: Any) -> bool:
         """Whether this step is one it runs: decode rows only (one query token
@@ -119,6 +150,12 @@ class DecodeStack:
         if plan is None:  # shared with the module path's layers, as CpuAttentionBackend.forward does
             plan = meta.__dict__["_cpu_plan"] = cpu_attention.step_plan(meta)
         rows, slots = hidden.shape[0], meta.slot_mapping
+        nat = self._native
+        if nat is not None and rows <= nat.rows:
+            layers: list[list[Any]] = [[*t, c.attn.kv_cache] for t, c in zip(nat.tensors, self.layers)]
+            out, res = ext.decode_layers(hidden, [positions, slots, plan.table, *plan.short], layers,
+                                         [*nat.dims, plan.part_len], nat.consts, nat.isa)
+            return out, res
         residual: torch.Tensor | None = None
         rms, rotary, write_kv, attend, silu = (ext.rms_norm, ext.rotary_neox, ext.write_kv,
                                                ext.paged_attention_short, ext.silu_and_mul)
