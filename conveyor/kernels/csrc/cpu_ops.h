@@ -24,6 +24,9 @@ namespace conveyor_linear {
 // The plain small-M kernel (conveyor_linear::linear_plain) without the dispatcher.
 at::Tensor plain(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                  const std::string& isa);
+// The int8 small-M kernel (conveyor_linear::linear_i8) on pack(q), n = scale's length.
+at::Tensor int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                const c10::optional<at::Tensor>& bias, const std::string& isa);
 }  // namespace conveyor_linear
 
 std::vector<torch::Tensor> decode_layers(const torch::Tensor& hidden, const std::vector<torch::Tensor>& step,

@@ -1,29 +1,34 @@
 // DecodeStack's loop (conveyor/workers/models/decode_stack.py) in one native
-// call, for steps whose every projection runs the plain kernel: the ops its
-// Python loop makes, in the same order on the same tensors, so the results are
-// the same bits. What it saves is the Python between ~10 calls per layer.
+// call, for steps whose every projection runs the plain kernel (fp32, bf16)
+// or the int8 one: the ops its Python loop makes, in the same order on the
+// same tensors, so the results are the same bits. What it saves is the Python
+// between ~10 calls per layer.
 #include "cpu_ops.h"
 
 namespace {
 c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
-  return t.defined() && t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+  return t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
 }
 
-// A RowParallelLinear on one rank: the kernel without bias, then the bias added.
-torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                         const std::string& isa) {
-  torch::Tensor y = conveyor_linear::plain(x, w, c10::nullopt, isa);
-  return b.numel() > 0 ? y + b : y;
+// One projection from its three tensors at p: the weight and no scale (the
+// plain kernel), or pack(q) and its scales (the int8 kernel); then the bias,
+// empty for none. A RowParallelLinear (row) takes its bias after the kernel,
+// as its forward adds it after the (one-rank) all-reduce.
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor* p, bool row, const std::string& isa) {
+  const c10::optional<torch::Tensor> bias = row ? c10::nullopt : maybe(p[2]);
+  torch::Tensor y = p[1].numel() > 0 ? conveyor_linear::int8(x, p[0], p[1], bias, isa)
+                                     : conveyor_linear::plain(x, p[0], bias, isa);
+  return row && p[2].numel() > 0 ? y + p[2] : y;
 }
 }  // namespace
 
 // hidden [rows, H] (embedded); step: positions, slot_mapping, block table,
 // then the attention plan's reqs, starts, q_lens, seq_lens; layers: per layer
-// input norm weight, qkv weight, qkv bias, o weight, o bias, post norm weight,
-// gate_up weight, gate_up bias, down weight, down bias (empty: no bias), rotary
-// cos_sin table, KV cache; dims: query heads, kv heads, head size, rotary head
-// size, part_len; consts: input eps, post eps, attention scale (the same for
-// every layer). Returns (hidden, residual).
+// the input norm weight, then qkv, o, gate_up and down as three tensors each
+// (see project), the post-attention norm weight, the rotary cos_sin table and
+// the KV cache (16); dims: query heads, kv heads, head size, rotary head size,
+// part_len; consts: input eps, post eps, attention scale (every layer's).
+// Returns (hidden, residual).
 std::vector<torch::Tensor> decode_layers(const torch::Tensor& hidden_in, const std::vector<torch::Tensor>& step,
                                          const std::vector<std::vector<torch::Tensor>>& layers,
                                          const std::vector<int64_t>& dims, const std::vector<double>& consts,
@@ -36,21 +41,21 @@ std::vector<torch::Tensor> decode_layers(const torch::Tensor& hidden_in, const s
   torch::Tensor hidden = hidden_in;
   c10::optional<torch::Tensor> residual;
   for (const auto& l : layers) {
-    TORCH_CHECK(l.size() == 12, "decode_layers: 12 tensors per layer");
+    TORCH_CHECK(l.size() == 16, "decode_layers: 16 tensors per layer");
     std::vector<torch::Tensor> n = rms_norm(hidden, residual, l[0], consts[0]);
     residual = n[1];
-    const torch::Tensor qkv = conveyor_linear::plain(n[0], l[1], maybe(l[2]), isa);
+    const torch::Tensor qkv = project(n[0], &l[1], false, isa);
     const torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size),
                         v = qkv.narrow(1, q_size + kv_size, kv_size);
-    rotary_neox(positions, q, k, l[10], rot);
-    const torch::Tensor& cache = l[11];
+    rotary_neox(positions, q, k, l[14], rot);
+    const torch::Tensor& cache = l[15];
     write_kv(k.view({rows, hkv, d}), v.view({rows, hkv, d}), cache, slots);
     const torch::Tensor q3 = q.view({rows, hq, d}).contiguous();
     torch::Tensor o = torch::empty(q3.sizes(), q3.options());
     paged_attention_short(q3, cache, table, step[3], step[4], step[5], step[6], consts[2], o, part_len);
-    n = rms_norm(row_linear(o.view({rows, -1}), l[3], l[4], isa), residual, l[5], consts[1]);
+    n = rms_norm(project(o.view({rows, -1}), &l[4], true, isa), residual, l[13], consts[1]);
     residual = n[1];
-    hidden = row_linear(silu_and_mul(conveyor_linear::plain(n[0], l[6], maybe(l[7]), isa)), l[8], l[9], isa);
+    hidden = project(silu_and_mul(project(n[0], &l[7], false, isa)), &l[10], true, isa);
   }
   return {hidden, *residual};
 }

@@ -285,6 +285,11 @@ at::Tensor plain(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   return plain_linear(x, w, bias, isa);
 }
 
+at::Tensor int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                const c10::optional<at::Tensor>& bias, const std::string& isa) {
+  return small_linear_i8(x, packed, scale.numel(), scale, bias, isa);
+}
+
 const LinearTable* table_named(const std::string& isa) {
   static const std::vector<std::pair<std::string, const LinearTable*>> all = tables();
   if (isa == "auto") return all.front().second;

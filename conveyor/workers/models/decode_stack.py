@@ -26,6 +26,7 @@ from conveyor.parallel.layers import decode_linear, decode_rows, decode_rows_of
 from conveyor.workers.layers.activation import SiluAndMul
 from conveyor.workers.layers.attention import Attention
 from conveyor.workers.layers.layernorm import RMSNorm
+from conveyor.workers.layers.quant import INT8_KERNEL_ROWS
 from conveyor.workers.layers.rotary import RotaryEmbedding
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -60,11 +61,12 @@ class _Layer:
 
 @dataclass(frozen=True)
 class _Native:
-    """The loop in one native call (``csrc/decode_layers.cpp``), where every
-    projection runs the plain kernel: each layer's tensors but its KV cache
-    (read per step), and what every layer shares."""
+    """The loop in one native call (``csrc/decode_layers.cpp``) for the rows
+    where every projection runs the plain kernel (fp32, bf16) or the int8 one:
+    each layer's tensors but its KV cache (read per step), and what every layer
+    shares."""
 
-    rows: int  # the plain kernel's
+    rows: int  # the plain kernel's, or the int8 kernel's
     tensors: list[list[torch.Tensor]]
     dims: list[int]  # query heads, kv heads, head size, rotary head size
     consts: list[float]  # input norm eps, post-attention norm eps, attention scale
@@ -73,19 +75,23 @@ class _Native:
     @staticmethod
     def of(layers: list[Any], bound: list[_Layer], isa: str, dtype: torch.dtype) -> _Native | None:
         projs = [(x.self_attn.qkv_proj, x.self_attn.o_proj, x._mlp.gate_up_proj, x._mlp.down_proj) for x in layers]
+        quantized = {"_quantized_forward" in m.__dict__ for p in projs for m in p}
         shared = {(c.norms[1], c.norms[3], c.scale, c.heads, c.rotary_head) for c in bound}
-        if any("_quantized_forward" in m.__dict__ for p in projs for m in p) or len(shared) != 1:
+        if len(quantized) != 1 or len(shared) != 1:
             return None
         empty = torch.empty(0, dtype=dtype)
 
-        def bias(m: Any) -> torch.Tensor:
-            return m.bias if m.bias is not None else empty
+        def triple(m: Any) -> list[torch.Tensor]:
+            """decode_layers.cpp's three tensors of a projection."""
+            bias = m.bias if m.bias is not None else empty
+            q = m.__dict__.get("_quantized_forward")
+            return [q.keywords["packed"], q.keywords["scale"], bias] if q is not None else [m.weight, empty, bias]
 
-        tensors = [[c.norms[0], q.weight, bias(q), o.weight, bias(o), c.norms[2], gu.weight, bias(gu),
-                    dn.weight, bias(dn), c.cos_sin] for c, (q, o, gu, dn) in zip(bound, projs)]
+        tensors = [[c.norms[0], *triple(q), *triple(o), *triple(gu), *triple(dn), c.norms[2], c.cos_sin]
+                   for c, (q, o, gu, dn) in zip(bound, projs)]
+        rows = INT8_KERNEL_ROWS if True in quantized else cpu_linear.plain_rows(isa, dtype)
         c = bound[0]
-        return _Native(cpu_linear.plain_rows(isa, dtype), tensors, [*c.heads, c.rotary_head],
-                       [c.norms[1], c.norms[3], c.scale], isa)
+        return _Native(rows, tensors, [*c.heads, c.rotary_head], [c.norms[1], c.norms[3], c.scale], isa)
 
 
 class DecodeStack:
