@@ -126,6 +126,13 @@ def _packed_copy(module: nn.Module, slot: str, w: torch.Tensor,
     return cached[1]
 
 
+def packed_small_linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                         isa: str) -> torch.Tensor:
+    """The packed kernel over the layer's packed copy of w (made at its first
+    such call, remade when w is reloaded)."""
+    return cpu_linear.small_linear(x, _packed_copy(module, "_small_packed", w, cpu_linear.pack), w.shape[0], b, isa)
+
+
 def _kernel_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """The small-M kernels' table for this call (fp32/bf16 x and w alike, 2-D,
     on CPU with the extension loaded), else None."""
@@ -187,8 +194,7 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
         return cpu_linear.plain_linear(x, w, b, isa)
     small = _small_isa(module, x, w)
     if small is not None:
-        packed = _packed_copy(module, "_small_packed", w, cpu_linear.pack)
-        return cpu_linear.small_linear(x, packed, w.shape[0], b, small)
+        return packed_small_linear(module, x, w, b, small)
     if _widened_bf16(x, w):
         # bf16 storage, fp32 math: oneDNN has no bf16 kernels on this CPU, and
         # F.linear's bf16 path ran 4-5x slower than fp32 at 8-16 rows (AVX2).
@@ -205,53 +211,6 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
     packed = _packed_copy(module, "_packed_weight", w,
                           lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
     return _onednn(x, packed, b)
-
-
-def decode_rows(dtype: torch.dtype, decode_rows_marked: int | None) -> int:
-    """The most rows ``decode_linear`` binds for ``dtype``: those of the plain
-    kernel, then the packed kernel's (``linear``'s first two paths); 0 without
-    the kernels."""
-    isa = cpu_linear.kernel_isa()
-    if isa is None or dtype not in cpu_linear.DTYPES:
-        return 0
-    return max(cpu_linear.plain_rows(isa, dtype), cpu_linear.small_rows(isa, dtype, decode_rows_marked))
-
-
-def decode_linear(module: Any, dtype: torch.dtype, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``module.forward`` for inputs of at most ``rows`` rows of ``dtype`` on
-    one TP rank, with ``linear``'s routing decided now instead of per call: a
-    quantized layer's own forward, else the plain kernel on the weight and,
-    past its rows, the packed kernel on the layer's packed copy (the weight
-    and the copy are looked up at each call, so a reload is seen). None where
-    such a call would take another path (more rows than ``decode_rows``, no
-    kernel table, another dtype, a module that is not one of these classes,
-    e.g. a LoRA wrapper, several TP ranks)."""
-    if type(module) not in (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                            RowParallelLinear) or state.tp_size() != 1:
-        return None
-    quantized = module.__dict__.get("_quantized_forward")
-    isa = cpu_linear.kernel_isa()
-    if quantized is not None:  # its own forward routes every row count
-        if dtype != torch.float32:
-            return None
-        call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = quantized
-    elif isa is not None and module.weight.dtype == dtype and rows <= decode_rows(dtype, decode_rows_of(module)):
-        plain = cpu_linear.plain_rows(isa, dtype)
-
-        def call(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            w = module.weight
-            if x.shape[0] <= plain:
-                return cpu_linear.plain_linear(x, w, b, isa)
-            packed = _packed_copy(module, "_small_packed", w, cpu_linear.pack)
-            return cpu_linear.small_linear(x, packed, w.shape[0], b, isa)
-    else:
-        return None
-    if isinstance(module, RowParallelLinear):  # its bias is added after the (here absent) all-reduce
-        def row(x: torch.Tensor) -> torch.Tensor:
-            y = call(x, None)
-            return y if module.bias is None else y + module.bias
-        return row
-    return lambda x: call(x, module.bias)
 
 
 def _bf16_packs(module: nn.Module, x: torch.Tensor, isa: str | None) -> bool:

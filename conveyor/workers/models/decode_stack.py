@@ -25,7 +25,8 @@ import torch
 
 from conveyor.kernels import cpu_attention, cpu_linear
 from conveyor.parallel import state
-from conveyor.parallel.layers import decode_linear, decode_rows, decode_rows_of
+from conveyor.parallel.decode_linear import decode_linear, decode_rows
+from conveyor.parallel.layers import decode_rows_of
 from conveyor.workers.layers.activation import SiluAndMul
 from conveyor.workers.layers.attention import Attention
 from conveyor.workers.layers.layernorm import RMSNorm
@@ -113,9 +114,9 @@ class DecodeStack:
         """The stack for these decoder layers, or None where one of them (or
         the setup) is not what it runs: one TP rank, the cpu backend's kernels,
         fp32/bf16, the neox rotary, SiLU, RMSNorm, no LoRA wrapper, a KV cache
-        of the model's dtype. The caller vouches that each layer is the plain
-        Llama layer (llama.py, ``plain_layer``: its q/k/v with no q/k norm, a
-        dense MLP)."""
+        of the model's dtype. The caller builds it once every layer has its KV
+        cache, and vouches that each layer is the plain Llama layer (llama.py,
+        ``plain_layer``: its q/k/v with no q/k norm, a dense MLP)."""
         ext, isa = cpu_attention.loaded(), cpu_linear.kernel_isa()
         if os.environ.get("CONVEYOR_DECODE_STACK", "1") == "0" or ext is None or isa is None \
                 or state.tp_size() != 1 or not layers:
@@ -127,11 +128,12 @@ class DecodeStack:
         out: list[_Layer] = []
         for layer in layers:
             a, mlp = layer.self_attn, layer._mlp
+            cache: Any = a.attn.kv_cache  # set: the caller builds once every layer has one
             if not (type(mlp.act_fn) is SiluAndMul
                     and type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
                     and type(a.rotary_emb) is RotaryEmbedding and a.rotary_emb.cos_sin_cache.dtype == torch.float32
-                    and type(a.attn) is Attention and a.attn.kv_cache is not None
-                    and a.attn.kv_cache.dtype == dtype and a.attn.kv_cache.is_contiguous()):
+                    and type(a.attn) is Attention
+                    and cache.dtype == dtype and cache.is_contiguous()):
                 return None
             calls = [decode_linear(m, dtype, rows) for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(c is None for c in calls):
