@@ -245,15 +245,23 @@ class _StepPlan:
                  seq_lens_cpu: np.ndarray, part_len: int | None = None) -> None:
         qsl = np.asarray(query_start_loc_cpu, dtype=np.int64)
         lens = np.asarray(seq_lens_cpu, dtype=np.int64)
-        q_lens = qsl[1:] - qsl[:-1]
-        short = np.nonzero((q_lens >= 1) & (q_lens <= _SHORT_QUERY))[0]
-        self.num_short = int(short.size)
         self.table = (block_table if block_table.dtype == torch.int32 else block_table.int()).contiguous()
-        self.short = tuple(_as_long(x) for x in (short, qsl[short], q_lens[short], lens[short]))
-        self.part_len = (split_part_len(lens[short], torch.get_num_threads()) if part_len is None
+        self.long: list[tuple[int, int, int, int]] = []
+        self.short: tuple[torch.Tensor, ...]
+        q_lens = qsl[1:] - qsl[:-1]
+        if bool((q_lens == 1).all()):  # a decode step: every row short, no index to gather
+            rows = torch.arange(len(lens))
+            self.short = (rows, rows, torch.ones(len(lens), dtype=torch.int64), torch.from_numpy(lens))
+            short_lens = lens
+        else:
+            short = np.nonzero((q_lens >= 1) & (q_lens <= _SHORT_QUERY))[0]
+            self.short = tuple(_as_long(x) for x in (short, qsl[short], q_lens[short], lens[short]))
+            short_lens = lens[short]
+            self.long = [(int(r), int(qsl[r]), int(q_lens[r]), int(lens[r]))
+                         for r in np.nonzero(q_lens > _SHORT_QUERY)[0]]
+        self.num_short = len(short_lens)
+        self.part_len = (split_part_len(short_lens, torch.get_num_threads()) if part_len is None
                          else part_len)
-        self.long = [(int(r), int(qsl[r]), int(q_lens[r]), int(lens[r]))
-                     for r in np.nonzero(q_lens > _SHORT_QUERY)[0]]
 
 
 def paged_attention_cpu(

@@ -46,7 +46,7 @@ from conveyor.workers.lora.mapping import set_lora_mapping
 from conveyor.workers.mm_encoder import EncoderRunner
 from conveyor.workers.prompt_logprobs import compute_prompt_logprobs
 from conveyor.workers.rejection_sampler import SpecLayout, sample_with_drafts
-from conveyor.workers.sampler import Sampler, SamplingMetadata
+from conveyor.workers.sampler import Sampler, SamplingMetadata, plain_greedy, row_argmax
 
 if TYPE_CHECKING:
     from conveyor.workers.models.llama import LlamaForCausalLM
@@ -335,8 +335,11 @@ class ModelRunner:
         if so.scheduled_spec_decode_tokens:
             spec = SpecLayout.build([so.scheduled_spec_decode_tokens.get(r, []) for r in req_ids])
             logits_indices = spec.logits_indices(p.logits_indices)
-        logits_idx = torch.from_numpy(logits_indices.astype(np.int64)).to(self.device)
-        logits = self.model.compute_logits(out[logits_idx])
+        if len(logits_indices) == out.shape[0]:  # increasing indices into every row: each row once
+            logits = self.model.compute_logits(out)
+        else:
+            logits_idx = torch.from_numpy(logits_indices.astype(np.int64)).to(self.device)
+            logits = self.model.compute_logits(out[logits_idx])
         batch = self.input_batch
         rows = np.arange(len(req_ids))
         samples = batch.num_computed_tokens[rows] + num_sched >= batch.num_tokens[rows]
@@ -389,9 +392,12 @@ class ModelRunner:
             return self._sample_spec(pending, states, grammar_output)
         if grammar_output is not None:
             apply_grammar_bitmask(pending.logits, pending.req_ids, grammar_output)
-        meta = SamplingMetadata.build(states, self.vocab_size, self.device)
-        out = self.sampler(pending.logits, meta)
-        tokens = out.sampled_token_ids.tolist()
+        logprobs = None
+        if plain_greedy(states):
+            tokens = row_argmax(pending.logits).tolist()
+        else:
+            out = self.sampler(pending.logits, SamplingMetadata.build(states, self.vocab_size, self.device))
+            tokens, logprobs = out.sampled_token_ids.tolist(), out.to_lists()
         sampled: list[list[int]] = []
         batch = self.input_batch
         for row, (st, tok, keep) in enumerate(zip(states, tokens, pending.samples)):
@@ -402,7 +408,7 @@ class ModelRunner:
             else:
                 sampled.append([])
         return ModelRunnerOutput(pending.req_ids, {r: i for i, r in enumerate(pending.req_ids)},
-                                 sampled, out.to_lists(), prompt_logprobs=pending.prompt_logprobs)
+                                 sampled, logprobs, prompt_logprobs=pending.prompt_logprobs)
 
     def _sample_spec(self, pending: _PendingSample, states: list[CachedRequestState],
                      grammar_output: GrammarOutput | None) -> ModelRunnerOutput:

@@ -121,6 +121,20 @@ class SamplingMetadata:
         )
 
 
+def plain_greedy(rows: Sequence[SamplingRow]) -> bool:
+    """Whether every row's token is the argmax of its raw logits: greedy, no
+    logprobs, no penalty, bias, allowed list or pending min_tokens. Such a
+    step needs no SamplingMetadata (the Sampler would return the same ids);
+    at batch 1 building it was a third of the step's sampling time."""
+    for r in rows:
+        p = r.sampling_params
+        if (p.temperature >= _GREEDY_EPS or p.logprobs is not None or p.repetition_penalty != 1.0
+                or p.frequency_penalty or p.presence_penalty or p.allowed_token_ids is not None
+                or p.logit_bias or len(r.output_token_ids) < p.min_tokens):
+            return False
+    return True
+
+
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's first maximal index, as ``argmax(dim=-1)`` (NaN counts as
     the maximum in both). ``max(dim).indices`` computes the same index 2.5x

@@ -29,7 +29,8 @@ at::Tensor int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
                 const c10::optional<at::Tensor>& bias, const std::string& isa);
 }  // namespace conveyor_linear
 
-std::vector<torch::Tensor> decode_layers(const torch::Tensor& hidden, const std::vector<torch::Tensor>& step,
-                                         const std::vector<std::vector<torch::Tensor>>& layers,
-                                         const std::vector<int64_t>& dims, const std::vector<double>& consts,
-                                         const std::string& isa);
+torch::Tensor decode_layers(const torch::Tensor& input_ids, const torch::Tensor& embed,
+                            const std::vector<torch::Tensor>& step,
+                            const std::vector<std::vector<torch::Tensor>>& layers, const torch::Tensor& final_norm,
+                            const std::vector<int64_t>& dims, const std::vector<double>& consts,
+                            const std::string& isa);

@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from conveyor.kernels import cpu_attention, cpu_linear
 from conveyor.parallel import state
 from conveyor.parallel.decode_linear import decode_linear, decode_rows
-from conveyor.parallel.layers import decode_rows_of
+from conveyor.parallel.layers import VocabParallelEmbedding, decode_rows_of
 from conveyor.workers.layers.activation import SiluAndMul
 from conveyor.workers.layers.attention import Attention
 from conveyor.workers.layers.layernorm import RMSNorm
@@ -61,6 +62,16 @@ class _Layer:
         return _Layer((n1.weight, n1.eps, n2.weight, n2.eps), [a.q_size, a.kv_size, a.kv_size],
                       a.rotary_emb.cos_sin_cache, a.rotary_emb.head_size, at,
                       (at.num_heads, at.num_kv_heads, at.head_size), float(at.scale), qkv, o, gate_up, down)
+
+
+@dataclass(frozen=True)
+class _Ends:
+    """What a step runs around the layers: the embedding table and the final
+    norm (Parameters, which a reload copies into)."""
+
+    embed: torch.Tensor
+    norm: torch.Tensor
+    eps: float
 
 
 @dataclass(frozen=True)
@@ -103,26 +114,31 @@ class DecodeStack:
     rows: the small-M kernels' (fp32 64; bf16 16, 2 on AMX; only the plain
     kernel's 4 / 2 where the engine's decode steps fit it)."""
 
-    def __init__(self, layers: list[_Layer], max_rows: int, ext: Any, native: _Native | None) -> None:
+    def __init__(self, layers: list[_Layer], ends: _Ends, max_rows: int, ext: Any,
+                 native: _Native | None) -> None:
         self.layers = layers
+        self.ends = ends
         self.max_rows = max_rows
         self._ext = ext
         self._native = native
 
     @staticmethod
-    def build(layers: list[Any]) -> DecodeStack | None:
+    def build(layers: list[Any], embed: Any, norm: Any) -> DecodeStack | None:
         """The stack for these decoder layers, or None where one of them (or
         the setup) is not what it runs: one TP rank, the cpu backend's kernels,
         fp32/bf16, the neox rotary, SiLU, RMSNorm, no LoRA wrapper, a KV cache
         of the model's dtype. The caller builds it once every layer has its KV
         cache, and vouches that each layer is the plain Llama layer (llama.py,
-        ``plain_layer``: its q/k/v with no q/k norm, a dense MLP)."""
+        ``plain_layer``: its q/k/v with no q/k norm, a dense MLP). ``embed`` and
+        ``norm`` are the model's embedding and final norm, which each step runs
+        around the layers."""
         ext, isa = cpu_attention.loaded(), cpu_linear.kernel_isa()
         if os.environ.get("CONVEYOR_DECODE_STACK", "1") == "0" or ext is None or isa is None \
                 or state.tp_size() != 1 or not layers:
             return None
         dtype: torch.dtype = layers[0].input_layernorm.weight.dtype
-        if dtype not in cpu_linear.DTYPES:
+        if dtype not in cpu_linear.DTYPES or type(embed) is not VocabParallelEmbedding \
+                or type(norm) is not RMSNorm or embed.weight.dtype != dtype or norm.weight.dtype != dtype:
             return None
         rows = decode_rows(dtype, decode_rows_of(layers[0].self_attn.qkv_proj))
         out: list[_Layer] = []
@@ -141,7 +157,8 @@ class DecodeStack:
             qkv, o, gate_up, down = calls
             assert qkv is not None and o is not None and gate_up is not None and down is not None
             out.append(_Layer.of(layer, qkv, o, gate_up, down))
-        return DecodeStack(out, rows, ext, _Native.of(layers, out, isa, dtype))
+        ends = _Ends(embed.weight, norm.weight, norm.eps)
+        return DecodeStack(out, ends, rows, ext, _Native.of(layers, out, isa, dtype))
 
     def covers(self, rows: int, ctx: Any) -> bool:
         """Whether this step is one it runs: decode rows only (one query token
@@ -153,21 +170,22 @@ class DecodeStack:
         meta = ctx.attn_metadata
         return rows <= self.max_rows and meta.max_query_len == 1 and meta.num_actual_tokens == rows
 
-    def run(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers over embedded rows: (hidden, residual), as the modules
-        return them (the model's final norm follows)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Embedding, the layers and the final norm over the rows' tokens: the
+        model's final hidden states, as its modules return them."""
         ext, meta = self._ext, ctx.attn_metadata
         plan = meta.__dict__.get("_cpu_plan")
         if plan is None:  # shared with the module path's layers, as CpuAttentionBackend.forward does
             plan = meta.__dict__["_cpu_plan"] = cpu_attention.step_plan(meta)
-        rows, slots = hidden.shape[0], meta.slot_mapping
+        rows, slots = input_ids.shape[0], meta.slot_mapping
         nat = self._native
         if nat is not None and rows <= nat.rows:
             layers: list[list[Any]] = [[*t, c.attn.kv_cache] for t, c in zip(nat.tensors, self.layers)]
-            out, res = ext.decode_layers(hidden, [positions, slots, plan.table, *plan.short], layers,
-                                         [*nat.dims, plan.part_len], nat.consts, nat.isa)
-            return out, res
-        residual: torch.Tensor | None = None
+            out: torch.Tensor = ext.decode_layers(
+                input_ids, self.ends.embed, [positions, slots, plan.table, *plan.short], layers,
+                self.ends.norm, [*nat.dims, plan.part_len], [*nat.consts, self.ends.eps], nat.isa)
+            return out
+        hidden, residual = F.embedding(input_ids, self.ends.embed), None
         rms, rotary, write_kv, attend, silu = (ext.rms_norm, ext.rotary_neox, ext.write_kv,
                                                ext.paged_attention_short, ext.silu_and_mul)
         table, short, part_len = plan.table, plan.short, plan.part_len
@@ -184,5 +202,5 @@ class DecodeStack:
             attend(q3, cache, table, *short, c.scale, o, part_len)
             h, residual = rms(c.o(o.view(rows, -1)), residual, w2, eps2)
             hidden = c.down(silu(c.gate_up(h)))
-        assert residual is not None  # at least one layer (build)
-        return hidden, residual
+        out, _ = rms(hidden, residual, self.ends.norm, self.ends.eps)
+        return out

@@ -174,7 +174,7 @@ class LlamaModel(nn.Module):
             elif ctx is None or ctx.attn_metadata is None or any(l.self_attn.attn.kv_cache is None for l in layers):
                 return None  # a profiling run: no caches yet
             else:
-                self.__dict__["_stack"] = DecodeStack.build(layers)
+                self.__dict__["_stack"] = DecodeStack.build(layers, self.embed_tokens, self.norm)
         return self.__dict__["_stack"]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -186,9 +186,7 @@ class LlamaModel(nn.Module):
         if self.is_first and self.is_last and inputs_embeds is None:
             stack, ctx = self._decode_stack(), get_forward_context()
             if stack is not None and stack.covers(input_ids.shape[0], ctx):
-                h, r = stack.run(self.embed_tokens(input_ids), positions, ctx)
-                out, _ = self.norm(h, r)
-                return out
+                return stack.run(input_ids, positions, ctx)
         if self.is_first:
             hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             residual = None

@@ -29,13 +29,19 @@ def test_seed_example_step1_and_decode():
     b.append_token(0, 100)
     b.append_token(1, 200)
     b.num_computed_tokens[:2] = [4, 2]
-    p = prepare_inputs(b, np.array([1, 1], dtype=np.int32), 16)
+    prefill_dtypes = [a.dtype for a in vars(p).values()]
+    p = prepare_inputs(b, np.array([1, 1], dtype=np.int32), 16)  # the decode path
     assert p.req_indices.tolist() == [0, 1]
     assert p.query_pos.tolist() == [0, 0]
     assert p.positions.tolist() == [4, 2]
     assert p.input_ids.tolist() == [100, 200]
+    assert p.query_start_loc.tolist() == [0, 1, 2]
+    assert p.seq_lens.tolist() == [5, 3]
     assert p.logits_indices.tolist() == [0, 1]
     assert p.slot_mapping.tolist() == [20, 34]
+    assert [a.dtype for a in vars(p).values()] == prefill_dtypes
+    b.num_computed_tokens[0] = 0  # positions is a copy: the batch's counters are not aliased
+    assert p.positions.tolist() == [4, 2] and p.seq_lens.tolist() == [5, 3]
 
 
 def test_three_requests_query_pos():

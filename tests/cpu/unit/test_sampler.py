@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conveyor.engine.sampling_params import SamplingParams
-from conveyor.workers.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_penalties
+from conveyor.workers.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_penalties, plain_greedy, row_argmax
 
 CPU = torch.device("cpu")
 
@@ -405,3 +405,33 @@ def test_allowed_token_ids_restrict_support() -> None:
 def test_bias_allowed_prompt_logprobs_validation(kw: dict, msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw,plain", [
+    ({"temperature": 0.0}, True),
+    ({"temperature": 0.0, "min_tokens": 2, "output": [5, 6]}, True),  # min_tokens reached
+    ({"temperature": 0.0, "min_tokens": 3, "output": [5, 6], "eos": 1}, False),
+    ({"temperature": 0.5}, False),
+    ({"temperature": 0.0, "logprobs": 0}, False),
+    ({"temperature": 0.0, "repetition_penalty": 2.0, "output": [1]}, False),
+    ({"temperature": 0.0, "frequency_penalty": 2.0, "output": [1, 1, 1]}, False),
+    ({"temperature": 0.0, "presence_penalty": 2.0, "output": [1]}, False),
+    ({"temperature": 0.0, "allowed_token_ids": [3]}, False),
+    ({"temperature": 0.0, "logit_bias": {3: 100.0}}, False),
+])
+def test_plain_greedy_rows_sample_the_raw_argmax(kw: dict[str, object], plain: bool) -> None:
+    """plain_greedy (the model runner samples such a step by argmax alone) holds
+    exactly when the Sampler's tokens are the argmax of the raw logits for
+    every logits tensor; a row it rejects changes the tokens for some tensor."""
+    r = row(**kw)
+    assert plain_greedy([row(temperature=0.0), r]) is plain
+    torch.manual_seed(0)
+    logits = torch.randn(64, 8)
+    logits[:, 3] -= 50.0  # token 3 is never the raw argmax: a bias or allowed list makes it one
+    logits[:, 1] += 5.0  # token 1 (the EOS above, the output above) mostly is: min_tokens or a penalty removes it
+    argmax = row_argmax(logits)
+    sampled = sample(logits, [r] * 64).sampled_token_ids
+    if plain:
+        assert torch.equal(sampled, argmax)
+    elif kw.get("temperature") == 0.0 and "logprobs" not in kw:
+        assert not torch.equal(sampled, argmax)
