@@ -56,8 +56,11 @@ struct V {
 
 constexpr conveyor_linear::LinearFn kF32 = &linear_blocks<F32>;
 constexpr conveyor_linear::LinearFn kBf16Wide = &linear_blocks<Bf16Wide>;
+#include "i8_gemm_avx512.inc"
+
 constexpr conveyor_linear::LinearFn kI8 = &linear_blocks<I8>;
-const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr, kI8, &plain_columns<F32Dot>, nullptr};
+const conveyor_linear::LinearTable kTable{"avx512", kF32, kBf16Wide, nullptr, kI8, &plain_columns<F32Dot>, nullptr,
+                                          &i8gemm::gemm};
 }  // namespace
 
 #pragma GCC pop_options
@@ -135,7 +138,8 @@ struct Bf16Plain {
 }  // namespace dot
 
 const conveyor_linear::LinearTable kTableBf16{"avx512bf16", kF32, kBf16Wide, &linear_blocks<dot::Bf16Dot>, kI8,
-                                             &plain_columns<F32Dot>, &plain_columns<dot::Bf16Plain>};
+                                             &plain_columns<F32Dot>, &plain_columns<dot::Bf16Plain>,
+                                             &i8gemm::gemm};
 }  // namespace
 
 #pragma GCC pop_options

@@ -232,11 +232,33 @@ at::Tensor dequant_i8(const at::Tensor& packed, int64_t n, const at::Tensor& sca
 // at least 256 columns (narrower GEMMs ran slower: at K = 8192, 32 columns
 // ran 0.81x the whole-weight path). 1B shapes at 128 rows ran 1.3-2.3x
 // dequant_i8 + GEMM, at 512 rows 1.0-1.33x, at 2048 level (0.90-1.06x).
+// Where the isa's table has an int8 GEMM (AVX-512, linear_kernels.h) that runs
+// instead: the same weight values, widened per panel in cache, one FMA per k.
 constexpr int64_t kI8TileBytes = 4 << 20;
 constexpr int64_t kI8TileMinBlocks = 16;
 
+// linear_i8_tiled on the table's int8 GEMM: y [M, nb * 16], the caller narrows.
+at::Tensor i8_gemm(conveyor_linear::I8GemmFn fn, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc) {
+  using conveyor_linear::kI8ChunkK;
+  using conveyor_linear::kI8Group;
+  const int64_t nb = packed.size(0), panels = (nb + 1) / 2;
+  at::Tensor y = at::empty({x.size(0), nb * conveyor_linear::kBlockN}, x.options());
+  // 64-byte aligned scratch per thread (+16 floats of slack to align it).
+  const int64_t per = kI8Group * kI8ChunkK * 32 + 16;
+  at::Tensor scratch = at::empty({at::get_num_threads() * per}, x.options());
+  conveyor_linear::I8GemmArgs args{x.data_ptr<float>(), packed.data_ptr<int8_t>(), sc.data_ptr<float>(),
+                                   y.data_ptr<float>(), nullptr, x.size(0), x.size(1), nb, x.stride(0), y.size(1)};
+  at::parallel_for(0, panels, 1, [&](int64_t lo, int64_t hi) {
+    conveyor_linear::I8GemmArgs mine = args;
+    float* base = scratch.data_ptr<float>() + at::get_thread_num() * per;
+    mine.scratch = base + ((64 - reinterpret_cast<uintptr_t>(base) % 64) % 64) / sizeof(float);
+    fn(mine, lo, hi);
+  });
+  return y;
+}
+
 at::Tensor linear_i8_tiled(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor& scale,
-                           const c10::optional<at::Tensor>& bias) {
+                           const c10::optional<at::Tensor>& bias, const std::string& isa) {
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.dim() == 3 &&
                   packed.size(2) == conveyor_linear::kBlockN,
               "linear_i8_tiled: packed weight must come from cpu_linear.pack of an int8 weight");
@@ -246,6 +268,12 @@ at::Tensor linear_i8_tiled(const at::Tensor& x, const at::Tensor& packed, int64_
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == k, "linear_i8_tiled: x fp32 [M, K]");
   at::Tensor sc = at::zeros({nb * B}, x.options());  // padding columns scale to 0 (never stored)
   sc.narrow(0, 0, n).copy_(scale);
+  if (const conveyor_linear::I8GemmFn fn = pick(isa)->i8_gemm) {
+    at::Tensor y = i8_gemm(fn, x.stride(1) == 1 ? x : x.contiguous(), packed, sc);
+    if (y.size(1) != n) y = y.narrow(1, 0, n).contiguous();
+    if (bias.has_value()) y.add_(bias.value());
+    return y;
+  }
   const int64_t tile = std::max<int64_t>(kI8TileMinBlocks, kI8TileBytes / (k * B * 4));  // blocks per tile
   at::Tensor buf = at::empty({k, tile * B}, x.options());
   at::Tensor y = at::empty({x.size(0), n}, x.options());
@@ -304,7 +332,7 @@ TORCH_LIBRARY(conveyor_linear, m) {
   m.def("linear_i8(Tensor x, Tensor packed, int n, Tensor scale, Tensor? bias, str isa) -> Tensor");
   m.def("linear_plain(Tensor x, Tensor w, Tensor? bias, str isa) -> Tensor");
   m.def("dequant_i8(Tensor packed, int n, Tensor scale) -> Tensor");
-  m.def("linear_i8_tiled(Tensor x, Tensor packed, int n, Tensor scale, Tensor? bias) -> Tensor");
+  m.def("linear_i8_tiled(Tensor x, Tensor packed, int n, Tensor scale, Tensor? bias, str isa) -> Tensor");
   m.def("supported_isas() -> str[]", &linear_isas);
 }
 

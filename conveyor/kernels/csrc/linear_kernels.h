@@ -75,6 +75,31 @@ struct PlainArgs {
 // Columns [lo, hi) of y.
 using PlainFn = void (*)(const PlainArgs&, int64_t lo, int64_t hi);
 
+// Prefill-sized int8 GEMM (linear_cpu.cpp's linear_i8_tiled, where the table
+// has one): y[m, n] = sum_k x[m, k] (float(q[n, k]) * scale[n]). The kernel
+// widens kI8Group panels of 32 columns (two packed blocks) of one chunk of
+// kI8ChunkK k into the thread's scratch, float(q) * scale as dequant_i8
+// computes it, and runs every tile of kI8Rows rows of a pass of kI8PassTiles
+// tiles against them, 14 rows x 32 columns of sums in registers. A pass's x
+// rows and y stay in L2 across its k chunks; each converted panel is read from
+// cache by every row tile, so the widening costs one pass over the int8 weight
+// per pass of rows, where the tiled dequantize + GEMM wrote and re-read a
+// 4 MiB fp32 tile (1B shapes at 512 rows, Xeon, 2 threads: 1.0-1.2x).
+constexpr int64_t kI8Rows = 14;
+constexpr int64_t kI8ChunkK = 384;
+constexpr int64_t kI8Group = 16;
+constexpr int64_t kI8PassTiles = 18;
+struct I8GemmArgs {
+  const float* x;       // [m][ldx]
+  const int8_t* q;      // the int8 weight as packed ([nb][k][16])
+  const float* scale;   // [nb * 16], zero past n
+  float* y;             // [m][ldy]: columns [32 lo, 32 hi) are written (the last panel may be one block)
+  float* scratch;       // this thread's kI8Group * kI8ChunkK * 32 floats, 64-byte aligned
+  int64_t m, k, nb, ldx, ldy;
+};
+// Panels [lo, hi) of 32 columns (the last one 16 where nb is odd).
+using I8GemmFn = void (*)(const I8GemmArgs&, int64_t lo, int64_t hi);
+
 struct LinearTable {
   const char* name;
   LinearFn f32;        // fp32 weights, fp32 x^T
@@ -83,6 +108,7 @@ struct LinearTable {
   LinearFn i8;         // int8 weights ([k][16] bytes per block) widened in registers, fp32 x^T, scale
   PlainFn f32_plain;   // fp32 weights as they are ([n][k]), fp32 x row-major
   PlainFn bf16_plain;  // bf16 weights as they are and bf16 x, vdpbf16ps; nullptr: none
+  I8GemmFn i8_gemm = nullptr;  // prefill-sized int8 (above); nullptr: dequantized tiles and torch's GEMM
 };
 
 const LinearTable* linear_portable();

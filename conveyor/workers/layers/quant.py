@@ -6,9 +6,11 @@ copy is dropped: a quarter of the bytes to read per decode step. Activations
 stay fp32 and so does the math: decode-sized inputs (``<= INT8_KERNEL_ROWS``
 rows) go to the small-M kernel's int8 table (``conveyor/kernels/cpu_linear.py``: the
 weight packed in 16-column blocks, converted in registers); larger ones
-(prefill chunks, compute-bound) dequantize the weight to fp32 for that call
-and run the fp32 GEMM: up to ``INT8_TILED_ROWS`` rows a cache-sized tile of
-columns at a time, above that the whole weight at once. Embeddings
+(prefill chunks, compute-bound) take the same fp32 weight values another
+way: up to ``INT8_TILED_ROWS`` rows, on AVX-512 an int8 GEMM that widens each
+panel of the weight in cache (``linear_kernels.h``), elsewhere the weight
+dequantized a cache-sized tile of columns at a time for the fp32 GEMM; above
+that the whole weight is dequantized once for the fp32 GEMM. Embeddings
 stay fp32. The lm_head (often the embedding's storage) gets an int8 copy for
 decode rows, where it is a third of a small model's bytes per step, and keeps
 its fp32 weight for larger batches (dequantizing the vocabulary per call would
@@ -27,10 +29,11 @@ from conveyor.kernels import cpu_attention, cpu_linear
 # Up to this many input rows the int8 kernel (weight bytes bound) beats a
 # dequantize + fp32 GEMM (bench/cpu_peak.py --int8).
 INT8_KERNEL_ROWS = 16
-# Up to this many rows the weight is dequantized a tile at a time, each tile's
-# GEMM reading it from cache (cpu_linear.linear_i8_tiled: 1B shapes 1.3-2.3x at
-# 128 rows, 1.0-1.33x at 512); above, the GEMM's rows amortize a whole fp32
-# weight written once per call (level at 2048 rows, Xeon, 2 threads).
+# Up to this many rows cpu_linear.linear_i8_tiled, which never writes the whole
+# fp32 weight (1B shapes against dequantize + GEMM, Xeon, 2 threads: tiles
+# 1.3-2.3x at 128 rows, 1.0-1.33x at 512; the AVX-512 int8 GEMM 1.3x the tiles
+# at 64 rows, 1.0-1.2x at 512); above, the GEMM's rows amortize a whole fp32
+# weight written once per call (at 2048 rows it ran 1.0-1.15x both).
 INT8_TILED_ROWS = 1024
 
 
@@ -53,7 +56,7 @@ def int8_linear(x: torch.Tensor, bias: torch.Tensor | None, *, packed: torch.Ten
     elif x.dim() == 2 and x.shape[0] <= INT8_KERNEL_ROWS and x.dtype == torch.float32:
         return cpu_linear.small_linear_i8(x, packed, n, scale, bias, cpu_linear.kernel_isa() or "portable")
     elif x.dim() == 2 and x.shape[0] <= INT8_TILED_ROWS and x.dtype == torch.float32:
-        return cpu_linear.linear_i8_tiled(x, packed, n, scale, bias)
+        return cpu_linear.linear_i8_tiled(x, packed, n, scale, bias, cpu_linear.kernel_isa() or "portable")
     else:
         w = cpu_linear.dequant_i8(packed, n, scale)  # the same values in one pass
     return F.linear(x, w.to(x.dtype), bias)

@@ -108,28 +108,33 @@ def test_small_linear_int8_matches_float64_on_the_dequantized_weight(isa: str) -
         bound = _bound(x, q.float()) * scale.double() + exact.abs() * 2 * _U
         assert bool(((y.double() - exact).abs() <= bound + 1e-30).all()), f"{isa} {m}x{k}x{n}"
 
-def test_int8_prefill_tiles_match_float64_on_the_dequantized_weight() -> None:
-    """Prefill rows of an int8 linear (linear_i8_tiled, the weight dequantized
-    a tile of columns at a time): within the fp32 GEMM bound of the exact
-    product over dequant_i8's weight, bias added; N off the 16-column blocks,
-    K = 4096 makes 256-column tiles (600 columns: two full tiles and a short
-    one ending inside a block), strided rows in x; quant.int8_linear sends
-    17-1024 rows there and its result is that op's."""
-    _ext_or_skip()
-    from conveyor.kernels.cpu_linear import dequant_i8, linear_i8_tiled, pack
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "portable"])
+def test_int8_prefill_tiles_match_float64_on_the_dequantized_weight(isa: str) -> None:
+    """Prefill rows of an int8 linear (linear_i8_tiled: on AVX-512 the int8
+    GEMM, which widens each panel of the weight in cache; else the weight
+    dequantized a tile of columns at a time for torch's GEMM): within the fp32
+    GEMM bound of the exact product over dequant_i8's weight, bias added; N off
+    the 16-column blocks and an odd number of blocks (the GEMM's last panel one
+    block), K = 4096 makes 256-column tiles (600 columns: two full tiles and a
+    short one ending inside a block) and 11 k chunks of the GEMM, 300 rows two
+    passes of its row tiles and a short last tile, strided rows in x;
+    quant.int8_linear sends 17-1024 rows there and its result is that op's."""
+    _isa_or_skip(isa)
+    from conveyor.kernels.cpu_linear import dequant_i8, kernel_isa, linear_i8_tiled, pack
     from conveyor.workers.layers.quant import INT8_KERNEL_ROWS, INT8_TILED_ROWS, int8_linear, quantize_int8
-    for seed, (m, k, n) in enumerate([(40, 4096, 600), (17, 64, 17), (5, 300, 33)]):
+    for seed, (m, k, n) in enumerate([(40, 4096, 600), (17, 64, 17), (5, 300, 33), (300, 500, 80)]):
         x, w, b = _case(seed, m, k, n, torch.float32)
         q, scale = quantize_int8(w)
         deq = dequant_i8(pack(q), n, scale)
         for bias in (b, None):
-            y = linear_i8_tiled(x, pack(q), n, scale, bias)
+            y = linear_i8_tiled(x, pack(q), n, scale, bias, isa)
             assert y.shape == (m, n) and y.dtype == torch.float32 and y.is_contiguous()
             exact = x.double() @ deq.double().t() + (bias.double() if bias is not None else 0)
             bound = _bound(x, deq) + exact.abs() * 2 * _U
             assert bool(((y.double() - exact).abs() <= bound + 1e-30).all()), f"{m}x{k}x{n}"
-        if INT8_KERNEL_ROWS < m <= INT8_TILED_ROWS:
-            assert torch.equal(int8_linear(x, b, packed=pack(q), scale=scale), linear_i8_tiled(x, pack(q), n, scale, b))
+        if INT8_KERNEL_ROWS < m <= INT8_TILED_ROWS and isa == kernel_isa():
+            assert torch.equal(int8_linear(x, b, packed=pack(q), scale=scale),
+                               linear_i8_tiled(x, pack(q), n, scale, b, isa))
 
 
 @pytest.mark.parametrize("isa", ["avx512bf16", "avx512", "avx2", "portable"])
