@@ -65,11 +65,12 @@ _SOURCES = [os.path.join(_CSRC, f) for f in
              "linear_cpu.cpp", "linear_portable.cpp", "linear_avx2.cpp", "linear_avx512.cpp",
              # a MoE layer's experts in one op over the small-M linear tables (conveyor/kernels/cpu_moe.py)
              "moe_cpu.cpp", "moe_amx.cpp",
-             # DecodeStack's loop in one call (conveyor/workers/models/decode_stack.py)
+             # a DecodeStack step in one call (conveyor/workers/models/decode_stack.py)
              "decode_layers.cpp")]
 # Headers the sources include: hashed into the build directory's name.
 _HEADERS = ("cpu_kernels.h", "generic_kernels.inc", "simd_kernels.inc", "simd_prefill.inc", "lora_kernels.h",
-            "lora_simd.inc", "linear_kernels.h", "linear_simd.inc", "linear_plain.inc", "linear_tables.h", "bf16_avx512.inc", "cpu_ops.h")
+            "lora_simd.inc", "linear_kernels.h", "linear_simd.inc", "linear_plain.inc", "linear_tables.h", "bf16_avx512.inc", "cpu_ops.h",
+            "i8_gemm_avx512.inc")
 ISAS = ("auto", "avx512", "avx2", "portable")
 _EXT_NAME = "conveyor_paged_attention_cpu"
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]

@@ -1,10 +1,10 @@
-"""Decode-sized linears bound once per layer (DecodeStack,
-conveyor/workers/models/decode_stack.py): the call ``linear`` would make for
-any input of up to so many rows, decided when the stack is built instead of at
-every call."""
+"""Which decode-sized linears DecodeStack (conveyor/workers/models/decode_stack.py)
+runs in its native call, decided once per layer: ``csrc/decode_layers.cpp``
+routes each projection's rows as ``linear`` would (``decode_rows`` says how
+many rows it takes), so the stack only has to know that a layer is one of
+the kinds it routes and hand over the layer's packed copy per step."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,12 +17,12 @@ from conveyor.parallel.layers import (
     QKVParallelLinear,
     RowParallelLinear,
     decode_rows_of,
-    packed_small_linear,
+    small_packed,
 )
 
 
 def decode_rows(dtype: torch.dtype, decode_rows_marked: int | None) -> int:
-    """The most rows ``decode_linear`` binds for ``dtype``: those of the plain
+    """The most rows the native call takes for ``dtype``: those of the plain
     kernel, then the packed kernel's (``linear``'s first two paths); 0 without
     the kernels."""
     isa = cpu_linear.kernel_isa()
@@ -31,37 +31,24 @@ def decode_rows(dtype: torch.dtype, decode_rows_marked: int | None) -> int:
     return max(cpu_linear.plain_rows(isa, dtype), cpu_linear.small_rows(isa, dtype, decode_rows_marked))
 
 
-def decode_linear(module: Any, dtype: torch.dtype, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """``module.forward`` for inputs of at most ``rows`` rows of ``dtype`` on
-    one TP rank, with ``linear``'s routing decided now instead of per call: a
-    quantized layer's own forward, else the plain kernel on the weight and,
-    past its rows, the packed kernel on the layer's packed copy (the weight
-    and the copy are looked up at each call, so a reload is seen). None where
-    such a call would take another path (more rows than ``decode_rows``, no
-    kernel table, another dtype, a module that is not one of these classes,
-    e.g. a LoRA wrapper, several TP ranks)."""
+def routable(module: Any, dtype: torch.dtype, rows: int) -> bool:
+    """Whether decode_layers.cpp runs ``module``'s inputs of up to ``rows``
+    rows of ``dtype`` on one TP rank as ``linear`` would: a quantized layer
+    (fp32: its int8 kernel, past that the prefill-sized op), else the plain
+    kernel on the weight and, past its rows, the packed kernel on the layer's
+    packed copy. False where such a call would take another path (more rows
+    than ``decode_rows``, no kernel table, another dtype, a module that is not
+    one of these classes, e.g. a LoRA wrapper, several TP ranks)."""
     if type(module) not in (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
                             RowParallelLinear) or state.tp_size() != 1:
-        return None
-    quantized = module.__dict__.get("_quantized_forward")
+        return False
+    if "_quantized_forward" in module.__dict__:  # its own forward routes every row count
+        return dtype == torch.float32
     isa = cpu_linear.kernel_isa()
-    if quantized is not None:  # its own forward routes every row count
-        if dtype != torch.float32:
-            return None
-        call: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = quantized
-    elif isa is not None and module.weight.dtype == dtype and rows <= decode_rows(dtype, decode_rows_of(module)):
-        plain = cpu_linear.plain_rows(isa, dtype)
+    return isa is not None and module.weight.dtype == dtype and rows <= decode_rows(dtype, decode_rows_of(module))
 
-        def call(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            w = module.weight
-            if x.shape[0] <= plain:
-                return cpu_linear.plain_linear(x, w, b, isa)
-            return packed_small_linear(module, x, w, b, isa)
-    else:
-        return None
-    if isinstance(module, RowParallelLinear):  # its bias is added after the (here absent) all-reduce
-        def row(x: torch.Tensor) -> torch.Tensor:
-            y = call(x, None)
-            return y if module.bias is None else y + module.bias
-        return row
-    return lambda x: call(x, module.bias)
+
+def packed_copies(modules: list[Any]) -> list[torch.Tensor]:
+    """The packed copies the modules' rows past the plain kernel's read (each
+    made at the first such step, remade after a reload, as ``linear`` does)."""
+    return [small_packed(m) for m in modules]

@@ -126,10 +126,17 @@ def _packed_copy(module: nn.Module, slot: str, w: torch.Tensor,
     return cached[1]
 
 
+def small_packed(module: nn.Module) -> torch.Tensor:
+    """The packed kernel's copy of the layer's weight (made at its first use,
+    remade when the weight is reloaded)."""
+    w = module.weight
+    assert isinstance(w, torch.Tensor)  # a linear layer's Parameter
+    return _packed_copy(module, "_small_packed", w, cpu_linear.pack)
+
+
 def packed_small_linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                          isa: str) -> torch.Tensor:
-    """The packed kernel over the layer's packed copy of w (made at its first
-    such call, remade when w is reloaded)."""
+    """The packed kernel over the layer's packed copy of w."""
     return cpu_linear.small_linear(x, _packed_copy(module, "_small_packed", w, cpu_linear.pack), w.shape[0], b, isa)
 
 

@@ -24,9 +24,15 @@ namespace conveyor_linear {
 // The plain small-M kernel (conveyor_linear::linear_plain) without the dispatcher.
 at::Tensor plain(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                  const std::string& isa);
+// The packed small-M kernel (conveyor_linear::linear) on pack(w), n = w's rows.
+at::Tensor packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                  const std::string& isa);
 // The int8 small-M kernel (conveyor_linear::linear_i8) on pack(q), n = scale's length.
 at::Tensor int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                 const c10::optional<at::Tensor>& bias, const std::string& isa);
+// Past the int8 kernel's rows (conveyor_linear::linear_i8_tiled), n = scale's length.
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, const std::string& isa);
 }  // namespace conveyor_linear
 
 torch::Tensor decode_layers(const torch::Tensor& input_ids, const torch::Tensor& embed,

@@ -313,9 +313,19 @@ at::Tensor plain(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   return plain_linear(x, w, bias, isa);
 }
 
+at::Tensor packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
+                  const std::string& isa) {
+  return small_linear(x, packed, n, bias, isa);
+}
+
 at::Tensor int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                 const c10::optional<at::Tensor>& bias, const std::string& isa) {
   return small_linear_i8(x, packed, scale.numel(), scale, bias, isa);
+}
+
+at::Tensor int8_rows(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, const std::string& isa) {
+  return linear_i8_tiled(x, packed, scale.numel(), scale, bias, isa);
 }
 
 const LinearTable* table_named(const std::string& isa) {

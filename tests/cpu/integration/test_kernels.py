@@ -723,3 +723,6 @@ def test_kernel_build_directory_is_keyed_by_content(tmp_path, monkeypatch) -> No
     (copy / "kernels_portable.cpp").write_text((copy / "kernels_portable.cpp").read_text() + "\n// edit\n")
     monkeypatch.setattr(cpu_attention, "_SOURCES", [str(copy / os.path.basename(p)) for p in cpu_attention._SOURCES])
     assert cpu_attention._build_directory(flags) != here
+    # Every file of csrc is a source or a hashed header: an edit to any of them moves the directory.
+    hashed = {os.path.basename(p) for p in cpu_attention._SOURCES} | set(cpu_attention._HEADERS)
+    assert hashed == set(os.listdir(cpu_attention._CSRC))
