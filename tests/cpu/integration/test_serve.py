@@ -1129,7 +1129,8 @@ def _drain_over_http(url: str, post) -> None:
     """POST /admin/drain with streams in flight on both engines: every stream
     ends [DONE] with its undisturbed text and finish reason (greedy and
     seeded), and the drain is counted; undrain takes the engine back."""
-    bodies = [{"prompt": p, "max_tokens": 40, "ignore_eos": True, "temperature": t, "seed": 5}
+    # 400 tokens: with every decode step one native call, 40-token streams finished before the drain.
+    bodies = [{"prompt": p, "max_tokens": 400, "ignore_eos": True, "temperature": t, "seed": 5}
               for p in PROMPTS for t in (0.0, 0.9)]
     want = [post(b)["choices"][0]["text"] for b in bodies]
 
