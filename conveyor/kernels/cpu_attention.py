@@ -234,8 +234,12 @@ def split_part_len(seq_lens: np.ndarray, threads: int) -> int:
 
 
 def step_plan(meta: AttentionMetadata) -> _StepPlan:
-    """The step's kernel plan (every layer of the step shares it)."""
-    return _StepPlan(meta.block_table, meta.query_start_loc_cpu, meta.seq_lens_cpu)
+    """The step's kernel plan, built at its first layer and kept on the
+    metadata: every layer of the step shares it."""
+    plan = meta.__dict__.get("_cpu_plan")
+    if plan is None:
+        plan = meta.__dict__["_cpu_plan"] = _StepPlan(meta.block_table, meta.query_start_loc_cpu, meta.seq_lens_cpu)
+    return plan
 
 
 class _StepPlan:
@@ -357,8 +361,5 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        plan = meta.__dict__.get("_cpu_plan")
-        if plan is None:  # first layer of the step
-            plan = meta.__dict__["_cpu_plan"] = step_plan(meta)
         return paged_attention_cpu(query, kv_cache, meta.block_table, meta.query_start_loc_cpu,
-                                   meta.seq_lens_cpu, scale, plan)
+                                   meta.seq_lens_cpu, scale, step_plan(meta))

@@ -204,13 +204,13 @@ def dequant_i8(packed: torch.Tensor, n: int, scale: torch.Tensor) -> torch.Tenso
 
 
 def linear_i8_tiled(x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,
-                    b: torch.Tensor | None, isa: str | None = None) -> torch.Tensor:
+                    b: torch.Tensor | None, isa: str) -> torch.Tensor:
     """``x @ dequant_i8(packed, n, scale)^T (+ b)`` for prefill-sized x [M, K]
     fp32, never the whole fp32 weight at once: the same weight values, on the
     isa's int8 GEMM (AVX-512: each panel widened in cache) or else dequantized
     a cache-sized tile of columns at a time for torch's fp32 GEMM. ``isa``:
-    the kernel table's name (default: this process's)."""
-    return torch.ops.conveyor_linear.linear_i8_tiled(x, packed, n, scale, b, isa or kernel_isa() or "portable")
+    the kernel table's name."""
+    return torch.ops.conveyor_linear.linear_i8_tiled(x, packed, n, scale, b, isa)
 
 
 def small_linear_i8(x: torch.Tensor, packed: torch.Tensor, n: int, scale: torch.Tensor,

@@ -2,7 +2,8 @@
 runs in its native call, decided once per layer: ``csrc/decode_layers.cpp``
 routes each projection's rows as ``linear`` would (``decode_rows`` says how
 many rows it takes), so the stack only has to know that a layer is one of
-the kinds it routes and hand over the layer's packed copy per step."""
+the kinds it routes and hand over the layer's packed copies per step
+(``layers.small_packed``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -17,7 +18,6 @@ from conveyor.parallel.layers import (
     QKVParallelLinear,
     RowParallelLinear,
     decode_rows_of,
-    small_packed,
 )
 
 
@@ -47,8 +47,3 @@ def routable(module: Any, dtype: torch.dtype, rows: int) -> bool:
     isa = cpu_linear.kernel_isa()
     return isa is not None and module.weight.dtype == dtype and rows <= decode_rows(dtype, decode_rows_of(module))
 
-
-def packed_copies(modules: list[Any]) -> list[torch.Tensor]:
-    """The packed copies the modules' rows past the plain kernel's read (each
-    made at the first such step, remade after a reload, as ``linear`` does)."""
-    return [small_packed(m) for m in modules]

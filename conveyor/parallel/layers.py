@@ -126,18 +126,10 @@ def _packed_copy(module: nn.Module, slot: str, w: torch.Tensor,
     return cached[1]
 
 
-def small_packed(module: nn.Module) -> torch.Tensor:
-    """The packed kernel's copy of the layer's weight (made at its first use,
-    remade when the weight is reloaded)."""
-    w = module.weight
-    assert isinstance(w, torch.Tensor)  # a linear layer's Parameter
+def small_packed(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """The packed kernel's copy of the layer's weight w (made at its first
+    use, remade when w is reloaded)."""
     return _packed_copy(module, "_small_packed", w, cpu_linear.pack)
-
-
-def packed_small_linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                         isa: str) -> torch.Tensor:
-    """The packed kernel over the layer's packed copy of w."""
-    return cpu_linear.small_linear(x, _packed_copy(module, "_small_packed", w, cpu_linear.pack), w.shape[0], b, isa)
 
 
 def _kernel_isa(x: torch.Tensor, w: torch.Tensor) -> str | None:
@@ -201,7 +193,7 @@ def linear(module: nn.Module, x: torch.Tensor, w: torch.Tensor,
         return cpu_linear.plain_linear(x, w, b, isa)
     small = _small_isa(module, x, w)
     if small is not None:
-        return packed_small_linear(module, x, w, b, small)
+        return cpu_linear.small_linear(x, small_packed(module, w), w.shape[0], b, small)
     if _widened_bf16(x, w):
         # bf16 storage, fp32 math: oneDNN has no bf16 kernels on this CPU, and
         # F.linear's bf16 path ran 4-5x slower than fp32 at 8-16 rows (AVX2).

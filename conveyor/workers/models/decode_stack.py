@@ -23,8 +23,8 @@ import torch
 
 from conveyor.kernels import cpu_attention, cpu_linear
 from conveyor.parallel import state
-from conveyor.parallel.decode_linear import decode_rows, packed_copies, routable
-from conveyor.parallel.layers import VocabParallelEmbedding, decode_rows_of
+from conveyor.parallel.decode_linear import decode_rows, routable
+from conveyor.parallel.layers import VocabParallelEmbedding, decode_rows_of, small_packed
 from conveyor.workers.layers.activation import SiluAndMul
 from conveyor.workers.layers.attention import Attention
 from conveyor.workers.layers.layernorm import RMSNorm
@@ -122,6 +122,8 @@ class DecodeStack:
                 or type(norm) is not RMSNorm or embed.weight.dtype != dtype or norm.weight.dtype != dtype:
             return None
         rows = decode_rows(dtype, decode_rows_of(layers[0].self_attn.qkv_proj))
+        if rows == 0:
+            return None
         for layer in layers:
             a, mlp = layer.self_attn, layer._mlp
             cache: Any = a.attn.kv_cache  # set: the caller builds once every layer has one
@@ -133,7 +135,7 @@ class DecodeStack:
                     and all(routable(m, dtype, rows) for m in _projections(layer))):
                 return None
         native = _Native.of(layers, embed, norm, isa, dtype)
-        if rows == 0 or native is None:
+        if native is None:
             return None
         return DecodeStack([_Layer(x.self_attn.attn, _projections(x)) for x in layers], native, rows, ext)
 
@@ -151,14 +153,13 @@ class DecodeStack:
         """Embedding, the layers and the final norm over the rows' tokens: the
         model's final hidden states, as its modules return them."""
         meta, nat = ctx.attn_metadata, self.native
-        plan = meta.__dict__.get("_cpu_plan")
-        if plan is None:  # shared with the module path's layers, as CpuAttentionBackend.forward does
-            plan = meta.__dict__["_cpu_plan"] = cpu_attention.step_plan(meta)
+        plan = cpu_attention.step_plan(meta)
         rows = input_ids.shape[0]
         if rows <= nat.unpacked:
             layers: list[list[Any]] = [[*t, c.attn.kv_cache, *nat.none] for t, c in zip(nat.tensors, self.layers)]
         else:
-            layers = [[*t, c.attn.kv_cache, *packed_copies(c.projections)] for t, c in zip(nat.tensors, self.layers)]
+            layers = [[*t, c.attn.kv_cache, *(small_packed(m, m.weight) for m in c.projections)]
+                      for t, c in zip(nat.tensors, self.layers)]
         out: torch.Tensor = self._ext.decode_layers(
             input_ids, nat.embed, [positions, meta.slot_mapping, plan.table, *plan.short], layers, nat.norm,
             [*nat.dims, plan.part_len, INT8_KERNEL_ROWS], [*nat.consts, nat.norm_eps], nat.isa)
